@@ -1,0 +1,38 @@
+# The two README commands: `make demo` (main job, embedded defaults) and `make test`.
+# Both create/refresh the virtualenv first; nothing else needs to be installed by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.streamrec-installed
+
+.PHONY: setup demo test test-fast bench clean distclean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: an open range would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(VENV)/bin/streamrec setup flink-jars
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/streamrec demo
+
+test: setup
+	$(PY) -m pytest -v --durations=15
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+bench: setup
+	$(VENV)/bin/streamrec bench generator
+
+clean:
+	-$(VENV)/bin/streamrec kafka down 2>/dev/null
+	rm -rf var/ bench/out/ .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

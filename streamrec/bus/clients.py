@@ -1,0 +1,57 @@
+"""Kafka clients with the settings streamrec relies on and errors a person can act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaError
+
+
+class BusUnavailable(RuntimeError):
+    """No Kafka broker answered at the configured bootstrap address."""
+
+
+def _unreachable(bootstrap: str, timeout_s: float, exc: BaseException) -> BusUnavailable:
+    return BusUnavailable(
+        f"cannot reach Kafka at {bootstrap} within {timeout_s:g}s ({type(exc).__name__}: {exc}). "
+        "Start the embedded broker with `streamrec kafka up`, or point --bootstrap at a running cluster."
+    )
+
+
+def _connect(factory, settings: dict[str, Any], bootstrap: str, timeout_s: float) -> Any:
+    """Build a client, waiting up to ``timeout_s`` for the first broker to answer."""
+    settings = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": int(timeout_s * 1000), **settings}
+    try:
+        return factory(**settings)
+    except (KafkaError, OSError) as exc:
+        raise _unreachable(bootstrap, timeout_s, exc) from None
+
+
+def make_producer(bootstrap: str, timeout_s: float = 20.0, **overrides: Any) -> KafkaProducer:
+    """A producer that waits for the broker's ack and retries: nothing is lost silently."""
+    settings: dict[str, Any] = dict(
+        acks="all",
+        retries=10,
+        linger_ms=10,
+        batch_size=512 * 1024,
+        max_request_size=8 * 1024 * 1024,
+        request_timeout_ms=int(max(timeout_s, 5) * 1000),
+    )
+    settings.update(overrides)
+    return _connect(KafkaProducer, settings, bootstrap, timeout_s)
+
+
+def make_consumer(bootstrap: str, *topics: str, group_id: str | None, timeout_s: float = 20.0, **overrides: Any) -> KafkaConsumer:
+    """A consumer with manual commits (callers commit after their work is durable)."""
+    settings: dict[str, Any] = dict(
+        group_id=group_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    settings.update(overrides)
+    return _connect(lambda **kw: KafkaConsumer(*topics, **kw), settings, bootstrap, timeout_s)
+
+
+def make_admin(bootstrap: str, timeout_s: float = 20.0) -> KafkaAdminClient:
+    return _connect(KafkaAdminClient, {"request_timeout_ms": int(max(timeout_s, 5) * 1000)}, bootstrap, timeout_s)

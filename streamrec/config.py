@@ -1,0 +1,225 @@
+"""One configuration for every command: packaged defaults < TOML file < environment < flags.
+
+Defaults live only in ``defaults.toml`` (shipped in this package) so there is one
+place to read them; the dataclasses below give them types and reject unknown keys,
+so a typo in a config file is an error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipelines.generator.world import WorldConfig
+
+ENV_PREFIX = "STREAMREC_"
+CONFIG_ENV = "STREAMREC_CONFIG"
+LOCAL_CONFIG = Path("streamrec.toml")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap: str
+    embedded_host: str
+    embedded_port: int
+    data_dir: str
+    partitions: int
+    replication_factor: int
+    connect_timeout_s: float
+
+    @property
+    def embedded(self) -> bool:
+        """True when no external cluster is configured and the embedded broker is used."""
+        return not self.bootstrap.strip()
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """The address every client connects to, embedded or external."""
+        if self.embedded:
+            return f"{self.embedded_host}:{self.embedded_port}"
+        return self.bootstrap.strip()
+
+
+@dataclass(frozen=True)
+class TopicsConfig:
+    events: str
+    dlq: str
+    samples: str
+    model_updates: str
+    truth: str
+
+    def all(self) -> list[str]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+@dataclass(frozen=True)
+class FlinkConfig:
+    jars_dir: str
+
+    def resolved_jars_dir(self) -> Path:
+        if self.jars_dir:
+            return Path(self.jars_dir).expanduser()
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return cache / "streamrec" / "flink-jars"
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    seed: int
+    rate: float
+    duration_s: float
+    bad_fraction: float
+    max_disorder_ms: int
+    world: WorldConfig
+
+
+@dataclass(frozen=True)
+class Config:
+    kafka: KafkaConfig
+    topics: TopicsConfig
+    flink: FlinkConfig
+    generator: GeneratorConfig
+    source: str = "defaults"  # which files contributed, for `--help`/status output
+
+
+def _deep_merge(base: dict, extra: Mapping, where: str) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if key not in out:
+            raise ConfigError(f"unknown config key '{where}{key}' (known: {', '.join(sorted(base))})")
+        if isinstance(out[key], dict):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config key '{where}{key}' must be a table, got {value!r}")
+            out[key] = _deep_merge(out[key], value, f"{where}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def _coerce(value: Any, target: Any, name: str) -> Any:
+    """Convert TOML/env/flag values to the field's type; strings come from env and flags."""
+    if target is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+        elif isinstance(value, bool):
+            return value
+    elif target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif target is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(f"config key '{name}' must be {target.__name__}, got {value!r}")
+
+
+def _build(cls: type, data: Mapping, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name == "source":
+            continue
+        name = f"{where}{field.name}"
+        if field.name not in data:
+            raise ConfigError(f"missing config key '{name}'")
+        target = hints[field.name]
+        if dataclasses.is_dataclass(target):
+            kwargs[field.name] = _build(target, data[field.name], name + ".")
+        else:
+            kwargs[field.name] = _coerce(data[field.name], target, name)
+    return cls(**kwargs)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict:
+    """STREAMREC_KAFKA__BOOTSTRAP=x -> {"kafka": {"bootstrap": "x"}}."""
+    tree: dict = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV or "__" not in key:
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _dotted_overrides(overrides: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
+
+
+def default_config_text() -> str:
+    return files("streamrec").joinpath("defaults.toml").read_text()
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Load the effective configuration.
+
+    ``path``: an explicit TOML file (must exist); otherwise ``$STREAMREC_CONFIG``, otherwise
+    ``./streamrec.toml`` if present. ``overrides``: dotted keys from command-line flags;
+    ``None`` values are ignored so unset flags never mask the file.
+    """
+    environ = os.environ if environ is None else environ
+    data = tomllib.loads(default_config_text())
+    sources = ["defaults"]
+    chosen = path or environ.get(CONFIG_ENV) or (LOCAL_CONFIG if LOCAL_CONFIG.exists() else None)
+    if chosen:
+        chosen = Path(chosen)
+        if not chosen.is_file():
+            raise ConfigError(f"config file {chosen} does not exist")
+        try:
+            file_data = tomllib.loads(chosen.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {chosen} is not valid TOML: {exc}") from exc
+        data = _deep_merge(data, file_data, "")
+        sources.append(str(chosen))
+    env_tree = _env_overrides(environ)
+    if env_tree:
+        data = _deep_merge(data, env_tree, "")
+        sources.append("environment")
+    flag_tree = _dotted_overrides(overrides or {})
+    if flag_tree:
+        data = _deep_merge(data, flag_tree, "")
+        sources.append("flags")
+    config = _build(Config, data, "")
+    return dataclasses.replace(config, source=" < ".join(sources))
