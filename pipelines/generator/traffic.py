@@ -9,6 +9,7 @@ never travel in the event stream.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import math
@@ -107,12 +108,15 @@ class Traffic:
         self.now_ms = start_ms
         self._impressions = 0
         self._clicks = 0
-        self._pending: list[tuple[int, int, bytes, bytes]] = []  # (ts, seq, key, value) heap
+        self._pending: list[tuple[int, int, bytes, bytes]] = []  # clicks not yet due: (ts, seq, key, value) heap
+        self._arriving_later: list[tuple[int, bytes, bytes]] = []  # emitted, arriving after this tick
         self._injector = BadEventInjector(config.bad_fraction, np.random.default_rng(self.rng.integers(1 << 62)), self.run)
         mean_slots = (1 + config.world.max_slots) / 2
         self.requests_per_s = config.rate / (mean_slots * (1 + config.world.target_ctr))
 
-    def next_tick(self) -> TickBatch:
+    def next_tick(self, final: bool = False) -> TickBatch:
+        """Advance one tick. Events arriving after the tick's end (disorder) are held for the
+        next batch so the emitted sequence is ordered by arrival; ``final`` flushes them."""
         cfg, world = self.config, self.world
         tick_ms = int(round(cfg.tick_s * 1000))
         start, end = self.now_ms, self.now_ms + tick_ms
@@ -172,7 +176,13 @@ class Traffic:
 
         bad = self._injector.inject(impressions)
         events.extend((b.emit_ms, b.key, b.raw) for b in bad)
+        events.extend(self._arriving_later)
         events.sort(key=lambda e: e[0])
+        if final:
+            self._arriving_later = []
+        else:
+            cut = bisect.bisect_left(events, end, key=lambda e: e[0])
+            events, self._arriving_later = events[:cut], events[cut:]
         truth = Truth(
             event_id=event_ids,
             request_id=request_ids,
@@ -190,5 +200,5 @@ class Traffic:
 
     def ticks(self, duration_s: float) -> Iterator[TickBatch]:
         n = math.ceil(duration_s / self.config.tick_s - 1e-9)
-        for _ in range(n):
-            yield self.next_tick()
+        for i in range(n):
+            yield self.next_tick(final=i == n - 1)

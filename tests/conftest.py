@@ -1,0 +1,48 @@
+"""Shared fixtures: a real embedded broker for the session, free ports, the CLI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pipelines.generator.world import WorldConfig
+from streamrec.bus.broker import EmbeddedBroker
+from streamrec.config import default_config_text
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real `streamrec` entry point in a subprocess (as a user would)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "streamrec.cli", *args],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO,
+    )
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory) -> str:
+    """One embedded noida-db broker for the whole session; yields its bootstrap address."""
+    embedded = EmbeddedBroker(tmp_path_factory.mktemp("kafka"), port=free_port())
+    state, started = embedded.up(timeout_s=30)
+    assert started
+    yield state.bootstrap
+    embedded.down()
+
+
+@pytest.fixture(scope="session")
+def world_config() -> WorldConfig:
+    return WorldConfig(**tomllib.loads(default_config_text())["generator"]["world"])

@@ -1,0 +1,107 @@
+"""The embedded broker's lifecycle through the real CLI: up, status, down, errors, persistence."""
+
+import json
+import os
+import socket
+
+import pytest
+from kafka import TopicPartition
+
+from streamrec.bus.broker import EmbeddedBroker, _alive
+from streamrec.bus.clients import make_consumer, make_producer
+from tests.conftest import free_port, run_cli
+
+
+def _flags(port: int, data_dir) -> list[str]:
+    return ["--port", str(port), "--data-dir", str(data_dir)]
+
+
+def test_up_status_down_cycle(tmp_path):
+    port, data = free_port(), tmp_path / "kafka"
+    up = run_cli("kafka", "up", "--partitions", "3", *_flags(port, data))
+    assert up.returncode == 0, up.stderr
+    assert f"embedded broker started: 127.0.0.1:{port}" in up.stdout
+    assert "topic streamrec.events: created" in up.stdout
+    try:
+        pid = json.loads((data / "broker.pid").read_text())["pid"]
+        assert _alive(pid)
+        again = run_cli("kafka", "up", *_flags(port, data))
+        assert again.returncode == 0 and "already running" in again.stdout and "exists" in again.stdout
+
+        status = run_cli("kafka", "status", "--json", *_flags(port, data))
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        assert report["running"] and report["pid"] == pid
+        topics = {t["name"]: t["partitions"] for t in report["topics"]}
+        assert topics == {
+            "streamrec.events": 3, "streamrec.events.dlq": 3, "streamrec.samples": 3,
+            "streamrec.model-updates": 3, "streamrec.truth": 3,
+        }
+    finally:
+        down = run_cli("kafka", "down", *_flags(port, data))
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert not _alive(pid)
+    assert not (data / "broker.pid").exists()
+    with socket.socket() as sock:  # the port is free again
+        sock.bind(("127.0.0.1", port))
+    assert "not running" in run_cli("kafka", "down", *_flags(port, data)).stdout
+    status = run_cli("kafka", "status", *_flags(port, data))
+    assert status.returncode == 1 and "not running" in status.stdout
+
+
+def test_port_taken_gives_clear_error(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = run_cli("kafka", "up", *_flags(port, tmp_path))
+    assert result.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "broker.pid").exists()
+
+
+def test_missing_binary_gives_clear_error(tmp_path):
+    result = run_cli("kafka", "up", *_flags(free_port(), tmp_path), env={"STREAMREC_NOIDA_BIN": str(tmp_path / "nope")})
+    assert result.returncode == 2
+    assert "noida-db broker binary not found" in result.stderr and "pip install noida-db==0.2.3" in result.stderr
+
+
+def test_unreachable_external_broker_gives_clear_error():
+    result = run_cli("--bootstrap", f"127.0.0.1:{free_port()}", "kafka", "status",
+                     env={"STREAMREC_KAFKA__CONNECT_TIMEOUT_S": "2"}, timeout=60)
+    assert result.returncode == 2
+    assert "cannot reach Kafka at 127.0.0.1:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_down_refuses_external_cluster():
+    result = run_cli("--bootstrap", "kafka.example:9092", "kafka", "down")
+    assert result.returncode == 2 and "not managed by streamrec" in result.stderr
+
+
+def test_data_survives_a_restart(tmp_path):
+    broker = EmbeddedBroker(tmp_path, port=free_port())
+    state, _ = broker.up()
+    try:
+        producer = make_producer(state.bootstrap)
+        for i in range(50):
+            producer.send("persist", key=b"k", value=f"m{i}".encode())
+        producer.flush()
+        producer.close()
+        assert broker.down()
+        state, started = broker.up()
+        assert started
+        consumer = make_consumer(state.bootstrap, "persist", group_id="g", consumer_timeout_ms=3000)
+        values = [r.value.decode() for r in consumer]
+        consumer.close()
+        assert values == [f"m{i}" for i in range(50)]
+    finally:
+        broker.down()
+
+
+def test_stale_pid_file_is_ignored(tmp_path):
+    broker = EmbeddedBroker(tmp_path, port=free_port())
+    (tmp_path / "broker.pid").write_text(json.dumps(
+        {"pid": 2 ** 22 + 12345, "host": "127.0.0.1", "port": 1, "data_dir": str(tmp_path), "started_at": 0}))
+    assert broker.status() is None
+    assert not (tmp_path / "broker.pid").exists()

@@ -1,0 +1,63 @@
+"""Configuration precedence and validation: defaults < file < environment < flags."""
+
+import pytest
+
+from streamrec.config import ConfigError, load_config
+
+
+def test_defaults_load_with_documented_topic_names():
+    cfg = load_config(environ={})
+    assert cfg.kafka.embedded
+    assert cfg.kafka.bootstrap_servers == "127.0.0.1:9092"
+    assert cfg.topics.all() == [
+        "streamrec.events", "streamrec.events.dlq", "streamrec.samples", "streamrec.model-updates", "streamrec.truth"
+    ]
+    assert cfg.generator.world.target_ctr == 0.03
+
+
+def test_precedence_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[kafka]\npartitions = 7\nbootstrap = "file:1"\n[generator.world]\nn_users = 123\n')
+    cfg = load_config(path, environ={})
+    assert (cfg.kafka.partitions, cfg.kafka.bootstrap, cfg.generator.world.n_users) == (7, "file:1", 123)
+    env = {"STREAMREC_KAFKA__BOOTSTRAP": "env:2", "STREAMREC_GENERATOR__WORLD__N_USERS": "456"}
+    cfg = load_config(path, environ=env)
+    assert (cfg.kafka.partitions, cfg.kafka.bootstrap, cfg.generator.world.n_users) == (7, "env:2", 456)
+    cfg = load_config(path, {"kafka.bootstrap": "flag:3", "kafka.partitions": None}, environ=env)
+    assert (cfg.kafka.partitions, cfg.kafka.bootstrap) == (7, "flag:3")
+    assert not cfg.kafka.embedded and cfg.kafka.bootstrap_servers == "flag:3"
+    assert cfg.source == f"defaults < {path} < environment < flags"
+
+
+def test_config_file_from_environment_variable(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[kafka]\npartitions = 2\n")
+    assert load_config(environ={"STREAMREC_CONFIG": str(path)}).kafka.partitions == 2
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[kafka]\nbootstarp = 'x'\n", "unknown config key 'kafka.bootstarp'"),
+        ("[kafka]\npartitions = 'four'\n", "'kafka.partitions' must be int"),
+        ("[kafka]\npartitions = true\n", "'kafka.partitions' must be int"),
+        ("[nope]\n", "unknown config key 'nope'"),
+        ("kafka = 3\n", "'kafka' must be a table"),
+        ("[kafka\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_files_get_clear_errors(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(path, environ={})
+
+
+def test_bad_environment_value_is_an_error():
+    with pytest.raises(ConfigError, match="kafka.embedded_port' must be int"):
+        load_config(environ={"STREAMREC_KAFKA__EMBEDDED_PORT": "ninety"})
+
+
+def test_missing_config_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml", environ={})
