@@ -1,0 +1,107 @@
+"""The generator's outputs for real: `streamrec generate` into the broker and into files."""
+
+import json
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines import events as ev
+from pipelines.generator.sinks import FileSink, decode_truth_message
+from pipelines.generator.traffic import Traffic, TrafficConfig
+from pipelines.generator.runner import generate
+from streamrec.bus.clients import make_consumer
+from tests.conftest import run_cli
+
+
+@pytest.mark.slow
+def test_generate_to_kafka_is_paced_and_complete(broker, tmp_path):
+    events_topic, truth_topic = "gen.events", "gen.truth"
+    env = {"STREAMREC_TOPICS__EVENTS": events_topic, "STREAMREC_TOPICS__TRUTH": truth_topic}
+    result = run_cli("--bootstrap", broker, "generate", "--duration", "4", "--rate", "1500",
+                     "--bad-fraction", "0.02", "--seed", "3", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["wall_s"] >= 3.5  # paced to wall-clock time, not as fast as possible
+    assert 4 * 1500 * 0.8 < summary["events"] < 4 * 1500 * 1.2
+
+    consumer = make_consumer(broker, events_topic, group_id="gen-check", consumer_timeout_ms=4000)
+    records = list(consumer)
+    consumer.close()
+    assert len(records) == summary["events"]
+    valid = []
+    for r in records:
+        try:
+            valid.append(ev.validate_event(r.value))
+        except ev.InvalidEvent:
+            pass
+    impressions = [e for e in valid if e["type"] == "impression"]
+    assert len(impressions) == summary["impressions"]
+    ts = sorted(e["ts"] for e in impressions)
+    assert 3000 <= ts[-1] - ts[0] <= 4000  # event time spans the run
+    assert sum(summary["bad_events"].values()) >= len(records) - len(valid)
+
+    consumer = make_consumer(broker, truth_topic, group_id="gen-check", consumer_timeout_ms=4000)
+    rows = [row for r in consumer for row in decode_truth_message(r.value)]
+    consumer.close()
+    truth = [r for r in rows if r["kind"] == "impression"]
+    assert sorted(r["event_id"] for r in truth) == sorted(e["event_id"] for e in impressions)
+    assert sum(r["kind"] == "bad" for r in rows) == sum(summary["bad_events"].values())
+    (end,) = [r for r in rows if r["kind"] == "end"]
+    assert end["counts"]["impressions"] == summary["impressions"] and end["end_ms"] == summary["end_ms"]
+    # Emitted clicks are exactly the truth's clicks that happened before the stream ended.
+    clicks = {(e["request_id"], e["item_id"]) for e in valid if e["type"] == "click" and "orphan" not in e["request_id"]}
+    expected = {(r["request_id"], r["item_id"]) for r in truth if r["clicked"] and r["click_ts"] < end["end_ms"]}
+    assert clicks == expected
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_generate_to_files(tmp_path, fmt):
+    out = tmp_path / "run"
+    result = run_cli("generate", "--out", str(out), "--format", fmt, "--duration", "10", "--rate", "5000",
+                     "--bad-fraction", "0.01", "--start-ms", "1700000000000", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["events"] == summary["events"] and manifest["seed"] == 7
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json", "bad_events.jsonl", f"events.{fmt}", f"truth.{fmt}"])
+    if fmt == "parquet":
+        events = pq.read_table(out / "events.parquet").column("value").to_pylist()
+        truth = pq.read_table(out / "truth.parquet").to_pylist()
+    else:
+        events = (out / "events.jsonl").read_bytes().splitlines()
+        truth = [orjson.loads(line) for line in (out / "truth.jsonl").read_bytes().splitlines()]
+    assert len(events) == summary["events"] and len(truth) == summary["impressions"]
+    bad = [orjson.loads(line) for line in (out / "bad_events.jsonl").read_bytes().splitlines()]
+    assert len(bad) == sum(summary["bad_events"].values())
+    assert {b["raw"].encode() for b in bad} <= set(events)
+
+
+def test_same_seed_gives_identical_files(tmp_path):
+    args = ["generate", "--format", "parquet", "--duration", "3", "--rate", "3000", "--start-ms", "1700000000000"]
+    for name in ("a", "b"):
+        assert run_cli(*args, "--out", str(tmp_path / name)).returncode == 0
+    for f in ("events.parquet", "truth.parquet"):
+        assert pq.read_table(tmp_path / "a" / f).equals(pq.read_table(tmp_path / "b" / f))
+
+
+def test_existing_output_is_never_overwritten(tmp_path):
+    (tmp_path / "run").mkdir()
+    result = run_cli("generate", "--out", str(tmp_path / "run"), "--duration", "1")
+    assert result.returncode == 2 and "already exists" in result.stderr
+
+
+def test_failed_run_leaves_nothing_visible(tmp_path, world_config):
+    """A run that dies half-way must not leave a directory a reader could mistake for complete."""
+
+    class Exploding(Traffic):
+        def next_tick(self, final=False):
+            if self.now_ms - self.start_ms >= 2000:
+                raise RuntimeError("simulated crash")
+            return super().next_tick(final)
+
+    traffic = Exploding(TrafficConfig(1, 2000, 0.0, 100, world_config), 1_700_000_000_000)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        generate(traffic, FileSink(tmp_path / "run", "parquet"), 5, pace=False)
+    assert list(tmp_path.iterdir()) == []
