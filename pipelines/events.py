@@ -9,7 +9,7 @@ reason codes below. See docs/events.md.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import orjson
 
@@ -91,3 +91,25 @@ def validate_event(raw: bytes | str, now_ms: int | None = None) -> dict[str, Any
     if event["ts"] > now_ms + MAX_FUTURE_SKEW_MS:
         raise InvalidEvent(f"{FUTURE_TIMESTAMP}: ts={event['ts']} is {event['ts'] - now_ms} ms ahead")
     return event
+
+
+# Fast encoders for the generator's hot path: %-formatting straight to the JSON bytes that
+# orjson.dumps would give for the same dict (compact, same key order) at ~5x less cost.
+# Only valid for strings that need no JSON escaping, which holds for the generator's
+# hex ids and device names; tests/test_generator.py checks byte-equality with orjson.
+_IMPRESSION_TEMPLATE = (
+    '{"type":"impression","event_id":"%s","ts":%d,"user_id":%d,"item_id":%d,"request_id":"%s",'
+    '"position":%d,"context":{"device":"%s","local_hour":%d},"item":{"category_id":%d,"advertiser_id":%d}}'
+)
+_CLICK_TEMPLATE = '{"type":"click","event_id":"%s","ts":%d,"user_id":%d,"item_id":%d,"request_id":"%s"}'
+
+
+def encode_impressions(columns: Iterable[Sequence[Any]]) -> list[bytes]:
+    """Rows of (event_id, ts, user_id, item_id, request_id, position, device, local_hour,
+    category_id, advertiser_id) -> impression JSON bytes."""
+    template = _IMPRESSION_TEMPLATE
+    return [(template % row).encode() for row in zip(*columns)]
+
+
+def encode_click(event_id: str, ts: int, user_id: int, item_id: int, request_id: str) -> bytes:
+    return (_CLICK_TEMPLATE % (event_id, ts, user_id, item_id, request_id)).encode()

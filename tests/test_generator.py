@@ -215,3 +215,9 @@ def test_invalid_settings_are_refused(world_config):
         make_traffic(world_config, bad=1.5)
     with pytest.raises(ValueError, match="target_ctr"):
         World(replace(world_config, target_ctr=0.9), np.random.default_rng(0), START)
+
+
+def test_fast_encoders_match_orjson(world_config):
+    batches, events = collect(make_traffic(world_config), 3)
+    for _, _, value in events[:2000]:
+        assert value == orjson.dumps(orjson.loads(value))  # same bytes as the dict through orjson

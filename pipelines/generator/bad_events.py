@@ -8,6 +8,7 @@ is recorded with the reason a correct validator gives for it (see pipelines/even
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import orjson
@@ -56,13 +57,14 @@ class BadEventInjector:
     def enabled(self) -> bool:
         return self.fraction > 0
 
-    def inject(self, impressions: list[dict]) -> list[BadEvent]:
-        if not self.enabled or not impressions:
+    def inject(self, impression: Callable[[int], dict], n_impressions: int) -> list[BadEvent]:
+        """Bad events derived from random impressions of this tick (``impression(i)`` decodes one)."""
+        if not self.enabled or not n_impressions:
             return []
-        n = int(self.rng.binomial(len(impressions), self.fraction))
+        n = int(self.rng.binomial(n_impressions, self.fraction))
         out = []
         for _ in range(n):
-            template = impressions[int(self.rng.integers(len(impressions)))]
+            template = impression(int(self.rng.integers(n_impressions)))
             kind = BAD_KINDS[int(self.rng.integers(len(BAD_KINDS)))]
             emit_ms = int(template["ts"])  # arrives in order with the good traffic
             raw = self._corrupt(kind, dict(template, event_id=f"{self.run}-b{self.count:x}"))

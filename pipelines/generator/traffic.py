@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 
 from pipelines.generator.bad_events import BadEvent, BadEventInjector
+from pipelines.events import encode_click, encode_impressions
 from pipelines.generator.world import DEVICES, World, WorldConfig
 
 
@@ -132,49 +133,28 @@ class Traffic:
         category = world.item_category[imp.item] + 1
         advertiser = world.item_advertiser[imp.item] + 1
 
-        events: list[tuple[int, bytes, bytes]] = []
-        impressions: list[dict] = []  # templates for injected bad events
-        disorder = self.rng.integers(0, cfg.max_disorder_ms + 1, len(imp) + len(self._pending) + 1)
-        for i, (ts, uid, iid, pos, dev, hour, cat, adv) in enumerate(
-            zip(imp.ts_ms.tolist(), user_ids.tolist(), item_ids.tolist(), imp.position.tolist(),
-                imp.device.tolist(), imp.local_hour.tolist(), category.tolist(), advertiser.tolist())
-        ):
-            event = {
-                "type": "impression",
-                "event_id": event_ids[i],
-                "ts": ts,
-                "user_id": uid,
-                "item_id": iid,
-                "request_id": request_ids[i],
-                "position": pos,
-                "context": {"device": DEVICES[dev], "local_hour": hour},
-                "item": {"category_id": cat, "advertiser_id": adv},
-            }
-            impressions.append(event)
-            key = str(uid).encode()
-            events.append((ts + int(disorder[i]), key, orjson.dumps(event)))
-            if imp.clicked[i]:
-                click_ts = int(imp.click_ts_ms[i])
-                click = {
-                    "type": "click",
-                    "event_id": f"{self.run}-c{self._clicks:x}",
-                    "ts": click_ts,
-                    "user_id": uid,
-                    "item_id": iid,
-                    "request_id": request_ids[i],
-                }
-                self._clicks += 1
-                heapq.heappush(self._pending, (click_ts, self._clicks, key, orjson.dumps(click)))
+        uid_list, iid_list = user_ids.tolist(), item_ids.tolist()
+        keys = [b"%d" % uid for uid in uid_list]
+        values = encode_impressions(
+            (event_ids, imp.ts_ms.tolist(), uid_list, iid_list, request_ids, imp.position.tolist(),
+             [DEVICES[d] for d in imp.device.tolist()], imp.local_hour.tolist(), category.tolist(), advertiser.tolist())
+        )
+        emit_ms = (imp.ts_ms + self.rng.integers(0, cfg.max_disorder_ms + 1, len(imp))).tolist()
+        events: list[tuple[int, bytes, bytes]] = list(zip(emit_ms, keys, values))
+        click_ts = imp.click_ts_ms.tolist()
+        for i in np.flatnonzero(imp.clicked).tolist():
+            click = encode_click(f"{self.run}-c{self._clicks:x}", click_ts[i], uid_list[i], iid_list[i], request_ids[i])
+            self._clicks += 1
+            heapq.heappush(self._pending, (click_ts[i], self._clicks, keys[i], click))
 
-        n_clicks = 0
-        j = len(imp)
+        due = []
         while self._pending and self._pending[0][0] < end:
-            click_ts, _, key, value = heapq.heappop(self._pending)
-            events.append((click_ts + int(disorder[j % len(disorder)]), key, value))
-            j += 1
-            n_clicks += 1
+            due.append(heapq.heappop(self._pending))
+        click_disorder = self.rng.integers(0, cfg.max_disorder_ms + 1, len(due)).tolist()
+        events.extend((ts + d, key, value) for (ts, _, key, value), d in zip(due, click_disorder))
+        n_clicks = len(due)
 
-        bad = self._injector.inject(impressions)
+        bad = self._injector.inject(lambda i: orjson.loads(values[i]), len(values))
         events.extend((b.emit_ms, b.key, b.raw) for b in bad)
         events.extend(self._arriving_later)
         events.sort(key=lambda e: e[0])
