@@ -1,0 +1,116 @@
+"""A vectorised open-addressing hash index: int64 keys -> int64 row slots, in torch.
+
+Why hand-written: torch has no hash map, and a per-key Python dict costs ~100 ns a key
+(< 10M lookups/s at best, never on a GPU). This index probes a whole batch at once with
+tensor ops, so the same code serves the DRAM tier (CPU) and the GPU cache (CUDA), and
+collisions are impossible by construction: the index stores full keys (Monolith's point,
+versus hashing ids into a fixed table).
+
+Linear probing, load factor <= 0.5, tombstones for removal, rehash on growth. Two int64
+values are reserved as markers and cannot be keys (see RESERVED_KEYS).
+"""
+
+from __future__ import annotations
+
+import torch
+
+EMPTY = -(2**63)
+TOMBSTONE = -(2**63) + 1
+RESERVED_KEYS = (EMPTY, TOMBSTONE)
+_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+MAX_LOAD = 0.5
+
+
+class ReservedKeyError(ValueError):
+    """A key equal to one of the two reserved marker values."""
+
+
+class HashIndex:
+    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._bits = max(4, (max(1, int(capacity / MAX_LOAD)) - 1).bit_length())
+        self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
+        self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
+        self._used = 0  # live keys + tombstones: what fills the probe chains
+
+    def __len__(self) -> int:
+        return int((self._keys > TOMBSTONE).sum())
+
+    @property
+    def slots(self) -> int:
+        return 1 << self._bits
+
+    def _hash(self, keys: torch.Tensor) -> torch.Tensor:
+        return ((keys * _MULTIPLIER) >> (64 - self._bits)) & ((1 << self._bits) - 1)
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Values for ``keys`` (-1 where absent). Works for duplicate keys."""
+        keys = keys.to(self.device, torch.int64)
+        out = torch.full_like(keys, -1)
+        active = torch.arange(len(keys), device=self.device)
+        pos = self._hash(keys)
+        mask = self.slots - 1
+        while len(active):
+            found = self._keys[pos]
+            want = keys[active]
+            hit = found == want
+            if bool(hit.any()):
+                out[active[hit]] = self._values[pos[hit]]
+            keep = ~(hit | (found == EMPTY))
+            active, pos = active[keep], (pos[keep] + 1) & mask
+        return out
+
+    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Insert keys that are *not present* and unique within the batch."""
+        keys = keys.to(self.device, torch.int64)
+        values = values.to(self.device, torch.int64)
+        if len(keys) == 0:
+            return
+        if bool(((keys == EMPTY) | (keys == TOMBSTONE)).any()):
+            raise ReservedKeyError(f"keys {RESERVED_KEYS} are reserved by the hash index and cannot be feature ids")
+        if (self._used + len(keys)) > MAX_LOAD * self.slots:
+            self._rehash(self._used + len(keys))
+        pos = self._hash(keys)
+        mask = self.slots - 1
+        pending = torch.arange(len(keys), device=self.device)
+        while len(pending):
+            free = self._keys[pos] <= TOMBSTONE
+            claimers = pending[free]
+            claim_pos = pos[free]
+            self._keys[claim_pos] = keys[claimers]  # racing claimers of one slot: one wins
+            won = self._keys[claim_pos] == keys[claimers]
+            self._values[claim_pos[won]] = values[claimers[won]]
+            lost = torch.ones(len(pending), dtype=torch.bool, device=self.device)
+            lost[torch.nonzero(free).squeeze(1)[won]] = False
+            pending, pos = pending[lost], (pos[lost] + 1) & mask
+        self._used += len(keys)
+
+    def remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remove present keys; returns the values they had (-1 for absent ones)."""
+        keys = keys.to(self.device, torch.int64)
+        out = torch.full_like(keys, -1)
+        active = torch.arange(len(keys), device=self.device)
+        pos = self._hash(keys)
+        mask = self.slots - 1
+        while len(active):
+            found = self._keys[pos]
+            hit = found == keys[active]
+            if bool(hit.any()):
+                out[active[hit]] = self._values[pos[hit]]
+                self._keys[pos[hit]] = TOMBSTONE
+                self._values[pos[hit]] = -1
+            keep = ~(hit | (found == EMPTY))
+            active, pos = active[keep], (pos[keep] + 1) & mask
+        return out
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        live = self._keys > TOMBSTONE
+        return self._keys[live], self._values[live]
+
+    def _rehash(self, need: int) -> None:
+        keys, values = self.items()
+        self._bits = max(self._bits, (int(max(need, 1) / MAX_LOAD * 2) - 1).bit_length())
+        self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
+        self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
+        self._used = 0
+        self.insert(keys, values)
