@@ -1,0 +1,300 @@
+"""The model store: full and delta versions of sparse tables and dense tensors.
+
+Layout (the contract of ../shared/DESIGN.md)::
+
+    <root>/<model>/versions/<version:012d>/manifest.json
+                                          sparse/<table>.arrow   key int64, deleted bool, value float32[dim]
+                                          dense.arrow            name, shape, values
+    <root>/<model>/LATEST                                        the newest complete version, as text
+
+Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hdfs://``).
+
+Visibility: a version is written under ``versions/.tmp-*`` (manifest last), renamed into
+place, and only then is ``LATEST`` replaced (temp + rename). A reader trusts a version
+only when its manifest exists and every file's size and sha256 match, so a crash at any
+point leaves either the previous state or the complete new version. On object stores
+without atomic directory rename, the manifest-last rule and the checksums still keep
+torn versions unreadable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CorruptVersion(RuntimeError):
+    """A version is incomplete, fails its checksums, or breaks the format."""
+
+
+@dataclass
+class SparseDelta:
+    """Rows of one table to write: upserts (keys, values) and deletions."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    deleted: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+
+@dataclass
+class LoadedModel:
+    version: int
+    manifest: dict
+    tables: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (keys int64 [n], values float32 [n, dim])
+    dense: dict[str, torch.Tensor]
+    chain: list[int]
+
+
+def _sparse_table(delta: SparseDelta, dim: int) -> pa.Table:
+    keys = np.concatenate([delta.keys.cpu().numpy().astype(np.int64), delta.deleted.cpu().numpy().astype(np.int64)])
+    n_up, n_del = len(delta.keys), len(delta.deleted)
+    values = np.zeros((n_up + n_del, dim), dtype=np.float32)
+    if n_up:
+        values[:n_up] = delta.values.detach().cpu().numpy().astype(np.float32).reshape(n_up, dim)
+    flags = np.zeros(n_up + n_del, dtype=bool)
+    flags[n_up:] = True
+    return pa.table({
+        "key": pa.array(keys, pa.int64()),
+        "deleted": pa.array(flags),
+        "value": pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), dim),
+    })
+
+
+def _dense_table(dense: Mapping[str, torch.Tensor]) -> pa.Table:
+    names = sorted(dense)
+    return pa.table({
+        "name": pa.array(names, pa.string()),
+        "shape": pa.array([list(dense[n].shape) for n in names], pa.list_(pa.int64())),
+        "values": pa.array([dense[n].detach().cpu().float().reshape(-1).numpy() for n in names], pa.large_list(pa.float32())),
+    })
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+class ModelStore:
+    def __init__(self, root: str, model: str) -> None:
+        if not model or "/" in model or model.startswith("."):
+            raise ValueError(f"invalid model name {model!r}")
+        self.fs, base = pafs.FileSystem.from_uri(root) if "://" in root else (pafs.LocalFileSystem(), _abs(root))
+        self.model = model
+        self.base = f"{base.rstrip('/')}/{model}"
+        self.versions_dir = f"{self.base}/versions"
+
+    # ------------------------------------------------------------------ paths
+    def _vdir(self, version: int) -> str:
+        return f"{self.versions_dir}/{version:012d}"
+
+    def _exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def _write(self, path: str, data: bytes) -> None:
+        with self.fs.open_output_stream(path) as out:
+            out.write(data)
+
+    def _read(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as src:
+            return src.read()
+
+    # ------------------------------------------------------------------ listing
+    def latest(self) -> int | None:
+        try:
+            text = self._read(f"{self.base}/LATEST").decode().strip()
+        except (FileNotFoundError, OSError):
+            return None
+        if not text.isdigit():
+            raise CorruptVersion(f"{self.base}/LATEST holds {text!r}, not a version number")
+        return int(text)
+
+    def versions(self) -> list[int]:
+        """Complete versions present (those with a manifest), ascending."""
+        if not self._exists(self.versions_dir):
+            return []
+        out = []
+        for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
+            name = info.base_name
+            if info.type == pafs.FileType.Directory and name.isdigit() and self._exists(f"{info.path}/{MANIFEST}"):
+                out.append(int(name))
+        return sorted(out)
+
+    def manifest(self, version: int) -> dict:
+        path = f"{self._vdir(version)}/{MANIFEST}"
+        try:
+            manifest = json.loads(self._read(path))
+        except FileNotFoundError:
+            raise CorruptVersion(f"version {version} of {self.model} has no manifest (incomplete or absent)") from None
+        except ValueError as exc:
+            raise CorruptVersion(f"{path} is not valid JSON: {exc}") from None
+        for key in ("format_version", "version", "kind", "parent", "files", "tables"):
+            if key not in manifest:
+                raise CorruptVersion(f"{path} lacks '{key}'")
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise CorruptVersion(f"{path}: format_version {manifest['format_version']} is not supported (expected {FORMAT_VERSION})")
+        return manifest
+
+    # ------------------------------------------------------------------ writing
+    def publish(
+        self,
+        kind: str,
+        tables: Mapping[str, SparseDelta],
+        dims: Mapping[str, int],
+        dense: Mapping[str, torch.Tensor] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Write a complete version atomically and move LATEST to it; returns its number.
+
+        ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since the
+        parent (the current LATEST) plus deleted keys.
+        """
+        if kind not in ("full", "delta"):
+            raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
+        parent = self.latest()
+        if kind == "delta" and parent is None:
+            raise ValueError("a delta needs a parent: publish a full version first")
+        existing = self.versions()
+        version = max([parent or 0, *existing]) + 1
+        tmp = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}"
+        self.fs.create_dir(f"{tmp}/sparse", recursive=True)
+        files: dict[str, dict] = {}
+        table_info: dict[str, dict] = {}
+        for name, delta in tables.items():
+            data = _ipc_bytes(_sparse_table(delta, dims[name]))
+            rel = f"sparse/{name}.arrow"
+            self._write(f"{tmp}/{rel}", data)
+            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(delta.keys) + len(delta.deleted)}
+            table_info[name] = {"dim": dims[name], "upserts": len(delta.keys), "deleted": len(delta.deleted)}
+        if dense:
+            data = _ipc_bytes(_dense_table(dense))
+            self._write(f"{tmp}/dense.arrow", data)
+            files["dense.arrow"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(dense)}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "version": version,
+            "kind": kind,
+            "parent": parent if kind == "delta" else None,
+            "created_at": time.time(),
+            "files": files,
+            "tables": table_info,
+            **dict(meta or {}),
+        }
+        self._write(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        self.fs.move(tmp, self._vdir(version))
+        latest_tmp = f"{self.base}/.LATEST.tmp-{uuid.uuid4().hex[:8]}"
+        self._write(latest_tmp, f"{version}\n".encode())
+        self.fs.move(latest_tmp, f"{self.base}/LATEST")
+        return version
+
+    # ------------------------------------------------------------------ reading
+    def chain(self, version: int) -> list[int]:
+        """Versions to apply, oldest first: the nearest full at or before ``version``, then deltas."""
+        out = [version]
+        manifest = self.manifest(version)
+        while manifest["kind"] == "delta":
+            parent = manifest["parent"]
+            if parent is None:
+                raise CorruptVersion(f"delta version {manifest['version']} has no parent")
+            out.append(parent)
+            manifest = self.manifest(parent)
+        return out[::-1]
+
+    def read_version(self, version: int) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
+        """One version's files, verified: (manifest, sparse tables, dense tensors)."""
+        manifest = self.manifest(version)
+        vdir = self._vdir(version)
+        sparse: dict[str, pa.Table] = {}
+        dense: dict[str, torch.Tensor] = {}
+        for rel, info in manifest["files"].items():
+            try:
+                data = self._read(f"{vdir}/{rel}")
+            except FileNotFoundError:
+                raise CorruptVersion(f"version {version}: {rel} is missing") from None
+            if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+                raise CorruptVersion(f"version {version}: {rel} fails its checksum (expected sha256 {info['sha256']}, {info['bytes']} bytes)")
+            try:
+                table = ipc.open_file(pa.BufferReader(data)).read_all()
+            except pa.ArrowInvalid as exc:
+                raise CorruptVersion(f"version {version}: {rel} is not an Arrow file: {exc}") from None
+            if table.num_rows != info["rows"]:
+                raise CorruptVersion(f"version {version}: {rel} has {table.num_rows} rows, manifest says {info['rows']}")
+            if rel == "dense.arrow":
+                for name, shape, values in zip(table["name"].to_pylist(), table["shape"].to_pylist(), table["values"].to_numpy(zero_copy_only=False)):
+                    dense[name] = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).reshape(shape)
+            else:
+                sparse[rel[len("sparse/") : -len(".arrow")]] = table
+        return manifest, sparse, dense
+
+    def load(self, version: int | None = None) -> LoadedModel:
+        """Materialise a version: its full ancestor plus every delta after it, verified."""
+        version = self.latest() if version is None else version
+        if version is None:
+            raise CorruptVersion(f"model {self.model} has no published version under {self.base}")
+        chain = self.chain(version)
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        dims: dict[str, int] = {}
+        dense: dict[str, torch.Tensor] = {}
+        manifest: dict = {}
+        for v in chain:
+            manifest, sparse, dense_v = self.read_version(v)
+            dense.update(dense_v)
+            for name, table in sparse.items():
+                dim = manifest["tables"][name]["dim"]
+                dims[name] = dim
+                values = table["value"].combine_chunks().flatten().to_numpy().reshape(-1, dim) if table.num_rows else np.zeros((0, dim), np.float32)
+                parts.setdefault(name, []).append((table["key"].to_numpy(), table["deleted"].to_numpy(zero_copy_only=False), values))
+        tables = {name: _merge(chunks, dims[name]) for name, chunks in parts.items()}
+        return LoadedModel(version, manifest, tables, dense, chain)
+
+    # ------------------------------------------------------------------ retention
+    def gc(self, keep_fulls: int = 2) -> list[int]:
+        """Delete versions older than the ``keep_fulls``-th newest full version (and stale
+        temp dirs); everything needed to load any kept version stays. Returns deleted versions."""
+        versions = self.versions()
+        fulls = [v for v in versions if self.manifest(v)["kind"] == "full"]
+        if len(fulls) <= keep_fulls:
+            return []
+        horizon = fulls[-keep_fulls]
+        doomed = [v for v in versions if v < horizon]
+        for v in doomed:
+            self.fs.delete_dir(self._vdir(v))
+        for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
+            if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
+                self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
+        return doomed
+
+
+def _merge(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Last write wins across the chain; deleted keys disappear."""
+    keys = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
+    deleted = np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, bool)
+    values = np.concatenate([c[2] for c in chunks]) if chunks else np.empty((0, dim), np.float32)
+    # np.unique returns the first occurrence: look at the reversed arrays to get the last.
+    _, first_in_reversed = np.unique(keys[::-1], return_index=True)
+    last = len(keys) - 1 - first_in_reversed
+    last = last[~deleted[last]]
+    last.sort()
+    return keys[last], values[last]
+
+
+def _abs(path: str) -> str:
+    import os
+
+    return os.path.abspath(path)

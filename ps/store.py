@@ -1,0 +1,143 @@
+"""Many embedding tables as one store: publishing to the model store, checkpoint/restore.
+
+Publishing snapshots first (each table's touched rows are copied, which takes
+milliseconds) and writes afterwards, optionally on a background thread, so training
+continues while a version is written. Checkpoints hold everything needed to resume
+exactly: every row in every tier with its optimizer state and clock, the admission
+sketch, and the delta tracking not yet published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from ps.model_store import ModelStore, SparseDelta
+from ps.table import EmbeddingTable, TableConfig
+
+CHECKPOINT_FORMAT = 1
+
+
+class EmbeddingStore:
+    def __init__(self, configs: list[TableConfig], device: torch.device | str = "cpu", work_dir: Path | None = None, seed: int = 0) -> None:
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names in {names}")
+        self.device = torch.device(device)
+        self.work_dir = Path(work_dir) if work_dir else None
+        ssd_dir = self.work_dir / "ssd" if self.work_dir else None
+        self.tables = {c.name: EmbeddingTable(c, self.device, ssd_dir, seed=seed + i) for i, c in enumerate(configs)}
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-publish")
+        self.last_snapshot_s = 0.0
+
+    def __getitem__(self, name: str) -> EmbeddingTable:
+        return self.tables[name]
+
+    def snapshot(self, kind: str) -> dict[str, SparseDelta]:
+        """Copy what a version of ``kind`` needs; resets delta tracking. Fast: no I/O."""
+        t0 = time.perf_counter()
+        out = {}
+        for name, table in self.tables.items():
+            keys, values, deleted = table.take_delta()
+            if kind == "full":
+                chunks = list(table.iter_rows())
+                keys = torch.cat([c[0] for c in chunks]) if chunks else torch.empty(0, dtype=torch.int64)
+                values = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, table.config.dim)
+                deleted = torch.empty(0, dtype=torch.int64)
+            out[name] = SparseDelta(keys, values, deleted)
+        self.last_snapshot_s = time.perf_counter() - t0
+        return out
+
+    def publish(
+        self,
+        model_store: ModelStore,
+        kind: str,
+        dense: Mapping[str, torch.Tensor] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        background: bool = False,
+    ) -> int | Future:
+        """Snapshot now, write a version; with ``background`` return a Future of the version."""
+        tables = self.snapshot(kind)
+        dense_copy = {k: v.detach().cpu().clone() for k, v in (dense or {}).items()}
+        dims = {name: t.config.dim for name, t in self.tables.items()}
+        job = lambda: model_store.publish(kind, tables, dims, dense_copy, meta)  # noqa: E731
+        return self._writer.submit(job) if background else job()
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, path: Path, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write a complete checkpoint directory atomically (temp dir + rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, table in self.tables.items():
+            chunks = list(table.iter_rows(with_state=True))
+            cols = [torch.cat([c[i] for c in chunks]) if chunks else None for i in range(4)]
+            k, w, s, t = cols if chunks else (torch.empty(0, dtype=torch.int64), torch.empty(0, table.config.dim),
+                                                torch.empty(0, table.state_dim), torch.empty(0, dtype=torch.int64))
+            arrow = pa.table({
+                "key": pa.array(k.numpy()),
+                "weight": pa.FixedSizeListArray.from_arrays(pa.array(w.float().reshape(-1).numpy()), table.config.dim),
+                "state": pa.FixedSizeListArray.from_arrays(pa.array(s.float().reshape(-1).numpy()), table.state_dim),
+                "last_seen": pa.array(t.numpy()),
+            })
+            with ipc.new_file(str(tmp / f"{name}.arrow"), arrow.schema) as writer:
+                writer.write_table(arrow)
+            tracking = {
+                "touched": torch.cat(table._touched).numpy() if table._touched else np.empty(0, np.int64),
+                "deleted": torch.cat(table._deleted).numpy() if table._deleted else np.empty(0, np.int64),
+            }
+            if table.sketch is not None:
+                tracking["sketch"] = table.sketch.counts.cpu().numpy()
+            np.savez(tmp / f"{name}.tracking.npz", **tracking)
+        meta = {"format": CHECKPOINT_FORMAT, "tables": [asdict(t.config) for t in self.tables.values()], "extra": dict(extra or {})}
+        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+        return path
+
+    @classmethod
+    def restore(cls, path: Path, device: torch.device | str = "cpu", work_dir: Path | None = None) -> tuple["EmbeddingStore", dict]:
+        path = Path(path)
+        try:
+            meta = json.loads((path / "checkpoint.json").read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no checkpoint.json)") from None
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported")
+        store = cls([TableConfig(**c) for c in meta["tables"]], device, work_dir)
+        for name, table in store.tables.items():
+            arrow = ipc.open_file(str(path / f"{name}.arrow")).read_all()
+            n = arrow.num_rows
+            if n:
+                w = torch.from_numpy(arrow["weight"].combine_chunks().flatten().to_numpy().reshape(n, table.config.dim).copy())
+                s = torch.from_numpy(arrow["state"].combine_chunks().flatten().to_numpy().reshape(n, table.state_dim).copy())
+                table.load_rows(torch.from_numpy(arrow["key"].to_numpy().copy()), w, s,
+                                torch.from_numpy(arrow["last_seen"].to_numpy().copy()))
+            tracking = np.load(path / f"{name}.tracking.npz")
+            table._touched = [torch.from_numpy(tracking["touched"])] if len(tracking["touched"]) else []
+            table._deleted = [torch.from_numpy(tracking["deleted"])] if len(tracking["deleted"]) else []
+            if table.sketch is not None and "sketch" in tracking:
+                table.sketch.counts.copy_(torch.from_numpy(tracking["sketch"]))
+        return store, meta["extra"]
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        for table in self.tables.values():
+            table.close()
