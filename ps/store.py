@@ -98,6 +98,7 @@ class EmbeddingStore:
                 "touched": torch.cat(table._touched).numpy() if table._touched else np.empty(0, np.int64),
                 "deleted": torch.cat(table._deleted).numpy() if table._deleted else np.empty(0, np.int64),
             }
+            tracking["init_rng"] = table.generator.get_state().numpy()  # new rows resume the same init stream
             if table.sketch is not None:
                 tracking["sketch"] = table.sketch.counts.cpu().numpy()
             np.savez(tmp / f"{name}.tracking.npz", **tracking)
@@ -133,6 +134,7 @@ class EmbeddingStore:
             tracking = np.load(path / f"{name}.tracking.npz")
             table._touched = [torch.from_numpy(tracking["touched"])] if len(tracking["touched"]) else []
             table._deleted = [torch.from_numpy(tracking["deleted"])] if len(tracking["deleted"]) else []
+            table.generator.set_state(torch.from_numpy(tracking["init_rng"]))
             if table.sketch is not None and "sketch" in tracking:
                 table.sketch.counts.copy_(torch.from_numpy(tracking["sketch"]))
         return store, meta["extra"]

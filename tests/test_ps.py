@@ -1,0 +1,272 @@
+"""ps/: the embedding store against a plain dict-of-rows reference, across tiers, and the
+model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
+CUDA is present (the same tests, on the `cuda` parameter)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ps.hash_index import HashIndex, ReservedKeyError
+from ps.model_store import CorruptVersion, ModelStore
+from ps.optimizers import make_optimizer
+from ps.store import EmbeddingStore
+from ps.table import EmbeddingTable, TableConfig
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_hash_index_matches_a_dict_under_random_operations():
+    rng = random.Random(0)
+    index, ref = HashIndex(8), {}
+    for step in range(300):
+        batch = {rng.randrange(-(2**62), 2**62) for _ in range(rng.randrange(0, 200))}
+        if ref and step % 2:
+            batch |= set(rng.sample(sorted(ref), min(30, len(ref))))
+        keys = torch.tensor(sorted(batch), dtype=torch.int64)
+        absent = keys[index.lookup(keys) < 0]
+        values = torch.arange(step * 1000, step * 1000 + len(absent))
+        index.insert(absent, values)
+        ref.update(zip(absent.tolist(), values.tolist()))
+        if step % 4 == 0 and ref:
+            gone = rng.sample(sorted(ref), min(25, len(ref)))
+            assert index.remove(torch.tensor(gone)).tolist() == [ref.pop(k) for k in gone]
+        probe = torch.tensor(sorted(ref) + [12345678901], dtype=torch.int64)
+        assert index.lookup(probe).tolist() == [ref[k] for k in sorted(ref)] + [(ref.get(12345678901, -1))]
+    assert len(index) == len(ref) > 5000
+
+
+def test_reserved_keys_are_refused():
+    with pytest.raises(ReservedKeyError, match="reserved"):
+        HashIndex().insert(torch.tensor([-(2**63)]), torch.tensor([0]))
+
+
+def run_reference_workload(table: EmbeddingTable, optimizer: str, steps: int = 60, seed: int = 1, dim: int = 4):
+    """Train ``table`` and a dict-of-rows with the same optimizer on the same random batches;
+    check every pulled row against the reference before each update."""
+    opt = make_optimizer(optimizer, lr=0.1)
+    ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ids = torch.randint(-400, 400, (96,), generator=g) * 1_000_000_007  # sparse, negative too
+        pulled = table.pull(ids, now_ms=step)
+        expected = torch.stack([ref.get(k, (torch.zeros(dim), None))[0] for k in pulled.keys.tolist()])
+        torch.testing.assert_close(pulled.rows.cpu(), expected, rtol=0, atol=1e-6)
+        grad = torch.randn(len(pulled.keys), dim, generator=g)
+        table.push(pulled, grad.to(pulled.rows.device))
+        for k, gr in zip(pulled.keys.tolist(), grad):
+            w, s = ref.get(k, (torch.zeros(dim), opt.init_state(1, dim, torch.device("cpu"))[0]))
+            nw, ns = opt.step(w.unsqueeze(0), s.unsqueeze(0), gr.unsqueeze(0))
+            ref[k] = (nw[0], ns[0])
+    return ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+@pytest.mark.parametrize("dram_rows", [0, 64])
+def test_tiers_match_a_dict_of_rows(tmp_path, device, optimizer, dram_rows):
+    cfg = TableConfig("t", 4, optimizer=optimizer, lr=0.1, init_std=0.0, dram_rows=dram_rows,
+                      gpu_cache_rows=128 if device == "cuda" else 0)
+    table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
+    ref = run_reference_workload(table, optimizer)
+    keys = torch.tensor(sorted(ref))
+    found, values = table.read(keys)
+    assert bool(found.all()) and len(table) == len(ref)
+    torch.testing.assert_close(values, torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-6)
+    if dram_rows:
+        assert table.stats["spilled"] > 0 and table.stats["ssd_reads"] > 0 and table.ssd.count > 0
+
+
+def test_spilled_rows_keep_optimizer_state(tmp_path):
+    table = EmbeddingTable(TableConfig("t", 2, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=2), ssd_dir=tmp_path)
+    first = table.pull(torch.tensor([7]), now_ms=1)
+    table.push(first, torch.tensor([[1.0, -1.0]]))
+    state_before = table.dram.state[table.dram.slots_of(torch.tensor([7]))].clone()
+    for t, key in enumerate([8, 9, 10], start=2):  # push key 7 out to SSD
+        table.push(table.pull(torch.tensor([key]), now_ms=t), torch.zeros(1, 2))
+    assert table.dram.slots_of(torch.tensor([7])).item() == -1 and table.ssd.count >= 1
+    k, _, state, seen = table.ssd.get(torch.tensor([7]))
+    torch.testing.assert_close(state, state_before)
+    assert seen.tolist() == [1]
+    table.pull(torch.tensor([7]), now_ms=9)  # comes back up with its state
+    torch.testing.assert_close(table.dram.state[table.dram.slots_of(torch.tensor([7]))], state_before)
+
+
+def test_admission_needs_k_sightings_and_serving_never_admits():
+    table = EmbeddingTable(TableConfig("t", 3, admit_after=3, init_std=0.1))
+    assert not table.pull(torch.tensor([42, 42]), now_ms=0).admitted.any()  # seen twice
+    assert len(table) == 0 and table.stats["not_admitted"] == 1
+    served = table.pull(torch.tensor([42]), now_ms=1, train=False)  # serving does not count
+    assert not served.admitted.any() and torch.count_nonzero(served.rows) == 0 and len(table) == 0
+    third = table.pull(torch.tensor([42, 5]), now_ms=2)
+    assert third.admitted.tolist() == [False, True] if third.keys.tolist() == [5, 42] else True
+    assert dict(zip(third.keys.tolist(), third.admitted.tolist())) == {5: False, 42: True}
+    table.push(third, torch.ones(2, 3))  # the non-admitted row gets no update and no row
+    assert len(table) == 1
+
+
+def test_expiry_removes_unseen_rows_in_every_tier_and_reports_them(tmp_path):
+    table = EmbeddingTable(TableConfig("t", 2, ttl_s=10, dram_rows=3), ssd_dir=tmp_path)
+    table.push(table.pull(torch.arange(1, 7), now_ms=0), torch.zeros(6, 2))  # 3 spill to SSD
+    table.take_delta()
+    table.push(table.pull(torch.tensor([1, 2]), now_ms=15_000), torch.zeros(2, 2))
+    assert table.expire(now_ms=15_000) == 4
+    assert len(table) == 2
+    keys, values, deleted = table.take_delta()
+    assert sorted(keys.tolist()) == [1, 2] and sorted(deleted.tolist()) == [3, 4, 5, 6]
+
+
+def _train(store: EmbeddingStore, steps: range, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for step in steps:
+        for table in store.tables.values():
+            pulled = table.pull(torch.randint(0, 400, (64,), generator=g), now_ms=step * 1000)
+            table.push(pulled, torch.randn(len(pulled.keys), table.config.dim, generator=g))
+
+
+def _rows(table: EmbeddingTable) -> dict[int, np.ndarray]:
+    return {k: v for keys, values in table.iter_rows() for k, v in zip(keys.tolist(), values.numpy())}
+
+
+def _assert_loaded_equals(loaded, store):
+    for name, table in store.tables.items():
+        keys, values = loaded.tables[name]
+        expected = _rows(table)
+        assert sorted(keys.tolist()) == sorted(expected)
+        for k, v in zip(keys.tolist(), values):
+            np.testing.assert_array_equal(v, expected[k])
+
+
+def test_publish_load_round_trip_of_full_and_many_deltas(tmp_path):
+    configs = [TableConfig("user", 8, ttl_s=6, dram_rows=150), TableConfig("item", 4, optimizer="adam", lr=0.01)]
+    store = EmbeddingStore(configs, work_dir=tmp_path / "work")
+    ms = ModelStore(str(tmp_path / "models"), "ctr")
+    for step in range(40):
+        _train(store, range(step, step + 1), seed=step)
+        if step % 2 == 1:
+            store["user"].expire(step * 1000)
+            kind = "full" if step % 10 == 1 else "delta"
+            version = store.publish(ms, kind, dense={"mlp.w": torch.full((3, 2), float(step))}, meta={"trained_through_ms": step * 1000})
+    loaded = ms.load()
+    # 20 publishes; fulls at versions 1, 6, 11, 16: the newest loads as full 16 + deltas 17..20
+    assert loaded.version == version == 20 and loaded.chain == [16, 17, 18, 19, 20]
+    assert ms.manifest(version)["trained_through_ms"] == 39_000
+    _assert_loaded_equals(loaded, store)
+    torch.testing.assert_close(loaded.dense["mlp.w"], torch.full((3, 2), 39.0))
+    # an older version still loads to what it was (a delta chain in the middle)
+    assert ms.load(12).chain[0] == 11
+    removed = ms.gc(keep_fulls=1)
+    assert removed == list(range(1, 16)) and ms.load().version == 20
+
+
+def test_background_publish_writes_the_snapshot_not_later_updates(tmp_path):
+    store = EmbeddingStore([TableConfig("t", 4)])
+    ms = ModelStore(str(tmp_path), "m")
+    _train(store, range(5))
+    ms_version = store.publish(ms, "full")
+    _train(store, range(5, 8))
+    expected = _rows(store["t"])
+    future = store.publish(ms, "delta", background=True)
+    _train(store, range(8, 20))  # keeps training while the delta is written
+    assert future.result(timeout=30) == ms_version + 1
+    loaded = ms.load()
+    assert {k: v.tolist() for k, v in zip(*loaded.tables["t"])} == {k: v.tolist() for k, v in expected.items()}
+
+
+def test_corrupt_or_incomplete_versions_are_refused(tmp_path):
+    store = EmbeddingStore([TableConfig("t", 4)])
+    ms = ModelStore(str(tmp_path), "m")
+    _train(store, range(3))
+    store.publish(ms, "full")
+    _train(store, range(3, 5))
+    v2 = store.publish(ms, "delta")
+    sparse = tmp_path / "m" / "versions" / f"{v2:012d}" / "sparse" / "t.arrow"
+    data = bytearray(sparse.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    sparse.write_bytes(bytes(data))
+    with pytest.raises(CorruptVersion, match="fails its checksum"):
+        ms.load()
+    ms.load(1)  # the parent is still good
+    sparse.unlink()
+    with pytest.raises(CorruptVersion, match="is missing"):
+        ms.load(v2)
+    (tmp_path / "m" / "versions" / f"{v2:012d}" / "manifest.json").write_text("{not json")
+    with pytest.raises(CorruptVersion, match="not valid JSON"):
+        ms.load(v2)
+    (tmp_path / "m" / "LATEST").write_text("garbage")
+    with pytest.raises(CorruptVersion, match="not a version number"):
+        ms.latest()
+    with pytest.raises(CorruptVersion, match="no manifest"):
+        ms.load(99)
+
+
+CRASH_WRITER = r"""
+import sys, torch
+from ps.model_store import ModelStore, SparseDelta
+ms = ModelStore(sys.argv[1], "m")
+keys = torch.arange(250_000)
+n = 0
+while True:
+    n += 1
+    ms.publish("full" if n == 1 else "delta", {"t": SparseDelta(keys, torch.full((len(keys), 16), float(n)))}, {"t": 16},
+               dense={"d": torch.full((4,), float(n))})
+"""
+
+
+def test_killed_publisher_never_leaves_a_readable_torn_version(tmp_path):
+    root = str(tmp_path / "models")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, root], env=env)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "models" / "m" / "LATEST").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.15 + 0.37 * attempt)  # land somewhere inside a later write
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ms = ModelStore(root, "m")
+        latest = ms.latest()
+        assert latest is not None
+        for version in ms.versions():  # every listed version is complete and verifies
+            loaded = ms.load(version)
+            assert loaded.tables["t"][1].shape == (250_000, 16)
+            assert float(loaded.dense["d"][0]) == float(loaded.tables["t"][1][0, 0])
+        assert ms.load().version == latest
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_restore_resumes_identically(tmp_path, device):
+    configs = [TableConfig("u", 4, optimizer="adam", admit_after=2, dram_rows=80,
+                           gpu_cache_rows=256 if device == "cuda" else 0)]
+    store = EmbeddingStore(configs, device, work_dir=tmp_path / "a")
+    _train(store, range(10))
+    store.checkpoint(tmp_path / "ckpt", extra={"offsets": {"0": 123}})
+    restored, extra = EmbeddingStore.restore(tmp_path / "ckpt", device, work_dir=tmp_path / "b")
+    assert extra == {"offsets": {"0": 123}}
+    _train(store, range(10, 20), seed=7)
+    _train(restored, range(10, 20), seed=7)
+    assert _rows(store["u"]).keys() == _rows(restored["u"]).keys()
+    for k, v in _rows(store["u"]).items():
+        np.testing.assert_allclose(_rows(restored["u"])[k], v, rtol=0, atol=1e-6)
+    a, b = store["u"].take_delta(), restored["u"].take_delta()
+    assert sorted(a[0].tolist()) == sorted(b[0].tolist())
+
+
+def test_bad_configurations_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="ssd_dir is needed"):
+        EmbeddingTable(TableConfig("t", 4, dram_rows=10))
+    with pytest.raises(ValueError, match="unknown sparse optimizer"):
+        EmbeddingTable(TableConfig("t", 4, optimizer="sgd-ish"))
+    with pytest.raises(ValueError, match="invalid table name"):
+        TableConfig("../x", 4).validate()
+    with pytest.raises(ValueError, match="publish a full version first"):
+        ModelStore(str(tmp_path), "m").publish("delta", {}, {})
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        EmbeddingStore.restore(tmp_path)
