@@ -1,0 +1,152 @@
+"""Embedding store throughput: lookup and lookup+update of Zipf-distributed ids.
+
+Ours: ``EmbeddingTable.pull`` (unique ids, hash-index lookup, tier management, gather)
+plus the per-id gather ``rows[inverse]`` that hands one embedding per input id to the
+model; "+update" adds ``push`` (fused row-wise Adagrad on the unique rows).
+
+Baseline, same run, same ids: a plain pre-sized ``torch.nn.Embedding`` whose ids were
+mapped to 0..N-1 beforehand (no dynamic ids, no tiers): ``index_select`` for lookup, and
+the same row-wise Adagrad written with plain index ops for update. That is the physical
+limit of a gather on this device; ratios = ours / baseline.
+
+GB/s counts the bytes of the delivered embeddings (ids x dim x 4) per second.
+Usage: python bench/bench_ps.py [--rows 1000000] [--dim 64] [--batch 65536] [--device cuda]
+Writes bench/out/ps-<device>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ps.table import EmbeddingTable, TableConfig
+
+
+def zipf_ranks(n_rows: int, batch: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """Ranks 0..n_rows-1 with P(rank r) ~ (r+1)^-alpha (inverse-CDF of the continuous law)."""
+    u = torch.rand(batch, generator=gen, dtype=torch.float64)
+    top = float(n_rows) ** (1 - alpha)
+    ranks = ((top - 1) * u + 1) ** (1 / (1 - alpha)) - 1
+    return ranks.long().clamp_(0, n_rows - 1)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device: torch.device, repeat: int) -> float:
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / repeat
+
+
+def bench_one(n_rows: int, dim: int, batch: int, alpha: float, cache_ratio: float, device: torch.device, repeat: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    keys_by_rank = torch.randint(1, 2**62, (n_rows,), generator=gen)  # sparse int64 feature ids
+    batches = [zipf_ranks(n_rows, batch, alpha, gen) for _ in range(8)]
+    id_batches = [keys_by_rank[r].to(device) for r in batches]
+    dense_batches = [r.to(device) for r in batches]
+
+    # ---- baseline: pre-sized nn.Embedding, ids already dense
+    emb = torch.nn.Embedding(n_rows, dim, device=device)
+    acc = torch.zeros(n_rows, device=device)
+    i = [0]
+
+    def base_lookup():
+        return emb.weight.index_select(0, dense_batches[i[0] % 8])
+
+    def base_update():
+        ids = dense_batches[i[0] % 8]
+        i[0] += 1
+        out = emb.weight.index_select(0, ids)
+        uniq, inv = torch.unique(ids, return_inverse=True)
+        grad = torch.zeros(len(uniq), dim, device=device).index_add_(0, inv, torch.ones_like(out) * 1e-3)
+        acc[uniq] += grad.pow(2).mean(1)
+        with torch.no_grad():
+            emb.weight[uniq] -= 0.01 * grad / (acc[uniq].sqrt() + 1e-8).unsqueeze(1)
+
+    # ---- ours
+    cache_rows = int(n_rows * cache_ratio) if device.type == "cuda" else 0
+    table = EmbeddingTable(TableConfig("bench", dim, gpu_cache_rows=cache_rows), device)
+    table.load_rows(keys_by_rank, torch.randn(n_rows, dim, generator=gen) * 0.01)
+    clock = [0]
+
+    def ours_lookup():
+        clock[0] += 1
+        pulled = table.pull(id_batches[clock[0] % 8], now_ms=clock[0], train=False)
+        return pulled.embeddings()
+
+    def ours_update():
+        clock[0] += 1
+        pulled = table.pull(id_batches[clock[0] % 8], now_ms=clock[0])
+        out = pulled.embeddings()
+        grad = torch.zeros_like(pulled.rows).index_add_(0, pulled.inverse, torch.ones_like(out) * 1e-3)
+        table.push(pulled, grad)
+
+    for _ in range(3):  # warm the cache (and the allocator)
+        ours_update()
+    table.stats.update(lookups=0, cache_hits=0)
+    results = {}
+    for name, fn in (("baseline_lookup", base_lookup), ("baseline_lookup_update", base_update),
+                     ("ours_lookup", ours_lookup), ("ours_lookup_update", ours_update)):
+        seconds = timeit(fn, device, repeat)
+        results[name] = {"seconds_per_batch": seconds, "ids_per_s": batch / seconds, "gb_per_s": batch * dim * 4 / seconds / 1e9}
+    unique_share = float(torch.cat([torch.unique(b).float() for b in batches]).numel()) / (8 * batch)
+    hit_rate = table.stats["cache_hits"] / max(1, table.stats["lookups"])
+    return {
+        "rows": n_rows, "dim": dim, "batch": batch, "zipf_alpha": alpha, "cache_ratio": cache_ratio if cache_rows else None,
+        "unique_ids_per_batch_share": unique_share, "top_tier_hit_rate": hit_rate,
+        "results": results,
+        "ratio_lookup": results["ours_lookup"]["ids_per_s"] / results["baseline_lookup"]["ids_per_s"],
+        "ratio_lookup_update": results["ours_lookup_update"]["ids_per_s"] / results["baseline_lookup_update"]["ids_per_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--alpha", type=float, default=1.05)
+    parser.add_argument("--cache-ratios", type=float, nargs="+", default=[1.0, 0.2])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = per-core figures)")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    runs = []
+    ratios = args.cache_ratios if device.type == "cuda" else [1.0]
+    for n_rows in args.rows:
+        for ratio in ratios:
+            run = bench_one(n_rows, args.dim, args.batch, args.alpha, ratio, device, args.repeat)
+            runs.append(run)
+            r = run["results"]
+            print(f"rows={n_rows:>9,} cache={ratio if device.type == 'cuda' else '-'}: "
+                  f"lookup {r['ours_lookup']['ids_per_s'] / 1e6:7.2f} M ids/s {r['ours_lookup']['gb_per_s']:7.2f} GB/s "
+                  f"(baseline {r['baseline_lookup']['gb_per_s']:7.2f} GB/s, {run['ratio_lookup']:.2f}x) | "
+                  f"+update {r['ours_lookup_update']['ids_per_s'] / 1e6:7.2f} M ids/s ({run['ratio_lookup_update']:.2f}x) | "
+                  f"hit rate {run['top_tier_hit_rate']:.3f}", flush=True)
+    info = {"bench": "ps", "device": str(device), "threads": args.threads, "python": platform.python_version(),
+            "torch": torch.__version__, "machine": platform.platform(),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"ps-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(info, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
