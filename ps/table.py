@@ -117,7 +117,7 @@ class EmbeddingTable:
         self.stats["cache_hits"] += int((slots >= 0).sum())
         missing = slots < 0
         if bool(missing.any()):
-            slots[missing] = self._bring_up(keys[missing], counts[missing.cpu()] if self.sketch else None, now_ms, train, protect=slots[~missing])
+            slots[missing] = self._bring_up(keys[missing], counts[missing] if self.sketch else None, now_ms, train, protect=slots[~missing])
         admitted = slots >= 0
         if self.sketch is not None and train:
             self.sketch.add(keys[~missing], counts[~missing])  # keep counting present keys too
