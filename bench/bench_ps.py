@@ -1,8 +1,9 @@
 """Embedding store throughput: lookup and lookup+update of Zipf-distributed ids.
 
-Ours: ``EmbeddingTable.pull`` (unique ids, hash-index lookup, tier management, gather)
-plus the per-id gather ``rows[inverse]`` that hands one embedding per input id to the
-model; "+update" adds ``push`` (fused row-wise Adagrad on the unique rows).
+Ours: "lookup" is ``EmbeddingTable.lookup`` (serving reads: one embedding per id; on CUDA
+a fused Triton probe+gather when all ids hit the GPU cache, else the general path);
+"+update" is the training step: ``pull`` (unique ids, hash-index lookup, tier
+management, gather), the per-id gather, and ``push`` (fused row-wise Adagrad).
 
 Baseline, same run, same ids: a plain pre-sized ``torch.nn.Embedding`` whose ids were
 mapped to 0..N-1 beforehand (no dynamic ids, no tiers): ``index_select`` for lookup, and
@@ -83,8 +84,7 @@ def bench_one(n_rows: int, dim: int, batch: int, alpha: float, cache_ratio: floa
 
     def ours_lookup():
         clock[0] += 1
-        pulled = table.pull(id_batches[clock[0] % 8], now_ms=clock[0], train=False)
-        return pulled.embeddings()
+        return table.lookup(id_batches[clock[0] % 8], now_ms=clock[0])
 
     def ours_update():
         clock[0] += 1

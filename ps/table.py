@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ps import kernels
 from ps.admission import CountMinSketch
 from ps.optimizers import make_optimizer
 from ps.ssd import SsdTier
@@ -92,7 +93,7 @@ class EmbeddingTable:
         self._touched: list[torch.Tensor] = []
         self._deleted: list[torch.Tensor] = []
         self._generation = 0
-        self.stats = {"lookups": 0, "cache_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0}
+        self.stats = {"lookups": 0, "cache_hits": 0, "fused_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0}
 
     @property
     def top(self) -> RowStorage:
@@ -110,7 +111,8 @@ class EmbeddingTable:
 
     # ------------------------------------------------------------------ pull / push
     def pull(self, ids: torch.Tensor, now_ms: int, train: bool = True) -> Pulled:
-        keys, inverse, counts = torch.unique(ids.to(torch.int64).flatten(), return_inverse=True, return_counts=True)
+        ids = ids.to(self.top.device, torch.int64).flatten()
+        keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         top = self.top
         slots = top.slots_of(keys)
         self.stats["lookups"] += len(keys)
@@ -130,6 +132,20 @@ class EmbeddingTable:
         self.stats["not_admitted"] += int((~admitted).sum())
         self._generation += 1
         return Pulled(keys, inverse.to(rows.device), rows, admitted, slots[admitted], self._generation)
+
+    def lookup(self, ids: torch.Tensor, now_ms: int) -> torch.Tensor:
+        """Serving-style read: one embedding per id, zeros for ids without a row; never
+        creates rows. On CUDA, when every id hits the GPU cache, this is one fused
+        probe+gather kernel (ps/kernels.py); otherwise the general path brings rows up."""
+        ids = ids.to(self.top.device, torch.int64).flatten()
+        if self.cache is not None and kernels.available(self.device):
+            index = self.cache.index
+            rows, slots = kernels.probe_gather(ids, index._keys, index._values, index._bits, self.cache.weights)
+            if not bool((slots < 0).any()):
+                self.cache.last_seen.index_fill_(0, slots, now_ms)
+                self.stats["fused_hits"] += len(ids)
+                return rows
+        return self.pull(ids, now_ms, train=False).embeddings()
 
     def push(self, pulled: Pulled, grad: torch.Tensor) -> None:
         """Apply the optimizer to the admitted rows of ``pulled`` (grad: [unique, dim])."""

@@ -270,3 +270,27 @@ def test_bad_configurations_are_refused(tmp_path):
         ModelStore(str(tmp_path), "m").publish("delta", {}, {})
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         EmbeddingStore.restore(tmp_path)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookup_equals_the_general_path_and_never_creates_rows(tmp_path, device):
+    """On CUDA this covers the fused probe+gather kernel: hits, misses, evicted rows."""
+    table = EmbeddingTable(TableConfig("t", 24, init_std=0.1, gpu_cache_rows=300 if device == "cuda" else 0), device)
+    g = torch.Generator().manual_seed(3)
+    for step in range(20):  # 1000 keys through a 300-row cache: plenty of evictions
+        pulled = table.pull(torch.randint(0, 1000, (128,), generator=g) * 7919, now_ms=step)
+        table.push(pulled, torch.randn(len(pulled.keys), 24, generator=g).to(pulled.rows.device))
+    rows_before = len(table)
+    for step in range(20, 30):
+        ids = torch.randint(0, 1100, (256,), generator=g) * 7919  # some never seen
+        got = table.lookup(ids, now_ms=step).cpu()
+        found, values = table.read(ids)
+        expected = torch.zeros(len(ids), 24)
+        expected[found] = values
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert len(table) == rows_before
+    hot = torch.unique(ids[found])[:100]  # all resident now: the fused path answers alone
+    before = table.stats["fused_hits"]
+    torch.testing.assert_close(table.lookup(hot, now_ms=31).cpu(), table.read(hot)[1], rtol=0, atol=0)
+    if device == "cuda":
+        assert table.stats["fused_hits"] == before + len(hot)

@@ -1,0 +1,72 @@
+"""Fused GPU kernel for the cache-hit path: hash probe + row gather in one launch.
+
+Why: in torch the hit path is unique + several probe rounds (each a few kernels and a
+host sync) + gathers; for a 64k-id batch that is milliseconds of launch overhead around
+microseconds of memory traffic. This Triton kernel probes the cache's hash index and
+copies the row for every id in one pass, so the hit path costs about what a plain
+``index_select`` of the same rows costs (bench/RESULTS.md).
+
+Used only on CUDA with Triton installed; everything else takes the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
+
+from ps.hash_index import EMPTY, _MULTIPLIER
+
+MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
+                      n, multiplier, shift, mask, empty,
+                      DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = tl.load(ids_ptr + offs, mask=valid, other=0)
+        pos = ((key * multiplier) >> shift) & mask
+        slot = tl.full((BLOCK,), -1, tl.int64)
+        searching = valid
+        for _ in range(PROBES):
+            found = tl.load(index_keys_ptr + pos, mask=searching, other=empty)
+            hit = searching & (found == key)
+            value = tl.load(index_values_ptr + pos, mask=hit, other=-1)
+            slot = tl.where(hit, value, slot)
+            searching = searching & (found != key) & (found != empty)
+            pos = (pos + 1) & mask
+        slot = tl.where(searching, -2, slot)  # -2: gave up probing, let torch decide
+        tl.store(slots_ptr + offs, slot, mask=valid)
+        cols = tl.arange(0, DIM_BLOCK)
+        col_ok = cols < DIM
+        have = (slot >= 0)[:, None] & col_ok[None, :]
+        rows = tl.load(weights_ptr + tl.where(slot >= 0, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
+        tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
+
+
+def probe_gather(ids: torch.Tensor, index_keys: torch.Tensor, index_values: torch.Tensor, bits: int,
+                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n, dim], slots [n]): slot -1 = absent, -2 = undecided after MAX_PROBES."""
+    n, dim = len(ids), weights.shape[1]
+    out = torch.empty(n, dim, device=ids.device, dtype=weights.dtype)
+    slots = torch.empty(n, device=ids.device, dtype=torch.int64)
+    if n == 0:
+        return out, slots
+    block = 128 if dim <= 64 else 32
+    grid = (triton.cdiv(n, block),)
+    _probe_gather[grid](ids, index_keys, index_values, weights, out, slots,
+                        n, _MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
+                        DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES)
+    return out, slots
