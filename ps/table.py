@@ -149,6 +149,7 @@ class EmbeddingTable:
 
     def push(self, pulled: Pulled, grad: torch.Tensor) -> None:
         """Apply the optimizer to the admitted rows of ``pulled`` (grad: [unique, dim])."""
+        grad = grad.to(self.top.device)
         if pulled.generation != self._generation:
             # another pull may have evicted or moved rows since: find them again
             slots = self.top.slots_of(pulled.keys[pulled.admitted])
@@ -193,8 +194,10 @@ class EmbeddingTable:
         if len(found_k):
             self._make_room(len(found_k), protect)
             self.top.add(found_k, found_w, found_s, found_t)
-            if self.cache is None:
-                self._spill_dram(protect=torch.cat([protect.cpu(), self.dram.slots_of(found_k)]))
+        # Spill only now, once every row of this batch is in the top tier: a spill earlier
+        # could send a row to SSD that is about to be cached, leaving two copies.
+        batch = torch.empty(0, dtype=torch.int64) if self.cache is not None else torch.cat([protect.cpu(), self.dram.slots_of(found_k)])
+        self._spill_dram(protect=batch)
         return self.top.slots_of(keys)
 
     def _take_from_lower(self, keys: torch.Tensor):
@@ -212,7 +215,6 @@ class EmbeddingTable:
             self.stats["ssd_reads"] += len(got[0])
             if self.cache is not None and len(got[0]):
                 self.dram.add(*got)  # DRAM stays the home of every cached row
-                self._spill_dram(protect=self.dram.slots_of(got[0]))
             parts.append(got)
         if not parts:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, self.config.dim), torch.empty(0, self.state_dim), torch.empty(0, dtype=torch.int64)
@@ -242,7 +244,6 @@ class EmbeddingTable:
         self.dram.last_seen[slots[present]] = t[present]
         if bool((~present).any()):
             self.dram.add(k[~present], w[~present], s[~present], t[~present])
-        self._spill_dram(protect=torch.empty(0, dtype=torch.int64))
 
     def _spill_dram(self, protect: torch.Tensor) -> None:
         budget = self.config.dram_rows

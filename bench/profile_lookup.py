@@ -1,0 +1,39 @@
+"""Where the time of one GPU lookup batch goes (a diagnostic for bench_ps.py)."""
+
+import time
+
+import torch
+
+from bench.bench_ps import zipf_ranks
+from ps import kernels
+from ps.table import EmbeddingTable, TableConfig
+
+N, B = 1_000_000, 65536
+g = torch.Generator().manual_seed(0)
+keys = torch.randint(1, 2**62, (N,), generator=g)
+table = EmbeddingTable(TableConfig("b", 64, gpu_cache_rows=N), "cuda")
+table.load_rows(keys, torch.randn(N, 64))
+ids = keys[zipf_ranks(N, B, 1.05, g)].cuda()
+table.lookup(ids, 1)
+table.lookup(ids, 2)
+
+
+def t(name, fn, r=50):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(r):
+        fn()
+    torch.cuda.synchronize()
+    print(f"{name:28s} {(time.perf_counter() - t0) / r * 1e6:9.1f} us")
+
+
+idx = table.cache.index
+print("fused hits so far", table.stats["fused_hits"], "cache rows", len(table.cache), "index slots", idx.slots)
+t("lookup()", lambda: table.lookup(ids, 3))
+t("kernel only", lambda: kernels.probe_gather(ids, idx._keys, idx._values, idx._bits, table.cache.weights))
+_, slots = kernels.probe_gather(ids, idx._keys, idx._values, idx._bits, table.cache.weights)
+print("slots<0:", int((slots < 0).sum()), "slots==-2:", int((slots == -2).sum()))
+t("index_select same slots", lambda: table.cache.weights.index_select(0, slots.clamp(min=0)))
+t("torch hash lookup", lambda: idx.lookup(ids))
+t("unique", lambda: torch.unique(ids, return_inverse=True, return_counts=True))
