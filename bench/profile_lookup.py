@@ -37,3 +37,14 @@ print("slots<0:", int((slots < 0).sum()), "slots==-2:", int((slots == -2).sum())
 t("index_select same slots", lambda: table.cache.weights.index_select(0, slots.clamp(min=0)))
 t("torch hash lookup", lambda: idx.lookup(ids))
 t("unique", lambda: torch.unique(ids, return_inverse=True, return_counts=True))
+
+# The benchmark's situation: rows loaded into DRAM, then lookups of 8 different batches.
+table2 = EmbeddingTable(TableConfig("b2", 64, gpu_cache_rows=N), "cuda")
+table2.load_rows(keys, torch.randn(N, 64))
+batches = [keys[zipf_ranks(N, B, 1.05, g)].cuda() for _ in range(8)]
+for rnd in range(3):
+    for i, b in enumerate(batches):
+        before = table2.stats["fused_hits"]
+        table2.lookup(b, rnd * 8 + i)
+        _, sl = kernels.probe_gather(b, table2.cache.index._keys, table2.cache.index._values, table2.cache.index._bits, table2.cache.weights)
+        print(f"round {rnd} batch {i}: fused={table2.stats['fused_hits'] > before} missing_after={int((sl < 0).sum())} cache_rows={len(table2.cache)}")
