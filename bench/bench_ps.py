@@ -132,7 +132,12 @@ def main() -> None:
     ratios = args.cache_ratios if device.type == "cuda" else [1.0]
     for n_rows in args.rows:
         for ratio in ratios:
-            run = bench_one(n_rows, args.dim, args.batch, args.alpha, ratio, device, args.repeat)
+            try:
+                run = bench_one(n_rows, args.dim, args.batch, args.alpha, ratio, device, args.repeat)
+            except RuntimeError as exc:  # e.g. a cache smaller than one batch's unique ids
+                print(f"rows={n_rows:>9,} cache={ratio}: skipped ({exc})", flush=True)
+                runs.append({"rows": n_rows, "cache_ratio": ratio, "batch": args.batch, "skipped": str(exc)})
+                continue
             runs.append(run)
             r = run["results"]
             print(f"rows={n_rows:>9,} cache={ratio if device.type == 'cuda' else '-'}: "
