@@ -17,7 +17,7 @@ from tests.conftest import run_cli
         (("setup", "flink-jars"), ["--wheel", "--verify", "sha256"]),
         (("generate",), ["--rate", "--duration", "--bad-fraction", "--seed", "--out", "--format", "generator.rate: 2000"]),
         (("demo",), ["--duration", "--keep-broker"]),
-        (("bench",), ["generator"]),
+        (("bench",), ["generator", "ps"]),
     ],
 )
 def test_help(args, expected):
