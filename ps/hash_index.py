@@ -17,7 +17,7 @@ import torch
 EMPTY = -(2**63)
 TOMBSTONE = -(2**63) + 1
 RESERVED_KEYS = (EMPTY, TOMBSTONE)
-_MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
 MAX_LOAD = 0.5
 
 
@@ -41,7 +41,7 @@ class HashIndex:
         return 1 << self._bits
 
     def _hash(self, keys: torch.Tensor) -> torch.Tensor:
-        return ((keys * _MULTIPLIER) >> (64 - self._bits)) & ((1 << self._bits) - 1)
+        return ((keys * MULTIPLIER) >> (64 - self._bits)) & ((1 << self._bits) - 1)
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Values for ``keys`` (-1 where absent). Works for duplicate keys."""
@@ -102,6 +102,15 @@ class HashIndex:
             keep = ~(hit | (found == EMPTY))
             active, pos = active[keep], (pos[keep] + 1) & mask
         return out
+
+    @property
+    def bits(self) -> int:
+        """log2 of the slot count (kernels reproduce the hash with it)."""
+        return self._bits
+
+    def raw_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (keys, values) slot arrays, for kernels that probe the index themselves."""
+        return self._keys, self._values
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         live = self._keys > TOMBSTONE

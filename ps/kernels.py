@@ -19,7 +19,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-from ps.hash_index import EMPTY, _MULTIPLIER
+from ps.hash_index import EMPTY, MULTIPLIER, HashIndex
 
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
 
@@ -56,9 +56,11 @@ if triton is not None:
         tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
 
 
-def probe_gather(ids: torch.Tensor, index_keys: torch.Tensor, index_values: torch.Tensor, bits: int,
-                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, dim], slots [n]): slot -1 = absent, -2 = undecided after MAX_PROBES."""
+def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [n, dim], slots [n]) for ids looked up in ``index`` over ``weights``:
+    slot -1 = absent, -2 = undecided after MAX_PROBES (rows are zeros for both)."""
+    index_keys, index_values = index.raw_tables()
+    bits = index.bits
     n, dim = len(ids), weights.shape[1]
     out = torch.empty(n, dim, device=ids.device, dtype=weights.dtype)
     slots = torch.empty(n, device=ids.device, dtype=torch.int64)
@@ -67,6 +69,6 @@ def probe_gather(ids: torch.Tensor, index_keys: torch.Tensor, index_values: torc
     block = 128 if dim <= 64 else 32
     grid = (triton.cdiv(n, block),)
     _probe_gather[grid](ids, index_keys, index_values, weights, out, slots,
-                        n, _MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
+                        n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
                         DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES)
     return out, slots

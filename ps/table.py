@@ -100,7 +100,7 @@ class EmbeddingTable:
         return self.cache if self.cache is not None else self.dram
 
     def __len__(self) -> int:
-        """Rows that exist, in any tier (cache rows are also counted in DRAM or not: see _resident)."""
+        """Rows that exist in any tier, each counted once (a cached row may also have a DRAM copy)."""
         return len(self.dram) + (self.ssd.count if self.ssd else 0) + self._cache_only()
 
     def _cache_only(self) -> int:
@@ -139,8 +139,7 @@ class EmbeddingTable:
         probe+gather kernel (ps/kernels.py); otherwise the general path brings rows up."""
         ids = ids.to(self.top.device, torch.int64).flatten()
         if self.cache is not None and kernels.available(self.device):
-            index = self.cache.index
-            rows, slots = kernels.probe_gather(ids, index._keys, index._values, index._bits, self.cache.weights)
+            rows, slots = kernels.probe_gather(ids, self.cache.index, self.cache.weights)
             if not bool((slots < 0).any()):
                 self.cache.last_seen.index_fill_(0, slots, now_ms)
                 self.stats["fused_hits"] += len(ids)

@@ -97,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-truth", action="store_true", help="don't write the ground truth (topics.truth)")
     gen.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    config = add("config", "print the effective configuration as JSON")
-    del config
+    add("config", "print the effective configuration as JSON")
 
     demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
     demo.add_argument("--duration", type=float, default=20.0, help="seconds of live traffic")
