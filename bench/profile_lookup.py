@@ -31,8 +31,8 @@ def t(name, fn, r=50):
 idx = table.cache.index
 print("fused hits so far", table.stats["fused_hits"], "cache rows", len(table.cache), "index slots", idx.slots)
 t("lookup()", lambda: table.lookup(ids, 3))
-t("kernel only", lambda: kernels.probe_gather(ids, idx, table.cache.weights))
-_, slots = kernels.probe_gather(ids, idx, table.cache.weights)
+t("kernel only", lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4))
+_, slots, _ = kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4)
 print("slots<0:", int((slots < 0).sum()), "slots==-2:", int((slots == -2).sum()))
 t("index_select same slots", lambda: table.cache.weights.index_select(0, slots.clamp(min=0)))
 t("torch hash lookup", lambda: idx.lookup(ids))
@@ -46,5 +46,5 @@ for rnd in range(3):
     for i, b in enumerate(batches):
         before = table2.stats["fused_hits"]
         table2.lookup(b, rnd * 8 + i)
-        _, sl = kernels.probe_gather(b, table2.cache.index, table2.cache.weights)
+        _, sl, _ = kernels.probe_gather(b, table2.cache.index, table2.cache.weights, table2.cache.last_seen, rnd * 8 + i)
         print(f"round {rnd} batch {i}: fused={table2.stats['fused_hits'] > before} missing_after={int((sl < 0).sum())} cache_rows={len(table2.cache)}")

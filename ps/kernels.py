@@ -32,7 +32,7 @@ if triton is not None:
 
     @triton.jit
     def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
-                      n, multiplier, shift, mask, empty,
+                      last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty,
                       DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
@@ -49,6 +49,11 @@ if triton is not None:
             pos = (pos + 1) & mask
         slot = tl.where(searching, -2, slot)  # -2: gave up probing, let torch decide
         tl.store(slots_ptr + offs, slot, mask=valid)
+        # LRU clock of the rows hit, and a count of ids not answered here, in the same pass
+        # (saves a launch and a separate reduction before the host decides on a fallback).
+        is_hit = slot >= 0
+        tl.store(last_seen_ptr + tl.where(is_hit, slot, 0), now + tl.zeros((BLOCK,), tl.int64), mask=is_hit)
+        tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
         cols = tl.arange(0, DIM_BLOCK)
         col_ok = cols < DIM
         have = (slot >= 0)[:, None] & col_ok[None, :]
@@ -56,19 +61,22 @@ if triton is not None:
         tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
 
 
-def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [n, dim], slots [n]) for ids looked up in ``index`` over ``weights``:
-    slot -1 = absent, -2 = undecided after MAX_PROBES (rows are zeros for both)."""
+def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, last_seen: torch.Tensor,
+                 now_ms: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [n, dim], slots [n], misses [1]) for ids looked up in ``index`` over ``weights``:
+    slot -1 = absent, -2 = undecided after MAX_PROBES (rows are zeros for both); the rows
+    hit get ``last_seen = now_ms``; ``misses`` counts the ids that were not hits."""
     index_keys, index_values = index.raw_tables()
     bits = index.bits
     n, dim = len(ids), weights.shape[1]
     out = torch.empty(n, dim, device=ids.device, dtype=weights.dtype)
     slots = torch.empty(n, device=ids.device, dtype=torch.int64)
+    misses = torch.zeros(1, device=ids.device, dtype=torch.int32)
     if n == 0:
-        return out, slots
+        return out, slots, misses
     block = 128 if dim <= 64 else 32
     grid = (triton.cdiv(n, block),)
-    _probe_gather[grid](ids, index_keys, index_values, weights, out, slots,
+    _probe_gather[grid](ids, index_keys, index_values, weights, out, slots, last_seen, misses, now_ms,
                         n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
                         DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES)
-    return out, slots
+    return out, slots, misses

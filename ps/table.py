@@ -139,9 +139,8 @@ class EmbeddingTable:
         probe+gather kernel (ps/kernels.py); otherwise the general path brings rows up."""
         ids = ids.to(self.top.device, torch.int64).flatten()
         if self.cache is not None and kernels.available(self.device):
-            rows, slots = kernels.probe_gather(ids, self.cache.index, self.cache.weights)
-            if not bool((slots < 0).any()):
-                self.cache.last_seen.index_fill_(0, slots, now_ms)
+            rows, _, misses = kernels.probe_gather(ids, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms)
+            if int(misses.item()) == 0:  # the one host sync of the hit path
                 self.stats["fused_hits"] += len(ids)
                 return rows
         return self.pull(ids, now_ms, train=False).embeddings()
