@@ -294,3 +294,5 @@ def test_lookup_equals_the_general_path_and_never_creates_rows(tmp_path, device)
     torch.testing.assert_close(table.lookup(hot, now_ms=31).cpu(), table.read(hot)[1], rtol=0, atol=0)
     if device == "cuda":
         assert table.stats["fused_hits"] == before + len(hot)
+    top = table.top  # the LRU clock of every row read moved to the lookup's time
+    assert top.last_seen[top.slots_of(hot.to(top.device))].eq(31).all()
