@@ -31,7 +31,14 @@ def t(name, fn, r=50):
 idx = table.cache.index
 print("fused hits so far", table.stats["fused_hits"], "cache rows", len(table.cache), "index slots", idx.slots)
 t("lookup()", lambda: table.lookup(ids, 3))
-t("kernel only", lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4))
+for clock in (False, True):
+    for count in (False, True):
+        t(f"kernel clock={clock:d} count={count:d}",
+          lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, clock, count))
+slots_only = kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, False)[1]
+t("kernel + index_fill_ clock", lambda: (kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, True),
+                                         table.cache.last_seen.index_fill_(0, slots_only, 4)))
+t("kernel + misses.item()", lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, True)[2].item())
 _, slots, _ = kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4)
 print("slots<0:", int((slots < 0).sum()), "slots==-2:", int((slots == -2).sum()))
 t("index_select same slots", lambda: table.cache.weights.index_select(0, slots.clamp(min=0)))

@@ -33,7 +33,8 @@ if triton is not None:
     @triton.jit
     def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
                       last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty,
-                      DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+                      DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
+                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         key = tl.load(ids_ptr + offs, mask=valid, other=0)
@@ -52,8 +53,10 @@ if triton is not None:
         # LRU clock of the rows hit, and a count of ids not answered here, in the same pass
         # (saves a launch and a separate reduction before the host decides on a fallback).
         is_hit = slot >= 0
-        tl.store(last_seen_ptr + tl.where(is_hit, slot, 0), now + tl.zeros((BLOCK,), tl.int64), mask=is_hit)
-        tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
+        if UPDATE_CLOCK:
+            tl.store(last_seen_ptr + tl.where(is_hit, slot, 0), now + tl.zeros((BLOCK,), tl.int64), mask=is_hit)
+        if COUNT_MISSES:
+            tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
         cols = tl.arange(0, DIM_BLOCK)
         col_ok = cols < DIM
         have = (slot >= 0)[:, None] & col_ok[None, :]
@@ -62,7 +65,7 @@ if triton is not None:
 
 
 def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, last_seen: torch.Tensor,
-                 now_ms: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 now_ms: int, update_clock: bool = True, count_misses: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows [n, dim], slots [n], misses [1]) for ids looked up in ``index`` over ``weights``:
     slot -1 = absent, -2 = undecided after MAX_PROBES (rows are zeros for both); the rows
     hit get ``last_seen = now_ms``; ``misses`` counts the ids that were not hits."""
@@ -78,5 +81,6 @@ def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, las
     grid = (triton.cdiv(n, block),)
     _probe_gather[grid](ids, index_keys, index_values, weights, out, slots, last_seen, misses, now_ms,
                         n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
-                        DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES)
+                        DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES,
+                        UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses)
     return out, slots, misses
