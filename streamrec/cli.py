@@ -97,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-truth", action="store_true", help="don't write the ground truth (topics.truth)")
     gen.add_argument("--json", action="store_true", help="print the summary as JSON")
 
+    pipeline = add("pipeline", "turn raw events into labelled samples")
+    psub = pipeline.add_subparsers(dest="pipeline_command", metavar="ACTION", required=True)
+    offline = psub.add_parser(
+        "offline", help="build samples in-process from a `generate --out` run (no Flink)",
+        description="Build labelled samples with point-in-time features from a generator run directory, "
+                    "exactly (the reference implementation of the sample contract, docs/samples.md). "
+                    "Writes samples.parquet and rejected.jsonl into the run directory (or --out).")
+    _common(offline)
+    offline.add_argument("run", help="directory written by `streamrec generate --out`")
+    offline.add_argument("--out", help="output directory (default: the run directory)")
+    offline.add_argument("--attribution-window-s", type=float, default=10.0, help="click-to-impression window (default 10)")
+    offline.add_argument("--history-len", type=int, default=50, help="clicked items remembered per user (default 50)")
+
     add("config", "print the effective configuration as JSON")
 
     demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
@@ -266,6 +279,24 @@ def print_generate_summary(s) -> None:
     )
 
 
+# ---------------------------------------------------------------- pipeline
+def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
+    from collections import Counter
+
+    from pipelines.samples import SampleBuilder, SampleSpec, read_run, write_samples
+
+    spec = SampleSpec(history_len=args.history_len, attribution_window_s=args.attribution_window_s)
+    builder = SampleBuilder(spec).add_all(read_run(args.run))
+    table = builder.build()
+    samples_path, rejected_path = write_samples(table, builder.rejected, args.out or args.run)
+    labels = table.column("label").to_pylist()
+    reasons = Counter(r.reason.split(":")[0] for r in builder.rejected)
+    print(f"{len(labels):,} samples ({sum(labels):,} positive, {sum(labels) / max(1, len(labels)):.2%}) -> {samples_path}\n"
+          f"{len(builder.rejected):,} rejected ({', '.join(f'{k}={v}' for k, v in sorted(reasons.items())) or 'none'}) -> {rejected_path}\n"
+          f"{builder.duplicates:,} duplicate events ignored")
+    return 0
+
+
 # ---------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{args.part}.py"
@@ -303,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             from streamrec.demo import run_demo
 
             return run_demo(args, cfg)
-        handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+        handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "pipeline": cmd_pipeline,
+                   "bench": cmd_bench}[args.command]
         return handler(args, cfg)
     except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)
