@@ -10,7 +10,8 @@ from tests.conftest import run_cli
 @pytest.mark.parametrize(
     "args, expected",
     [
-        ((), ["kafka", "generate", "setup", "demo", "bench", "STREAMREC_KAFKA__BOOTSTRAP"]),
+        ((), ["kafka", "generate", "pipeline", "setup", "demo", "bench", "STREAMREC_KAFKA__BOOTSTRAP"]),
+        (("pipeline", "offline"), ["--attribution-window-s", "--history-len", "samples.parquet"]),
         (("kafka",), ["up", "down", "status"]),
         (("kafka", "up"), ["--partitions", "--port", "--bootstrap", "--config"]),
         (("kafka", "status"), ["--json"]),
