@@ -79,7 +79,7 @@ def validate_event(raw: bytes | str, now_ms: int | None = None) -> dict[str, Any
     if not isinstance(event, dict):
         raise InvalidEvent(f"{NOT_AN_OBJECT}: got {type(event).__name__}")
     kind = event.get("type")
-    if kind not in EVENT_TYPES:
+    if not isinstance(kind, str) or kind not in EVENT_TYPES:  # a list or object is unhashable
         raise InvalidEvent(f"{UNKNOWN_TYPE}: {kind!r}")
     _check_fields(event, EVENT_TYPES[kind], "")
     if kind == "impression":

@@ -191,6 +191,8 @@ def test_injection_leaves_the_good_stream_unchanged(world_config):
         (b"not json", ev.MALFORMED_JSON),
         (b"[1, 2]", ev.NOT_AN_OBJECT),
         (b'{"type": "view"}', ev.UNKNOWN_TYPE),
+        (b'{"type": ["click"]}', ev.UNKNOWN_TYPE),
+        (b'{"type": {"a": 1}}', ev.UNKNOWN_TYPE),
         (b'{"type": "click", "event_id": "e", "ts": 5, "user_id": true, "item_id": 1, "request_id": "r"}', "wrong_type:user_id"),
         (b'{"type": "click", "event_id": "", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r"}', "invalid_value:event_id"),
         (b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 0, "request_id": "r"}', "invalid_value:item_id"),
