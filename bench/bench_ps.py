@@ -114,6 +114,33 @@ def bench_one(n_rows: int, dim: int, batch: int, alpha: float, cache_ratio: floa
     }
 
 
+def bench_snapshot(n_touched: int, dim: int, device: torch.device) -> dict:
+    """How long ``EmbeddingStore.snapshot("delta")`` (the part of a publish that stalls
+    training) takes for ``n_touched`` touched rows. Baseline: copying the same number of
+    rows out of a dense tensor with one ``index_select`` (the least any snapshot must do)."""
+    from ps.store import EmbeddingStore
+
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randint(1, 2**62, (n_touched,), generator=gen)
+    cache_rows = n_touched if device.type == "cuda" else 0
+    store = EmbeddingStore([TableConfig("t", dim, gpu_cache_rows=cache_rows)], device)
+    table = store["t"]
+    for lo in range(0, n_touched, 262144):  # touch every row through the training path
+        pulled = table.pull(keys[lo : lo + 262144].to(device), now_ms=1)
+        table.push(pulled, torch.zeros_like(pulled.rows))
+    sync(device)
+    t0 = time.perf_counter()
+    snap = store.snapshot("delta")
+    sync(device)
+    seconds = time.perf_counter() - t0
+    dense = torch.randn(n_touched, dim, device=device)
+    idx = torch.randperm(n_touched, device=device)
+    base = timeit(lambda: dense.index_select(0, idx).cpu(), device, 3)
+    assert len(snap["t"].keys) == n_touched
+    return {"touched_rows": n_touched, "dim": dim, "snapshot_s": seconds, "baseline_copy_s": base,
+            "ms_per_million_rows": seconds * 1e3 / (n_touched / 1e6), "ratio_vs_copy": seconds / base}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -124,6 +151,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = per-core figures)")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--snapshot-rows", type=int, default=1_000_000, help="touched rows for the publish-snapshot timing (0: skip)")
     parser.add_argument("--out", default="bench/out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,7 +173,12 @@ def main() -> None:
                   f"(baseline {r['baseline_lookup']['gb_per_s']:7.2f} GB/s, {run['ratio_lookup']:.2f}x) | "
                   f"+update {r['ours_lookup_update']['ids_per_s'] / 1e6:7.2f} M ids/s ({run['ratio_lookup_update']:.2f}x) | "
                   f"hit rate {run['top_tier_hit_rate']:.3f} fused {r['ours_lookup']['table_stats_after']['fused_hits']:,}", flush=True)
-    info = {"bench": "ps", "device": str(device), "threads": args.threads, "python": platform.python_version(),
+    snapshot = bench_snapshot(args.snapshot_rows, args.dim, device) if args.snapshot_rows else None
+    if snapshot:
+        print(f"publish snapshot of {snapshot['touched_rows']:,} touched rows: {snapshot['snapshot_s'] * 1e3:.0f} ms "
+              f"({snapshot['ms_per_million_rows']:.0f} ms per million; a bare copy of the same rows: "
+              f"{snapshot['baseline_copy_s'] * 1e3:.0f} ms, {snapshot['ratio_vs_copy']:.1f}x)", flush=True)
+    info = {"bench": "ps", "device": str(device), "snapshot": snapshot, "threads": args.threads, "python": platform.python_version(),
             "torch": torch.__version__, "machine": platform.platform(),
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "runs": runs}
     out = Path(args.out)
