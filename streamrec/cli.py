@@ -207,7 +207,6 @@ def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
 
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
-    from pipelines.generator.runner import generate
     from pipelines.generator.sinks import FileSink, KafkaSink
     from pipelines.generator.traffic import Traffic, TrafficConfig
 

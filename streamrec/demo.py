@@ -36,7 +36,6 @@ class Readback:
     truth_bad: int = 0
     p: list[float] = field(default_factory=list)
     clicked: list[bool] = field(default_factory=list)
-    end_record: dict | None = None
 
 
 def end_offsets(bootstrap: str, topic: str, timeout_s: float) -> dict[TopicPartition, int]:
@@ -118,8 +117,6 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
                     rb.clicked.append(row["clicked"])
                 elif row["kind"] == "bad":
                     rb.truth_bad += 1
-                elif row["kind"] == "end":
-                    rb.end_record = row
         print_readback(rb, summary)
         ok = (
             rb.events_by_type["impression"] == summary.impressions

@@ -1,11 +1,8 @@
 """The embedded broker's lifecycle through the real CLI: up, status, down, errors, persistence."""
 
 import json
-import os
 import socket
 
-import pytest
-from kafka import TopicPartition
 
 from streamrec.bus.broker import EmbeddedBroker, _alive
 from streamrec.bus.clients import make_consumer, make_producer

@@ -1,7 +1,6 @@
 """The Flink Kafka connector jars: pinned checksums, tamper detection, and a real PyFlink
 mini-cluster reading the embedded broker through them."""
 
-import os
 import shutil
 
 import pytest

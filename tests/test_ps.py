@@ -2,7 +2,6 @@
 model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
 CUDA is present (the same tests, on the `cuda` parameter)."""
 
-import json
 import os
 import random
 import signal

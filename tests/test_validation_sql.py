@@ -2,7 +2,6 @@
 the generator can produce (and the hand-made edge cases), run on a real PyFlink
 mini-cluster."""
 
-import orjson
 import pyarrow.parquet as pq
 import pytest
 
