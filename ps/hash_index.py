@@ -43,21 +43,32 @@ class HashIndex:
     def _hash(self, keys: torch.Tensor) -> torch.Tensor:
         return ((keys * MULTIPLIER) >> (64 - self._bits)) & ((1 << self._bits) - 1)
 
-    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
-        """Values for ``keys`` (-1 where absent). Works for duplicate keys."""
-        keys = keys.to(self.device, torch.int64)
-        out = torch.full_like(keys, -1)
+    def _find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices into ``keys``, slot positions) of the keys that are present.
+
+        Probes the whole batch per round: each unresolved key looks at its current
+        position; hits and empty slots resolve it, the rest move one slot on.
+        """
+        found_idx = [torch.empty(0, dtype=torch.int64, device=self.device)]
+        found_pos = [torch.empty(0, dtype=torch.int64, device=self.device)]
         active = torch.arange(len(keys), device=self.device)
         pos = self._hash(keys)
         mask = self.slots - 1
         while len(active):
             found = self._keys[pos]
-            want = keys[active]
-            hit = found == want
-            if bool(hit.any()):
-                out[active[hit]] = self._values[pos[hit]]
+            hit = found == keys[active]
+            found_idx.append(active[hit])
+            found_pos.append(pos[hit])
             keep = ~(hit | (found == EMPTY))
             active, pos = active[keep], (pos[keep] + 1) & mask
+        return torch.cat(found_idx), torch.cat(found_pos)
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Values for ``keys`` (-1 where absent). Works for duplicate keys."""
+        keys = keys.to(self.device, torch.int64)
+        out = torch.full_like(keys, -1)
+        idx, pos = self._find(keys)
+        out[idx] = self._values[pos]
         return out
 
     def insert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -89,18 +100,10 @@ class HashIndex:
         """Remove present keys; returns the values they had (-1 for absent ones)."""
         keys = keys.to(self.device, torch.int64)
         out = torch.full_like(keys, -1)
-        active = torch.arange(len(keys), device=self.device)
-        pos = self._hash(keys)
-        mask = self.slots - 1
-        while len(active):
-            found = self._keys[pos]
-            hit = found == keys[active]
-            if bool(hit.any()):
-                out[active[hit]] = self._values[pos[hit]]
-                self._keys[pos[hit]] = TOMBSTONE
-                self._values[pos[hit]] = -1
-            keep = ~(hit | (found == EMPTY))
-            active, pos = active[keep], (pos[keep] + 1) & mask
+        idx, pos = self._find(keys)
+        out[idx] = self._values[pos]
+        self._keys[pos] = TOMBSTONE
+        self._values[pos] = -1
         return out
 
     @property
