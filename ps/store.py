@@ -29,6 +29,66 @@ from ps.table import EmbeddingTable, TableConfig
 CHECKPOINT_FORMAT = 1
 
 
+class SnapshotTask:
+    """A snapshot read in chunks, so training can run between chunks.
+
+    The key set is fixed when the task begins (touched + deleted keys for a delta, every
+    key for a full). Each key's value is read when its chunk is stepped, so it is at
+    least as new as the moment the task began; a key changed in between is also tracked
+    for the next delta, so nothing is ever lost. A key without a row when read is
+    published as deleted (delta) or left out (full).
+    """
+
+    def __init__(self, store: "EmbeddingStore", kind: str) -> None:
+        self.kind = kind
+        self.rows_total = 0
+        self._queue: list[tuple[str, torch.Tensor]] = []
+        self._parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._tables = store.tables
+        for name, table in store.tables.items():
+            if kind == "full":
+                table.begin_delta()  # a full version supersedes the pending delta
+                keys = table.all_keys()
+            else:
+                keys = table.begin_delta()
+            self._queue.append((name, keys))
+            self._parts[name] = []
+            self.rows_total += len(keys)
+        self.rows_done = 0
+
+    @property
+    def done(self) -> bool:
+        return not self._queue
+
+    def step(self, max_rows: int) -> bool:
+        """Read up to ``max_rows`` more rows; True when the snapshot is complete."""
+        budget = max(1, max_rows)
+        while self._queue and budget > 0:
+            name, keys = self._queue[0]
+            chunk, rest = keys[:budget], keys[budget:]
+            found, values = self._tables[name].read(chunk)
+            self._parts[name].append((chunk[found], values, chunk[~found]))
+            budget -= len(chunk)
+            self.rows_done += len(chunk)
+            if len(rest):
+                self._queue[0] = (name, rest)
+            else:
+                self._queue.pop(0)
+        return self.done
+
+    def result(self) -> dict[str, SparseDelta]:
+        if not self.done:
+            raise RuntimeError("snapshot not complete: step() it until it returns True")
+        out = {}
+        for name, parts in self._parts.items():
+            dim = self._tables[name].config.dim
+            keys = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
+            values = torch.cat([p[1] for p in parts]) if parts else torch.empty(0, dim)
+            deleted = torch.cat([p[2] for p in parts]) if parts and self.kind == "delta" else torch.empty(0, dtype=torch.int64)
+            out[name] = SparseDelta(keys, values, deleted)
+        return out
+
+
 class EmbeddingStore:
     def __init__(self, configs: list[TableConfig], device: torch.device | str = "cpu", work_dir: Path | None = None, seed: int = 0) -> None:
         names = [c.name for c in configs]
@@ -44,20 +104,21 @@ class EmbeddingStore:
     def __getitem__(self, name: str) -> EmbeddingTable:
         return self.tables[name]
 
+    def begin_snapshot(self, kind: str) -> "SnapshotTask":
+        """Start a snapshot of what a version of ``kind`` needs; resets delta tracking.
+        Advance it with ``step`` between training steps to bound each pause."""
+        if kind not in ("full", "delta"):
+            raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
+        return SnapshotTask(self, kind)
+
     def snapshot(self, kind: str) -> dict[str, SparseDelta]:
-        """Copy what a version of ``kind`` needs; resets delta tracking. Fast: no I/O."""
+        """The whole snapshot in one call (no I/O)."""
         t0 = time.perf_counter()
-        out = {}
-        for name, table in self.tables.items():
-            keys, values, deleted = table.take_delta()
-            if kind == "full":
-                chunks = list(table.iter_rows())
-                keys = torch.cat([c[0] for c in chunks]) if chunks else torch.empty(0, dtype=torch.int64)
-                values = torch.cat([c[1] for c in chunks]) if chunks else torch.empty(0, table.config.dim)
-                deleted = torch.empty(0, dtype=torch.int64)
-            out[name] = SparseDelta(keys, values, deleted)
+        task = self.begin_snapshot(kind)
+        while not task.step(1 << 62):
+            pass
         self.last_snapshot_s = time.perf_counter() - t0
-        return out
+        return task.result()
 
     def publish(
         self,
@@ -68,10 +129,14 @@ class EmbeddingStore:
         background: bool = False,
     ) -> int | Future:
         """Snapshot now, write a version; with ``background`` return a Future of the version."""
-        tables = self.snapshot(kind)
         dense_copy = {k: v.detach().cpu().clone() for k, v in (dense or {}).items()}
+        return self.write(model_store, kind, self.snapshot(kind), dense_copy, meta, background)
+
+    def write(self, model_store: ModelStore, kind: str, tables: dict[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
+              meta: Mapping[str, Any] | None, background: bool = False) -> int | Future:
+        """Write a finished snapshot as a version (on the writer thread with ``background``)."""
         dims = {name: t.config.dim for name, t in self.tables.items()}
-        job = lambda: model_store.publish(kind, tables, dims, dense_copy, meta)  # noqa: E731
+        job = lambda: model_store.publish(kind, tables, dims, dense, meta)  # noqa: E731
         return self._writer.submit(job) if background else job()
 
     # ------------------------------------------------------------------ checkpoints

@@ -307,18 +307,28 @@ class EmbeddingTable:
         return len(keys)
 
     # ------------------------------------------------------------------ deltas and snapshots
-    def take_delta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, deleted keys) changed since the last call; resets the tracking.
-
-        A cheap, consistent snapshot: values are copied now, so training may continue while
-        the caller writes them out.
-        """
-        touched = torch.unique(torch.cat(self._touched)) if self._touched else torch.empty(0, dtype=torch.int64)
-        deleted = torch.unique(torch.cat(self._deleted)) if self._deleted else torch.empty(0, dtype=torch.int64)
+    def begin_delta(self) -> torch.Tensor:
+        """Keys changed (updated, created or deleted) since the last call; resets the
+        tracking. Read their values with :meth:`read` (in chunks, if the caller wants to
+        bound the pause): a key missing by then is a deletion."""
+        touched = self._touched + self._deleted
         self._touched, self._deleted = [], []
-        candidates = torch.unique(torch.cat([touched, deleted]))
+        return torch.unique(torch.cat(touched)) if touched else torch.empty(0, dtype=torch.int64)
+
+    def take_delta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values, deleted keys) changed since the last call, in one go."""
+        candidates = self.begin_delta()
         found, values = self.read(candidates)
         return candidates[found], values, candidates[~found]
+
+    def all_keys(self) -> torch.Tensor:
+        """Every key with a row, in any tier (for full versions)."""
+        parts = [self.dram.keys[self.dram.live_slots()]]
+        if self.cache is not None and len(self.cache):
+            parts.append(self.cache.keys[self.cache.live_slots()].cpu())
+        if self.ssd is not None:
+            parts += [k for k, _, _, _ in self.ssd.items()]
+        return torch.unique(torch.cat(parts))
 
     def iter_rows(self, with_state: bool = False, chunk: int = 65536):
         """Every row in every tier (each key once), in chunks: (keys, weights[, state, last_seen])."""

@@ -110,6 +110,35 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--attribution-window-s", type=float, default=10.0, help="click-to-impression window (default 10)")
     offline.add_argument("--history-len", type=int, default=50, help="clicked items remembered per user (default 50)")
 
+    t = tomllib.loads(default_config_text())["trainer"]
+    train = add("train", "continuous training from the samples topic (or sample files), publishing versions",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Resumes from the newest checkpoint under trainer.work_dir/<model>/checkpoints when one exists.\n"
+                       "Stops cleanly on Ctrl-C / SIGTERM: publishes what it trained, checkpoints, commits offsets.")
+    train.add_argument("--samples", nargs="+", metavar="PATH",
+                       help="train from these sample files or `pipeline offline` run dirs instead of the samples topic")
+    train.add_argument("--truth", metavar="PATH|topic",
+                       help="score the Bayes-optimal truth alongside: a generator run dir / truth.parquet, or 'topic'")
+    train.add_argument("--max-samples", type=int, default=0, help="stop after this many samples")
+    train.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds")
+    train.add_argument("--idle-exit", type=float, default=0.0, metavar="S", help="stop after S seconds without samples")
+    train.add_argument("--fresh", action="store_true", help="start over (earlier checkpoints are moved aside, not deleted)")
+    train.add_argument("--model", help="model name (model.name)")
+    train.add_argument("--model-store", help=f"model store root or URI (trainer.model_store: {t['model_store']})")
+    train.add_argument("--work-dir", help=f"checkpoints and SSD tier (trainer.work_dir: {t['work_dir']})")
+    train.add_argument("--batch-size", type=int, help=f"samples per step (trainer.batch_size: {t['batch_size']})")
+    train.add_argument("--publish-interval", type=float, metavar="S",
+                       help=f"seconds between versions (trainer.publish_interval_s: {t['publish_interval_s']:g})")
+    train.add_argument("--full-every", type=int, help=f"deltas between full versions (trainer.full_every: {t['full_every']})")
+    train.add_argument("--checkpoint-interval", type=float, metavar="S",
+                       help=f"seconds between checkpoints (trainer.checkpoint_interval_s: {t['checkpoint_interval_s']:g})")
+    train.add_argument("--warmup-samples", type=int, help=f"samples before the frozen baseline (trainer.warmup_samples: {t['warmup_samples']})")
+    train.add_argument("--device", help=f"auto | cpu | cuda[:N] (trainer.device: {t['device']})")
+    train.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (trainer.metrics_port)")
+    train.add_argument("--no-frozen", action="store_true", help="don't keep a frozen baseline (trainer.frozen_baseline)")
+    train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
+    train.add_argument("--json", action="store_true", help="print the final summary as JSON")
+
     add("config", "print the effective configuration as JSON")
 
     demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
@@ -133,6 +162,17 @@ def _config_from(args: argparse.Namespace) -> Config:
         "kafka.embedded_port": getattr(args, "port", None),
         "kafka.data_dir": getattr(args, "data_dir", None),
         "flink.jars_dir": getattr(args, "jars_dir", None),
+        "model.name": getattr(args, "model", None),
+        "trainer.model_store": getattr(args, "model_store", None),
+        "trainer.work_dir": getattr(args, "work_dir", None),
+        "trainer.batch_size": getattr(args, "batch_size", None),
+        "trainer.publish_interval_s": getattr(args, "publish_interval", None),
+        "trainer.full_every": getattr(args, "full_every", None),
+        "trainer.checkpoint_interval_s": getattr(args, "checkpoint_interval", None),
+        "trainer.warmup_samples": getattr(args, "warmup_samples", None),
+        "trainer.device": getattr(args, "device", None),
+        "trainer.metrics_port": getattr(args, "metrics_port", None),
+        "trainer.frozen_baseline": False if getattr(args, "no_frozen", False) else None,
     }
     return load_config(getattr(args, "config", None), overrides)
 
@@ -296,6 +336,26 @@ def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- train
+def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    from trainer.engine import TrainOptions, train
+
+    opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
+                        idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None)
+    summary = train(cfg, opts)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    scores = "  ".join(f"{s} AUC {summary[f'auc_{s}']:.4f} logloss {summary[f'logloss_{s}']:.4f}"
+                       for s in ("online", "frozen", "bayes") if f"auc_{s}" in summary)
+    print(f"trained {summary['samples_this_run']:,} samples in {summary['elapsed_s']:.1f} s "
+          f"({summary['samples_per_s']:,.0f}/s on {summary['device']}); {summary['samples']:,} in total\n"
+          f"last window: {scores or 'too few samples to score'}\n"
+          f"published {len(summary['published'])} versions this run (last: {summary['version']}); "
+          f"rejected samples: {summary['rejected'] or 'none'}")
+    return 0
+
+
 # ---------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{args.part}.py"
@@ -334,11 +394,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(args, cfg)
         handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "pipeline": cmd_pipeline,
-                   "bench": cmd_bench}[args.command]
+                   "train": cmd_train, "bench": cmd_bench}[args.command]
         return handler(args, cfg)
     except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from trainer.engine import TrainingError
+
+        if not isinstance(exc, TrainingError):
+            raise
+        print(f"streamrec: error: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("streamrec: interrupted", file=sys.stderr)
         return 130

@@ -84,11 +84,60 @@ class GeneratorConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    embedding_dim: int
+    history_len: int
+    attention_hidden: int
+    cross_layers: int
+    mlp: str
+    sparse_optimizer: str
+    sparse_lr: float
+    dense_lr: float
+    admit_after: int
+    ttl_s: float
+    dram_rows: int
+    gpu_cache_rows: int
+
+    @property
+    def mlp_widths(self) -> tuple[int, ...]:
+        try:
+            widths = tuple(int(w) for w in self.mlp.split(",") if w.strip())
+        except ValueError:
+            raise ConfigError(f"model.mlp must be comma-separated integers, got {self.mlp!r}") from None
+        if not widths or min(widths) < 1:
+            raise ConfigError(f"model.mlp must name at least one positive width, got {self.mlp!r}")
+        return widths
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    model_store: str
+    work_dir: str
+    batch_size: int
+    publish_interval_s: float
+    full_every: int
+    keep_fulls: int
+    publish_rows_per_step: int
+    checkpoint_interval_s: float
+    group: str
+    device: str
+    prefetch_batches: int
+    eval_window: int
+    warmup_samples: int
+    frozen_baseline: bool
+    metrics_port: int
+    progress_interval_s: float
+
+
+@dataclass(frozen=True)
 class Config:
     kafka: KafkaConfig
     topics: TopicsConfig
     flink: FlinkConfig
     generator: GeneratorConfig
+    model: ModelConfig
+    trainer: TrainerConfig
     source: str = "defaults"  # which files contributed, for `--help`/status output
 
 

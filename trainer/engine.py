@@ -1,0 +1,420 @@
+"""The training engine: one loop that pulls batches, trains, evaluates, publishes and
+checkpoints.
+
+Per step (all on one thread; the ps/ tables are single-writer)::
+
+    batch  <- prefetch queue (decoded, batched, pinned by a background thread)
+    pull   sparse rows (unique ids per table)          -- "lookup"
+    forward + backward                                 -- "forward_backward"
+    check the loss is finite (else stop, never publish)
+    dense optimizer step + fused sparse updates        -- "update"
+    score -> progressive validation (+ frozen, + Bayes)
+    publish slice (bounded) / checkpoint when due      -- "publish"
+
+Stopping (SIGINT/SIGTERM, ``max_samples``, ``max_seconds``, idle timeout, end of files)
+finishes the step, publishes what was trained since the last version, checkpoints, and
+commits the source positions.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipelines.samples import SampleSpec
+from ps.model_store import ModelStore
+from ps.store import EmbeddingStore
+from streamrec.config import Config
+from trainer.checkpoint import Checkpointer
+from trainer.evaluation import TruthLookup, WindowMetrics
+from trainer.features import SampleBatch, dense_feature_names
+from trainer.inference import InferenceModel
+from trainer.model import CTRModel, ModelSpec, table_configs
+from trainer.prefetch import END, IDLE, Prefetcher
+from trainer.progress import ProgressReporter, TrainerMetrics
+from trainer.publisher import PoisonedModel, Publisher
+from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource
+from trainer.sparse import SparseFeatures
+
+log = logging.getLogger("streamrec.trainer")
+PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
+
+
+@dataclass
+class TrainOptions:
+    """What one `streamrec train` run does (the rest comes from Config)."""
+
+    files: list[str] = field(default_factory=list)  # sample files/dirs; empty = the samples topic
+    truth: str | None = None  # generator run dir / truth file, "topic", or None
+    max_samples: int = 0  # stop after this many samples (0 = no limit)
+    max_seconds: float = 0.0
+    idle_exit_s: float = 0.0  # stop after this long without samples (0 = wait forever)
+    fresh: bool = False  # ignore existing checkpoints (moved aside, never deleted)
+    announce: bool | None = None  # announce versions on the topic; None = when reading Kafka
+    loop_files: bool = False  # benchmarks: read the files again and again
+    sync_timings: bool = False  # synchronize the device between phases (exact phase times; slower)
+    progress: bool = True
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what state is safe."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device is cuda but no CUDA device is available")
+    return device
+
+
+class Trainer:
+    def __init__(self, cfg: Config, opts: TrainOptions) -> None:
+        self.cfg, self.opts = cfg, opts
+        tcfg, mcfg = cfg.trainer, cfg.model
+        self.device = pick_device(tcfg.device)
+        self.sample_spec = SampleSpec(history_len=mcfg.history_len)
+        self.spec = ModelSpec.from_config(mcfg, len(dense_feature_names(self.sample_spec)))
+        self.home = Path(tcfg.work_dir) / mcfg.name
+        self.home.mkdir(parents=True, exist_ok=True)
+        self._lock_fh = open(self.home / "trainer.lock", "w")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainingError(f"another trainer is running for model {mcfg.name!r} (lock {self.home / 'trainer.lock'})") from None
+        for stale in self.home.glob("tiers-*"):  # SSD tiers of earlier runs: rebuilt from checkpoints
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tiers_dir = self.home / f"tiers-{int(time.time())}"
+        self.checkpointer = Checkpointer(self.home / "checkpoints")
+        self.model_store = ModelStore(tcfg.model_store, mcfg.name)
+        self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{cfg.topics.samples}"
+        self._stop = threading.Event()
+        self.times = {p: 0.0 for p in PHASES}
+        self.rejected: Counter = Counter()
+        self._restore_or_init()
+        self.sparse = SparseFeatures(self.store)
+        self.metrics = WindowMetrics(tcfg.eval_window)
+        self.prom = TrainerMetrics(tcfg.metrics_port)
+        self.truth = self._open_truth()
+        self.producer = None
+        announce = opts.announce if opts.announce is not None else not opts.files
+        if announce:
+            from streamrec.bus.clients import make_producer
+
+            self.producer = make_producer(cfg.kafka.bootstrap_servers, timeout_s=cfg.kafka.connect_timeout_s)
+        self.publisher = Publisher(self.store, self.model_store, tcfg.publish_interval_s, tcfg.full_every, tcfg.publish_rows_per_step,
+                                   tcfg.keep_fulls, self._announce if announce else None,
+                                   self.state.get("last_version"), self.state.get("deltas_since_full", 0))
+        self.frozen: InferenceModel | None = None
+        self._frozen_pending = False
+        if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
+            self._load_frozen(self.state["frozen_version"])
+        self.reporter = ProgressReporter(tcfg.progress_interval_s, self.home / "eval.jsonl") if opts.progress else None
+
+    # ------------------------------------------------------------------ set-up
+    def _restore_or_init(self) -> None:
+        latest = None
+        if self.opts.fresh:
+            if (self.home / "checkpoints").exists():
+                aside = self.home / f"checkpoints.old-{int(time.time())}"
+                (self.home / "checkpoints").rename(aside)
+                log.info("--fresh: earlier checkpoints moved to %s", aside)
+        else:
+            latest = self.checkpointer.latest()
+        self.model = CTRModel(self.spec).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.model.dense_lr)
+        if latest is None:
+            self.store = EmbeddingStore(table_configs(self.cfg.model), self.device, self.tiers_dir)
+            self.state: dict[str, Any] = {"step": 0, "samples": 0, "positions": {}, "trained_through_ms": 0, "source": self.source_name}
+            return
+        self.store, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
+        if self.state.get("source") != self.source_name:
+            raise TrainingError(f"checkpoint {latest} was trained from {self.state.get('source')}, not {self.source_name}; "
+                                "use --fresh to start over (old checkpoints are kept aside)")
+        if ModelSpec.from_json(self.state["model_spec"]) != self.spec:
+            raise TrainingError(f"checkpoint {latest} has model spec {self.state['model_spec']}, the config says {self.spec.to_json()}; "
+                                "use --fresh to start over")
+        self.model.load_state_dict(dense["model"])
+        self.optimizer.load_state_dict(dense["optimizer"])
+        self.rejected.update(self.state.get("rejected", {}))
+        log.info("resumed from %s: step %d, %d samples, positions %s", latest.name, self.state["step"], self.state["samples"],
+                 self.state["positions"])
+
+    def _open_truth(self) -> TruthLookup | None:
+        if not self.opts.truth:
+            return None
+        if self.opts.truth == "topic":
+            return TruthLookup.from_topic(self.cfg.kafka.bootstrap_servers, self.cfg.topics.truth, self.cfg.kafka.connect_timeout_s)
+        return TruthLookup.from_file(self.opts.truth)
+
+    def _source(self) -> SampleSource:
+        positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
+        if self.opts.files:
+            return FileSampleSource(self.opts.files, self.sample_spec, positions, loop=self.opts.loop_files)
+        return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.sample_spec,
+                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s)
+
+    def _announce(self, message: dict) -> None:
+        import orjson
+
+        self.producer.send(self.cfg.topics.model_updates, key=self.cfg.model.name.encode(), value=orjson.dumps(message))
+        self.producer.flush(timeout=10)
+
+    def _load_frozen(self, version: int) -> None:
+        try:
+            self.frozen = InferenceModel.load(self.model_store, version, self.device, self.cfg.model.gpu_cache_rows)
+            self.state["frozen_version"] = version
+            log.info("frozen baseline: version %d", version)
+        except Exception as exc:
+            log.warning("frozen baseline version %d cannot be loaded (%s); comparing without it", version, exc)
+            self.frozen = None
+
+    # ------------------------------------------------------------------ running
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> dict[str, Any]:
+        tcfg = self.cfg.trainer
+        source = self._source()
+        prefetch = Prefetcher(source, self.sample_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+                              pin_memory=self.device.type == "cuda").start()
+        started = time.monotonic()
+        last_data = time.monotonic()
+        last_checkpoint = time.monotonic()
+        samples_at_start = self.state["samples"]
+        self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
+        poisoned = None
+        try:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                item = prefetch.get(timeout=0.5)
+                self.times["input"] += time.perf_counter() - t0
+                if item is END:
+                    break
+                if item is IDLE:
+                    if self.opts.idle_exit_s and time.monotonic() - last_data > self.opts.idle_exit_s:
+                        log.info("no samples for %.0f s: stopping", self.opts.idle_exit_s)
+                        break
+                else:
+                    last_data = time.monotonic()
+                    self._step(item)
+                self._between_steps(source)
+                if tcfg.checkpoint_interval_s and time.monotonic() - last_checkpoint >= tcfg.checkpoint_interval_s and not self.publisher.busy:
+                    self.checkpoint(source)
+                    last_checkpoint = time.monotonic()
+                trained = self.state["samples"] - samples_at_start
+                if (self.opts.max_samples and trained >= self.opts.max_samples) or \
+                        (self.opts.max_seconds and time.monotonic() - started >= self.opts.max_seconds):
+                    break
+        except PoisonedModel as exc:
+            poisoned = str(exc)
+        finally:
+            prefetch.stop()
+            self.rejected.update(prefetch.rejected)
+        if poisoned:
+            source.close()
+            self._close()
+            raise TrainingError(
+                f"{poisoned}. Nothing was published or checkpointed after it: the last good version is "
+                f"{self.publisher.last_version}, the last checkpoint is {self.checkpointer.latest()}. Lower the learning rates or "
+                f"check the inputs, then run again: it resumes from that checkpoint.")
+        try:
+            if self._dirty():
+                self._begin_publish()
+            self.publisher.flush()
+            self.checkpoint(source)
+        finally:
+            source.close()
+        summary = self.summary(time.monotonic() - started, self.state["samples"] - samples_at_start)
+        self._close()
+        return summary
+
+    def _dirty(self) -> bool:
+        return self.state["samples"] > self.state.get("published_samples", -1)
+
+    def _step(self, batch: SampleBatch) -> None:
+        sync = self.opts.sync_timings and self.device.type == "cuda"
+        t0 = time.perf_counter()
+        batch = batch.to(self.device, non_blocking=True)
+        now_ms = batch.max_ts()
+        inputs, handles = self.sparse.pull(batch, now_ms)
+        if sync:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        logits = self.model(*inputs.as_args())
+        loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loss_value = float(loss.detach())  # one host sync per step: needed to refuse a poisoned step
+        t2 = time.perf_counter()
+        if not math.isfinite(loss_value):
+            self.publisher.abandon(f"loss is {loss_value} at step {self.state['step']}")
+            raise PoisonedModel(f"the training loss became {loss_value} at step {self.state['step']} "
+                                f"(batch event time up to {now_ms})")
+        self.optimizer.step()
+        self.sparse.push(handles)
+        if sync:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        self._evaluate(batch, logits, now_ms)
+        t4 = time.perf_counter()
+        self.times["lookup"] += t1 - t0
+        self.times["forward_backward"] += t2 - t1
+        self.times["update"] += t3 - t2
+        self.times["evaluate"] += t4 - t3
+        n = len(batch)
+        self.state["step"] += 1
+        self.state["samples"] += n
+        self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
+        self.state["loss"] = loss_value
+        for p, o in batch.positions.items():
+            self._positions[p] = max(self._positions.get(p, 0), o)
+        self.prom.samples.inc(n)
+        self.prom.loss.set(loss_value)
+        if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
+            for table in self.store.tables.values():
+                table.expire(now_ms)
+
+    def _evaluate(self, batch: SampleBatch, logits: torch.Tensor, now_ms: int) -> None:
+        online = torch.sigmoid(logits.detach()).float().cpu().numpy()
+        labels = batch.label.cpu().numpy()
+        frozen = self.frozen.predict(batch, now_ms) if self.frozen is not None else None
+        if self.truth is not None:
+            bayes = self.truth.get(batch.event_ids)
+            known = ~np.isnan(bayes)  # compare all scorers on the same impressions
+            self.metrics.add(labels[known], online=online[known], frozen=None if frozen is None else frozen[known], bayes=bayes[known])
+        else:
+            self.metrics.add(labels, online=online, frozen=frozen)
+
+    def _between_steps(self, source: SampleSource) -> None:
+        t0 = time.perf_counter()
+        record = self.publisher.pump()
+        if record is not None:
+            self.prom.version.set(record.version)
+            if self._frozen_pending and record.kind == "full":
+                self._frozen_pending = False
+                self._load_frozen(record.version)
+        tcfg = self.cfg.trainer
+        want_frozen = tcfg.frozen_baseline and self.frozen is None and not self._frozen_pending and \
+            self.state.get("frozen_version") is None and self.state["samples"] >= tcfg.warmup_samples
+        if not self.publisher.busy and self.state["samples"] > 0 and not self.publisher.poisoned:
+            if want_frozen:
+                self._frozen_pending = True
+                self._begin_publish(kind="full")
+            elif self.publisher.due() and self._dirty():
+                self._begin_publish()
+        self.times["publish"] += time.perf_counter() - t0
+        if self.reporter is not None and self.reporter.due():
+            self.reporter.report(self.status(source))
+
+    def _begin_publish(self, kind: str | None = None) -> None:
+        meta = {
+            "trained_through_ms": self.state["trained_through_ms"],
+            "source": self.source_name,
+            "offsets": {str(p): o for p, o in sorted(self._positions.items())},
+            "samples_trained": self.state["samples"],
+            "step": self.state["step"],
+            "model_spec": self.spec.to_json(),
+            "sample_spec": {**asdict(self.sample_spec), "windows_s": list(self.sample_spec.windows_s)},
+        }
+        self.publisher.begin(self.model.state_dict(), meta, kind)
+        self.state["published_samples"] = self.state["samples"]
+
+    def checkpoint(self, source: SampleSource) -> Path:
+        """Consistent checkpoint (only between steps, never during a publish); then commit offsets."""
+        self.publisher.flush()
+        self.state.update({
+            "positions": {str(p): o for p, o in sorted(self._positions.items())},
+            "last_version": self.publisher.last_version,
+            "deltas_since_full": self.publisher.deltas_since_full,
+            "model_spec": self.spec.to_json(),
+            "rejected": dict(self.rejected),
+            "source": self.source_name,
+        })
+        path = self.checkpointer.save(self.state["step"], self.store,
+                                      {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.state)
+        try:
+            source.commit(self._positions)
+        except Exception as exc:  # the checkpoint holds the positions; the group commit is for lag tools
+            log.warning("committing offsets failed: %s", exc)
+        return path
+
+    # ------------------------------------------------------------------ reporting
+    def status(self, source: SampleSource | None = None) -> dict[str, Any]:
+        out = {
+            "samples": self.state["samples"],
+            "step": self.state["step"],
+            "loss": self.state.get("loss"),
+            "trained_through_ms": self.state["trained_through_ms"],
+            "version": self.publisher.last_version,
+            "rejected": dict(self.rejected),
+            "lag": source.lag() if source is not None else None,
+            **self.metrics.summary(),
+        }
+        for scorer in ("online", "frozen", "bayes"):
+            if f"auc_{scorer}" in out:
+                self.prom.auc.labels(scorer).set(out[f"auc_{scorer}"])
+                self.prom.logloss.labels(scorer).set(out[f"logloss_{scorer}"])
+        if out["lag"] is not None:
+            self.prom.lag.set(out["lag"])
+        self.prom.trained_through.set(out["trained_through_ms"])
+        for name, table in self.store.tables.items():
+            self.prom.rows.labels(name).set(len(table))
+        return out
+
+    def summary(self, elapsed_s: float, trained: int) -> dict[str, Any]:
+        steps = max(1, self.state["step"])
+        out = self.status()
+        out.update({
+            "elapsed_s": elapsed_s,
+            "samples_this_run": trained,
+            "samples_per_s": trained / max(elapsed_s, 1e-9),
+            "device": str(self.device),
+            "ms_per_step": {p: 1000 * t / steps for p, t in self.times.items()},
+            "published": [asdict(r) for r in self.publisher.records],
+            "publish_stall_ms_per_million_rows": self.publisher.stall_ms_per_million_rows(),
+            "frozen_version": self.state.get("frozen_version"),
+            "table_rows": {name: len(t) for name, t in self.store.tables.items()},
+        })
+        return out
+
+    def _close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.truth is not None:
+            self.truth.close()
+        if self.frozen is not None:
+            self.frozen.close()
+        if self.producer is not None:
+            self.producer.close(timeout=5)
+        self.store.close()
+        shutil.rmtree(self.tiers_dir, ignore_errors=True)
+        self._lock_fh.close()
+
+
+def train(cfg: Config, opts: TrainOptions) -> dict[str, Any]:
+    """Run a trainer until it stops; SIGINT/SIGTERM stop it cleanly (publish, checkpoint)."""
+    trainer = Trainer(cfg, opts)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, trainer.request_stop)
+    try:
+        return trainer.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,76 @@
+"""What the trainer tells people: a progress line on a terminal, JSON lines otherwise,
+Prometheus metrics on request, and an evaluation log (``eval.jsonl``) for reports."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+log = logging.getLogger("streamrec.trainer")
+
+
+class TrainerMetrics:
+    def __init__(self, port: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.samples = Counter("streamrec_trainer_samples", "samples trained on", registry=r)
+        self.rejected = Gauge("streamrec_trainer_rejected_samples", "samples refused by the checks", ["reason"], registry=r)
+        self.loss = Gauge("streamrec_trainer_loss", "training loss of the last batch", registry=r)
+        self.auc = Gauge("streamrec_trainer_auc", "progressive-validation AUC over the sliding window", ["scorer"], registry=r)
+        self.logloss = Gauge("streamrec_trainer_logloss", "progressive-validation logloss over the sliding window", ["scorer"], registry=r)
+        self.lag = Gauge("streamrec_trainer_lag_samples", "samples behind the head of the source", registry=r)
+        self.version = Gauge("streamrec_trainer_published_version", "last published model version", registry=r)
+        self.trained_through = Gauge("streamrec_trainer_trained_through_ms", "event time trained through", registry=r)
+        self.rows = Gauge("streamrec_trainer_table_rows", "rows per sparse table", ["table"], registry=r)
+        if port:
+            start_http_server(port, registry=r)
+            log.info("metrics on http://0.0.0.0:%d/metrics", port)
+
+
+class ProgressReporter:
+    """Every ``interval_s``: one status line (TTY) or one JSON log line; and a row in eval.jsonl."""
+
+    def __init__(self, interval_s: float, eval_log: Path | None, stream=None) -> None:
+        self.interval_s = interval_s
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.eval_log = eval_log
+        self._last = time.monotonic()
+        self._last_samples = 0
+        if eval_log is not None:
+            eval_log.parent.mkdir(parents=True, exist_ok=True)
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= self.interval_s
+
+    def report(self, status: dict[str, Any]) -> None:
+        now = time.monotonic()
+        elapsed = max(1e-9, now - self._last)
+        status = {"time": time.time(), **status, "samples_per_s": (status["samples"] - self._last_samples) / elapsed}
+        self._last, self._last_samples = now, status["samples"]
+        if self.eval_log is not None:
+            with open(self.eval_log, "a") as fh:
+                fh.write(json.dumps(status) + "\n")
+        if self.tty:
+            def f(key: str) -> str:
+                v = status.get(key)
+                return "-" if v is None else f"{v:.4f}"
+            lag = status.get("lag")
+            self.stream.write(
+                f"\r{status['samples']:>11,} samples {status['samples_per_s']:>8,.0f}/s  loss {status.get('loss', float('nan')):.4f}  "
+                f"AUC online {f('auc_online')} frozen {f('auc_frozen')} bayes {f('auc_bayes')}  "
+                f"lag {'-' if lag is None else f'{lag:,}'}  version {status.get('version') or '-'}   "
+            )
+            self.stream.flush()
+        else:
+            log.info(json.dumps(status))
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")

@@ -1,0 +1,171 @@
+"""Publishing versions while training continues.
+
+A publish has three phases: *begin* (on the training thread: fix the key set, copy the
+dense parameters; microseconds plus a small dense copy), *snapshot* (on the training
+thread, ``rows_per_step`` rows between steps, so no single pause is long), and *write*
+(Arrow files, checksums, rename, LATEST; on a background thread). After the write, the
+version is announced on the model-updates topic.
+
+A full version every ``full_every`` deltas lets a new serving node start from one full
+plus a few deltas. A poisoned model (non-finite values) is never written: the write
+checks every value it is about to publish and refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ps.model_store import ModelStore, SparseDelta
+from ps.store import EmbeddingStore, SnapshotTask
+
+log = logging.getLogger(__name__)
+
+
+class PoisonedModel(RuntimeError):
+    """The model holds NaN/inf values: it must not be published or checkpointed."""
+
+
+@dataclass
+class PublishRecord:
+    version: int
+    kind: str
+    rows: int
+    begin_s: float  # training-thread time to begin (key set + dense copy)
+    snapshot_s: float  # training-thread time spent stepping the snapshot
+    write_s: float  # background time to write and rename
+    trained_through_ms: int
+    finished_at: float = field(default_factory=time.time)
+
+
+class Publisher:
+    def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
+                 rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
+                 last_version: int | None = None, deltas_since_full: int = 0) -> None:
+        if interval_s <= 0 or full_every < 1 or rows_per_step < 1:
+            raise ValueError("publish_interval_s must be > 0, full_every and publish_rows_per_step >= 1")
+        self.store, self.model_store = store, model_store
+        self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
+        self.announce = announce
+        self.last_version = last_version
+        self.deltas_since_full = deltas_since_full
+        self.force_full = last_version is None  # a chain starts with a full version
+        self.records: list[PublishRecord] = []
+        self.poisoned: str | None = None
+        self._task: SnapshotTask | None = None
+        self._future: Future | None = None
+        self._pending: dict[str, Any] = {}
+        self._last_begin = time.monotonic()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def busy(self) -> bool:
+        return self._task is not None or self._future is not None
+
+    def due(self) -> bool:
+        return not self.busy and not self.poisoned and time.monotonic() - self._last_begin >= self.interval_s
+
+    # ------------------------------------------------------------------ phases
+    def begin(self, dense: dict[str, torch.Tensor], meta: dict[str, Any], kind: str | None = None) -> str:
+        """Start a version now (training thread). Returns its kind."""
+        if self.poisoned:
+            raise PoisonedModel(self.poisoned)
+        if self.busy:
+            raise RuntimeError("a publish is already in progress")
+        if kind is None:
+            kind = "full" if self.force_full or self.deltas_since_full >= self.full_every else "delta"
+        t0 = time.perf_counter()
+        self._task = self.store.begin_snapshot(kind)
+        dense_copy = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
+        self._pending = {"kind": kind, "dense": dense_copy, "meta": dict(meta), "begin_s": time.perf_counter() - t0, "snapshot_s": 0.0}
+        self._last_begin = time.monotonic()
+        return kind
+
+    def pump(self) -> PublishRecord | None:
+        """Advance the current publish by one bounded slice; returns a record when a
+        version has just become visible."""
+        if self._task is not None:
+            t0 = time.perf_counter()
+            done = self._task.step(self.rows_per_step)
+            self._pending["snapshot_s"] += time.perf_counter() - t0
+            if done:
+                tables, pending = self._task.result(), self._pending
+                self._task = None
+                self._future = self.store._writer.submit(self._write, pending, tables)
+        if self._future is not None and self._future.done():
+            future, self._future = self._future, None
+            try:
+                record = future.result()
+            except PoisonedModel as exc:
+                self.poisoned = str(exc)
+                log.critical("NOT PUBLISHED: %s. Publishing is stopped; the last good version is %s.", exc, self.last_version)
+                raise
+            except Exception as exc:  # I/O: keep training, and make the next version a full one
+                self.force_full = True
+                log.error("publishing failed (%s); the next version will be a full one", exc)
+                return None
+            self._finish(record)
+            return record
+        return None
+
+    def flush(self) -> PublishRecord | None:
+        """Finish the current publish (blocking)."""
+        record = None
+        while self.busy:
+            if self._future is not None:
+                self._future.exception()  # wait
+            record = self.pump() or record
+        return record
+
+    def abandon(self, reason: str) -> None:
+        """The model is poisoned: drop the snapshot in progress and publish nothing more."""
+        self.poisoned = reason
+        self._task = None
+        if self._future is not None:
+            self._future.cancel()
+
+    # ------------------------------------------------------------------ writer thread
+    def _write(self, pending: dict, tables: dict[str, SparseDelta]) -> PublishRecord:
+        t0 = time.perf_counter()
+        for name, delta in tables.items():
+            if len(delta.values) and not bool(torch.isfinite(delta.values).all()):
+                raise PoisonedModel(f"table {name} holds non-finite embedding values")
+        for name, tensor in pending["dense"].items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise PoisonedModel(f"dense parameter {name} holds non-finite values")
+        kind = pending["kind"]
+        dims = {name: t.config.dim for name, t in self.store.tables.items()}
+        version = self.model_store.publish(kind, tables, dims, pending["dense"], pending["meta"])
+        if kind == "full" and self.keep_fulls:
+            self.model_store.gc(keep_fulls=self.keep_fulls)
+        rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
+        return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
+                             int(pending["meta"].get("trained_through_ms", 0)))
+
+    def _finish(self, record: PublishRecord) -> None:
+        self.last_version = record.version
+        if record.kind == "full":
+            self.deltas_since_full, self.force_full = 0, False
+        else:
+            self.deltas_since_full += 1
+        self.records.append(record)
+        log.info("published version %d (%s, %d rows; training paused %.1f ms, write %.0f ms)", record.version, record.kind,
+                 record.rows, 1000 * (record.begin_s + record.snapshot_s), 1000 * record.write_s)
+        if self.announce is not None:
+            manifest = self.model_store.manifest(record.version)
+            message = {k: manifest.get(k) for k in ("model", "version", "kind", "parent", "created_at", "trained_through_ms")}
+            try:
+                self.announce(message)
+            except Exception as exc:  # the store is the source of truth; pollers still find it
+                log.warning("announcing version %d failed: %s", record.version, exc)
+
+    def stall_ms_per_million_rows(self) -> float:
+        rows = sum(r.rows for r in self.records)
+        paused = sum(r.begin_s + r.snapshot_s for r in self.records)
+        return math.nan if rows == 0 else 1000 * paused / rows * 1e6
