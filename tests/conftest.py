@@ -46,3 +46,19 @@ def broker(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def world_config() -> WorldConfig:
     return WorldConfig(**tomllib.loads(default_config_text())["generator"]["world"])
+
+
+def make_sample_run(path: Path, duration_s: int, seed: int = 11, rate: int = 3000) -> Path:
+    """A generator run with samples.parquet built by the reference pipeline."""
+    result = run_cli("generate", "--out", str(path), "--duration", str(duration_s), "--rate", str(rate), "--seed", str(seed),
+                     "--start-ms", "1700000000000")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("pipeline", "offline", str(path))
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_run(tmp_path_factory) -> Path:
+    """60 s of traffic (~175k samples) with truth and samples."""
+    return make_sample_run(tmp_path_factory.mktemp("samples") / "run", 60)

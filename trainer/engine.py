@@ -43,10 +43,10 @@ from trainer.evaluation import TruthLookup, WindowMetrics
 from trainer.features import SampleBatch, dense_feature_names
 from trainer.inference import InferenceModel
 from trainer.model import CTRModel, ModelSpec, table_configs
-from trainer.prefetch import END, IDLE, Prefetcher
+from trainer.prefetch import END, IDLE, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, Publisher
-from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource
+from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
 from trainer.sparse import SparseFeatures
 
 log = logging.getLogger("streamrec.trainer")
@@ -89,13 +89,24 @@ class Trainer:
         self.device = pick_device(tcfg.device)
         self.sample_spec = SampleSpec(history_len=mcfg.history_len)
         self.spec = ModelSpec.from_config(mcfg, len(dense_feature_names(self.sample_spec)))
+        if opts.files:
+            sample_files(opts.files)  # fail fast on a wrong path
         self.home = Path(tcfg.work_dir) / mcfg.name
         self.home.mkdir(parents=True, exist_ok=True)
         self._lock_fh = open(self.home / "trainer.lock", "w")
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self._lock_fh.close()
             raise TrainingError(f"another trainer is running for model {mcfg.name!r} (lock {self.home / 'trainer.lock'})") from None
+        try:
+            self._set_up()
+        except BaseException:
+            self._lock_fh.close()
+            raise
+
+    def _set_up(self) -> None:
+        cfg, opts, tcfg, mcfg = self.cfg, self.opts, self.cfg.trainer, self.cfg.model
         for stale in self.home.glob("tiers-*"):  # SSD tiers of earlier runs: rebuilt from checkpoints
             shutil.rmtree(stale, ignore_errors=True)
         self.tiers_dir = self.home / f"tiers-{int(time.time())}"
@@ -205,7 +216,9 @@ class Trainer:
                 self.times["input"] += time.perf_counter() - t0
                 if item is END:
                     break
-                if item is IDLE:
+                if isinstance(item, Skipped):
+                    self._advance(item.positions, item.rejected)
+                elif item is IDLE:
                     if self.opts.idle_exit_s and time.monotonic() - last_data > self.opts.idle_exit_s:
                         log.info("no samples for %.0f s: stopping", self.opts.idle_exit_s)
                         break
@@ -224,7 +237,6 @@ class Trainer:
             poisoned = str(exc)
         finally:
             prefetch.stop()
-            self.rejected.update(prefetch.rejected)
         if poisoned:
             source.close()
             self._close()
@@ -233,9 +245,10 @@ class Trainer:
                 f"{self.publisher.last_version}, the last checkpoint is {self.checkpointer.latest()}. Lower the learning rates or "
                 f"check the inputs, then run again: it resumes from that checkpoint.")
         try:
+            self.publisher.flush()
             if self._dirty():
                 self._begin_publish()
-            self.publisher.flush()
+                self.publisher.flush()
             self.checkpoint(source)
         finally:
             source.close()
@@ -281,13 +294,17 @@ class Trainer:
         self.state["samples"] += n
         self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
         self.state["loss"] = loss_value
-        for p, o in batch.positions.items():
-            self._positions[p] = max(self._positions.get(p, 0), o)
+        self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
         self.prom.loss.set(loss_value)
         if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
             for table in self.store.tables.values():
                 table.expire(now_ms)
+
+    def _advance(self, positions: dict[int, int], rejected: Counter) -> None:
+        for p, o in positions.items():
+            self._positions[p] = max(self._positions.get(p, 0), o)
+        self.rejected.update(rejected)
 
     def _evaluate(self, batch: SampleBatch, logits: torch.Tensor, now_ms: int) -> None:
         online = torch.sigmoid(logits.detach()).float().cpu().numpy()

@@ -17,6 +17,7 @@ user, item and category per window.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -49,6 +50,7 @@ class SampleBatch:
     history_len: int
     event_ids: list[str] = field(default_factory=list)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
+    rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
 
     def __len__(self) -> int:
         return len(self.user)
@@ -97,7 +99,7 @@ def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_l
     hist = []
     for name in ("hist_item_ids", "hist_category_ids"):
         col = pc.list_slice(table[name], 0, history_len)  # most recent first: keep the head
-        hist.append(pc.list_flatten(col).to_numpy().astype(np.int64, copy=False))
+        hist.append(pc.list_flatten(col).to_numpy().astype(np.int64))  # writable copies for torch
     col = pc.list_slice(table["hist_item_ids"], 0, history_len)
     lengths = pc.list_value_length(col).to_numpy().astype(np.int64)
     rows = np.repeat(np.arange(n, dtype=np.int64), lengths)

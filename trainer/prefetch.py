@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,14 @@ END = "end"  # the source is exhausted
 IDLE = "idle"  # nothing to train on right now
 
 
+@dataclass
+class Skipped:
+    """Only rejected rows were consumed since the last batch: advance positions, count them."""
+
+    positions: dict[int, int]
+    rejected: Counter
+
+
 class Prefetcher:
     def __init__(self, source: SampleSource, spec: SampleSpec, batch_size: int, history_len: int, depth: int = 4,
                  pin_memory: bool = False, max_delay_s: float = 1.0) -> None:
@@ -37,7 +46,7 @@ class Prefetcher:
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
         self.pin_memory, self.max_delay_s = pin_memory, max_delay_s
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self.rejected: Counter = Counter()
+        self.rejected: Counter = Counter()  # every reason decoded so far (batches carry their own share)
         self.decode_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-prefetch", daemon=True)
@@ -80,13 +89,15 @@ class Prefetcher:
         offs: list[np.ndarray] = []
         buffered = 0
         consumed: dict[int, int] = {}
+        rejects: list[tuple[int, int, str]] = []  # not yet handed to the trainer
         oldest = None
         try:
             for chunk in self.source.chunks():
                 if self._stop.is_set():
                     return
                 t0 = time.perf_counter()
-                for reason in chunk.rejected:
+                rejects += chunk.rejected
+                for _, _, reason in chunk.rejected:
                     self.rejected[reason.split(":")[0]] += 1
                 for p, o in chunk.consumed.items():
                     consumed[p] = max(consumed.get(p, 0), o)
@@ -97,13 +108,17 @@ class Prefetcher:
                     buffered += chunk.table.num_rows
                     oldest = oldest or time.monotonic()
                 self.decode_s += time.perf_counter() - t0
-                flush_partial = chunk.table.num_rows == 0 and buffered and time.monotonic() - oldest >= self.max_delay_s
+                flush_partial = chunk.empty and buffered and time.monotonic() - oldest >= self.max_delay_s
                 while buffered >= self.batch_size or flush_partial:
                     t0 = time.perf_counter()
                     table = pa.concat_tables(tables)
                     part, off = np.concatenate(parts), np.concatenate(offs)
                     n = min(self.batch_size, buffered)
-                    batch = self._batch(table.slice(0, n), consumed, part[n:], off[n:])
+                    batch = batch_from_table(table.slice(0, n), self.spec, self.history_len)
+                    batch.positions = self._positions(consumed, part[n:], off[n:])
+                    batch.rejected, rejects = self._settle(rejects, batch.positions)
+                    if self.pin_memory:
+                        batch.pin_memory()
                     tables, parts, offs = [table.slice(n)], [part[n:]], [off[n:]]
                     buffered -= n
                     oldest = time.monotonic() if buffered else None
@@ -111,19 +126,37 @@ class Prefetcher:
                     self.decode_s += time.perf_counter() - t0
                     if not self._put(batch):
                         return
-                if chunk.table.num_rows == 0 and not buffered and not self._put(IDLE):
+                if not buffered and rejects:
+                    settled, rejects = self._settle(rejects, consumed)
+                    if not self._put(Skipped(dict(consumed), settled)):
+                        return
+                if chunk.empty and not buffered and not self._put(IDLE):
                     return
             if buffered:
                 table = pa.concat_tables(tables)
-                self._put(self._batch(table, consumed, np.empty(0, np.int64), np.empty(0, np.int64)))
+                batch = batch_from_table(table, self.spec, self.history_len)
+                batch.positions, batch.rejected = dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)
+                self._put(batch.pin_memory() if self.pin_memory else batch)
+            elif rejects:
+                self._put(Skipped(dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)))
             self._put(END)
         except BaseException as exc:  # hand the failure to the training thread
             self._put(exc)
 
-    def _batch(self, table: pa.Table, consumed: dict[int, int], rest_parts: np.ndarray, rest_offsets: np.ndarray) -> SampleBatch:
-        batch = batch_from_table(table, self.spec, self.history_len)
+    @staticmethod
+    def _positions(consumed: dict[int, int], rest_parts: np.ndarray, rest_offsets: np.ndarray) -> dict[int, int]:
         positions = dict(consumed)
         for p in np.unique(rest_parts).tolist():  # buffered rows are not consumed yet
             positions[p] = int(rest_offsets[rest_parts == p].min())
-        batch.positions = positions
-        return batch.pin_memory() if self.pin_memory else batch
+        return positions
+
+    @staticmethod
+    def _settle(rejects: list[tuple[int, int, str]], positions: dict[int, int]) -> tuple[Counter, list[tuple[int, int, str]]]:
+        """Rejected rows before ``positions`` belong to this hand-over; the rest wait."""
+        done, later = Counter(), []
+        for r in rejects:
+            if r[1] < positions.get(r[0], 0):
+                done[r[2].split(":")[0]] += 1
+            else:
+                later.append(r)
+        return done, later

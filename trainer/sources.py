@@ -31,7 +31,12 @@ class SampleChunk:
     partitions: np.ndarray  # [rows] source partition of each row
     offsets: np.ndarray  # [rows] offset of each row in its partition
     consumed: dict[int, int] = field(default_factory=dict)  # next position per partition, rejected rows included
-    rejected: list[str] = field(default_factory=list)  # reasons
+    rejected: list[tuple[int, int, str]] = field(default_factory=list)  # (partition, offset, reason)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing was read (as opposed to: only rejected rows were read)."""
+        return not self.consumed
 
 
 class SampleSource(Protocol):
@@ -87,7 +92,7 @@ class FileSampleSource:
                     offsets = np.arange(lo, offset, dtype=np.int64)[good]
                     self._left -= table.num_rows
                     yield SampleChunk(table.filter(pa.array(good)), np.full(len(offsets), part, np.int64), offsets,
-                                      {part: offset}, [r for _, r in reasons])
+                                      {part: offset}, [(part, lo + i, r) for i, r in reasons])
             if not self.loop:
                 return
             self.start = {}
@@ -149,7 +154,8 @@ class KafkaSampleSource:
                 consumed[p] = max(consumed.get(p, 0), o + 1)
             for i, reason in rejected:
                 log.debug("rejected sample at %s:%d:%d: %s", self.topic, partitions[i], offsets[i], reason)
-            yield SampleChunk(table, partitions[index], offsets[index], consumed, [r for _, r in rejected])
+            yield SampleChunk(table, partitions[index], offsets[index], consumed,
+                              [(int(partitions[i]), int(offsets[i]), reason) for i, reason in rejected])
 
     def lag(self) -> int | None:
         now = time.monotonic()

@@ -1,0 +1,141 @@
+"""Trainer parts: features, the model's inputs, batching positions, publishing, round trips."""
+
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipelines.samples import SampleSpec
+from ps.model_store import ModelStore
+from ps.store import EmbeddingStore
+from ps.table import TableConfig
+from streamrec.config import load_config
+from trainer.engine import Trainer, TrainingError, TrainOptions, train
+from trainer.features import TABLES, batch_from_table
+from trainer.inference import InferenceModel
+from trainer.prefetch import END, IDLE, Prefetcher, Skipped
+from trainer.sources import FileSampleSource
+from trainer.sparse import SparseFeatures
+
+SPEC = SampleSpec()
+
+
+@pytest.fixture(scope="module")
+def table(sample_run):
+    return pq.read_table(sample_run / "samples.parquet")
+
+
+def test_history_lands_where_the_model_reads_it(table):
+    rows = table.slice(0, 400)
+    batch = batch_from_table(rows, SPEC, history_len=8)  # shorter than the samples' 50: keeps the most recent 8
+    store = EmbeddingStore([TableConfig(name, 4) for name in TABLES])
+    inputs, _ = SparseFeatures(store).pull(batch, now_ms=0)
+    item_rows = {int(k): store["item"].read(torch.tensor([k]))[1][0] for k in torch.unique(torch.cat([batch.item, batch.hist_items]))}
+    for i, row in enumerate(rows.to_pylist()):
+        hist = row["hist_item_ids"][:8]
+        assert inputs.history_mask[i].tolist() == [j < len(hist) for j in range(8)]
+        for j, item in enumerate(hist):
+            assert torch.equal(inputs.history[i, j, :4], item_rows[item])
+        assert torch.equal(inputs.fields[i, 1], item_rows[row["item_id"]])
+        assert not inputs.history[i, len(hist):].any()
+    assert torch.isfinite(inputs.dense).all() and inputs.dense.shape == (400, 18)
+
+
+def _positions_check(path, batch_size, expected_rows):
+    """Every batch's position is exactly the count of rows handed out (single file)."""
+    source = FileSampleSource([str(path)], SPEC, chunk_rows=1000)
+    pre = Prefetcher(source, SPEC, batch_size, history_len=50).start()
+    seen, ids, rejected = 0, [], Counter()
+    while (item := pre.get(timeout=10)) is not END:
+        assert item is not IDLE
+        rejected += item.rejected
+        if isinstance(item, Skipped):
+            continue
+        ids += item.event_ids
+        seen += len(item)
+        # everything before the position was handed out or rejected, and nothing after it
+        assert item.positions[0] == seen + sum(rejected.values())
+    pre.stop()
+    assert ids == expected_rows
+    return rejected
+
+
+def test_batches_cover_the_files_exactly_and_positions_resume_without_gaps(tmp_path, table):
+    small = table.slice(0, 5000)
+    labels = small["label"].to_numpy().copy()
+    labels[[7, 1500, 4999]] = 5  # rejected rows, including the very last one
+    bad = small.set_column(small.schema.get_field_index("label"), "label", pa.array(labels, pa.int8()))
+    path = tmp_path / "s.parquet"
+    pq.write_table(bad, path)
+    good_ids = [e for e, lab in zip(small["event_id"].to_pylist(), labels) if lab != 5]
+    assert _positions_check(path, 333, good_ids) == {"invalid_value": 3}
+    # resume from a mid-file position: exactly the rest, nothing twice
+    source = FileSampleSource([str(path)], SPEC, start={0: 2500}, chunk_rows=700)
+    pre = Prefetcher(source, SPEC, 256, history_len=50).start()
+    rest = []
+    while (item := pre.get(timeout=10)) is not END:
+        rest += item.event_ids
+    pre.stop()
+    assert rest == [e for i, e in enumerate(small["event_id"].to_pylist()) if i >= 2500 and labels[i] != 5]
+
+
+def _cfg(tmp_path, **extra):
+    overrides = {"trainer.model_store": str(tmp_path / "models"), "trainer.work_dir": str(tmp_path / "work"),
+                 "trainer.progress_interval_s": 3600.0, "trainer.device": "cpu", **extra}
+    return load_config(overrides=overrides, environ={})
+
+
+def test_published_version_equals_the_trainers_parameters(tmp_path, sample_run):
+    cfg = _cfg(tmp_path, **{"trainer.publish_interval_s": 0.2, "trainer.full_every": 2, "trainer.warmup_samples": 10**9})
+    trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=30000, progress=False))
+    summary = trainer.run()
+    assert len(summary["published"]) >= 3 and {r["kind"] for r in summary["published"]} == {"full", "delta"}
+    ms = ModelStore(str(tmp_path / "models"), "ctr")
+    loaded = InferenceModel.load(ms)
+    assert loaded.version == ms.latest() == summary["version"]
+    restored, _ = EmbeddingStore.restore(trainer.checkpointer.latest() / "sparse")
+    for name, table_ in restored.tables.items():  # the final checkpoint holds the trainer's final rows
+        keys, values = [], []
+        for k, w in table_.iter_rows():
+            keys.append(k)
+            values.append(w)
+        keys, values = torch.cat(keys), torch.cat(values)
+        found, got = loaded.store[name].read(keys)
+        assert found.all(), name
+        assert torch.equal(got, values), name
+        assert len(loaded.store[name]) == len(keys)
+    state = torch.load(trainer.checkpointer.latest() / "dense.pt", weights_only=False)["model"]
+    for key, value in state.items():
+        assert torch.equal(loaded.model.state_dict()[key], value), key
+    restored.close()
+    loaded.close()
+
+
+def test_bad_files_and_locks_give_clear_errors(tmp_path, sample_run):
+    cfg = _cfg(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no sample file"):
+        Trainer(cfg, TrainOptions(files=[str(tmp_path / "nope")], progress=False))
+    first = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=2000, progress=False))
+    with pytest.raises(TrainingError, match="another trainer is running"):
+        Trainer(cfg, TrainOptions(files=[str(sample_run)], progress=False))
+    first.run()
+    other = _cfg(tmp_path, **{"model.embedding_dim": 8})
+    with pytest.raises(TrainingError, match="model spec"):
+        Trainer(other, TrainOptions(files=[str(sample_run)], progress=False))
+
+
+def test_a_nan_loss_stops_training_and_publishes_nothing_poisoned(tmp_path, sample_run):
+    cfg = _cfg(tmp_path, **{"model.dense_lr": 1e30, "model.sparse_lr": 1e30, "trainer.publish_interval_s": 0.05,
+                            "trainer.warmup_samples": 10**9})
+    with pytest.raises(TrainingError, match="loss became nan.*last good version"):
+        train(cfg, TrainOptions(files=[str(sample_run)], max_samples=100000, progress=False))
+    ms = ModelStore(str(tmp_path / "models"), "ctr")
+    for version in ms.versions():
+        _, sparse, dense = ms.read_version(version)
+        assert all(torch.isfinite(v).all() for v in dense.values())
+        for t in sparse.values():
+            assert np.isfinite(pc.list_flatten(t["value"]).to_numpy()).all()
