@@ -34,7 +34,7 @@ if triton is not None:
     def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
                       last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty,
                       DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
-                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr):
+                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr, GATHER: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         key = tl.load(ids_ptr + offs, mask=valid, other=0)
@@ -57,11 +57,12 @@ if triton is not None:
             tl.store(last_seen_ptr + tl.where(is_hit, slot, 0), now + tl.zeros((BLOCK,), tl.int64), mask=is_hit)
         if COUNT_MISSES:
             tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
-        cols = tl.arange(0, DIM_BLOCK)
-        col_ok = cols < DIM
-        have = (slot >= 0)[:, None] & col_ok[None, :]
-        rows = tl.load(weights_ptr + tl.where(slot >= 0, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
-        tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
+        if GATHER:
+            cols = tl.arange(0, DIM_BLOCK)
+            col_ok = cols < DIM
+            have = (slot >= 0)[:, None] & col_ok[None, :]
+            rows = tl.load(weights_ptr + tl.where(slot >= 0, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
+            tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
 
 
 def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, last_seen: torch.Tensor,
@@ -82,5 +83,21 @@ def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, las
     _probe_gather[grid](ids, index_keys, index_values, weights, out, slots, last_seen, misses, now_ms,
                         n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
                         DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES,
-                        UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses)
+                        UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses, GATHER=True)
     return out, slots, misses
+
+
+def probe(keys: torch.Tensor, index: HashIndex) -> torch.Tensor:
+    """Slots of ``keys`` in ``index`` in one launch: -1 absent, -2 undecided after MAX_PROBES."""
+    index_keys, index_values = index.raw_tables()
+    n = len(keys)
+    slots = torch.empty(n, device=keys.device, dtype=torch.int64)
+    if n == 0:
+        return slots
+    block = 256
+    bits = index.bits
+    _probe_gather[(triton.cdiv(n, block),)](keys, index_keys, index_values, index_keys, slots, slots, index_keys, slots, 0,
+                                            n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
+                                            DIM=1, DIM_BLOCK=1, BLOCK=block, PROBES=MAX_PROBES,
+                                            UPDATE_CLOCK=False, COUNT_MISSES=False, GATHER=False)
+    return slots

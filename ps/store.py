@@ -159,10 +159,8 @@ class EmbeddingStore:
             })
             with ipc.new_file(str(tmp / f"{name}.arrow"), arrow.schema) as writer:
                 writer.write_table(arrow)
-            tracking = {
-                "touched": torch.cat(table._touched).numpy() if table._touched else np.empty(0, np.int64),
-                "deleted": torch.cat(table._deleted).numpy() if table._deleted else np.empty(0, np.int64),
-            }
+            touched, deleted = table.tracked()
+            tracking = {"touched": touched.numpy(), "deleted": deleted.numpy()}
             tracking["init_rng"] = table.generator.get_state().numpy()  # new rows resume the same init stream
             if table.sketch is not None:
                 tracking["sketch"] = table.sketch.counts.cpu().numpy()
@@ -197,8 +195,7 @@ class EmbeddingStore:
                 table.load_rows(torch.from_numpy(arrow["key"].to_numpy().copy()), w, s,
                                 torch.from_numpy(arrow["last_seen"].to_numpy().copy()))
             tracking = np.load(path / f"{name}.tracking.npz")
-            table._touched = [torch.from_numpy(tracking["touched"])] if len(tracking["touched"]) else []
-            table._deleted = [torch.from_numpy(tracking["deleted"])] if len(tracking["deleted"]) else []
+            table.set_tracked(torch.from_numpy(tracking["touched"]), torch.from_numpy(tracking["deleted"]))
             table.generator.set_state(torch.from_numpy(tracking["init_rng"]))
             if table.sketch is not None and "sketch" in tracking:
                 table.sketch.counts.copy_(torch.from_numpy(tracking["sketch"]))

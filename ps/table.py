@@ -65,6 +65,7 @@ class Pulled:
     admitted: torch.Tensor  # bool per unique key: has a row
     slots: torch.Tensor  # top-tier slot per admitted key
     generation: int
+    all_admitted: bool = False  # every key has a row (lets push skip a boolean gather)
 
     def embeddings(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One embedding per input id (``rows`` may be a grad-requiring copy of ``self.rows``)."""
@@ -114,9 +115,24 @@ class EmbeddingTable:
         ids = ids.to(self.top.device, torch.int64).flatten()
         keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         top = self.top
-        slots = top.slots_of(keys)
         self.stats["lookups"] += len(keys)
-        self.stats["cache_hits"] += int((slots >= 0).sum())
+        if self.cache is not None and kernels.available(self.device):
+            # Steady state on CUDA: every key is cached. One fused probe+gather launch and
+            # one host sync (the miss count) instead of probe rounds and boolean indexing.
+            rows, slots, misses = kernels.probe_gather(keys, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms)
+            n_missing = int(misses.item())
+            self.stats["cache_hits"] += len(keys) - n_missing
+            if n_missing == 0:
+                if self.sketch is not None and train:
+                    self.sketch.add(keys, counts)
+                self._generation += 1
+                admitted = torch.ones(len(keys), dtype=torch.bool, device=keys.device)
+                return Pulled(keys, inverse, rows, admitted, slots, self._generation, all_admitted=True)
+            undecided = slots == -2
+            slots[undecided] = top.slots_of(keys[undecided])
+        else:
+            slots = top.slots_of(keys)
+            self.stats["cache_hits"] += int((slots >= 0).sum())
         missing = slots < 0
         if bool(missing.any()):
             slots[missing] = self._bring_up(keys[missing], counts[missing] if self.sketch else None, now_ms, train, protect=slots[~missing])
@@ -131,7 +147,8 @@ class EmbeddingTable:
         top.last_seen.index_fill_(0, slots if all_admitted else slots[admitted], now_ms)
         self.stats["not_admitted"] += int((~admitted).sum())
         self._generation += 1
-        return Pulled(keys, inverse.to(rows.device), rows, admitted, slots[admitted], self._generation)
+        return Pulled(keys, inverse.to(rows.device), rows, admitted, slots if all_admitted else slots[admitted],
+                      self._generation, all_admitted)
 
     def lookup(self, ids: torch.Tensor, now_ms: int) -> torch.Tensor:
         """Serving-style read: one embedding per id, zeros for ids without a row; never
@@ -154,6 +171,8 @@ class EmbeddingTable:
             keep = slots >= 0
             slots, grad_rows = slots[keep], grad[pulled.admitted][keep]
             keys = pulled.keys[pulled.admitted][keep]
+        elif pulled.all_admitted:
+            slots, grad_rows, keys = pulled.slots, grad, pulled.keys
         else:
             slots, grad_rows, keys = pulled.slots, grad[pulled.admitted], pulled.keys[pulled.admitted]
         if len(slots) == 0:
@@ -164,7 +183,24 @@ class EmbeddingTable:
         )
         top.weights.index_copy_(0, slots, new_w)
         top.state.index_copy_(0, slots, new_s)
-        self._touched.append(keys.cpu())
+        self._track(keys)
+
+    def _track(self, keys: torch.Tensor) -> None:
+        """Remember updated/created keys for the next delta, on the top tier's device (no
+        host sync per step); compacted now and then so memory follows distinct keys."""
+        self._touched.append(keys.to(self.top.device))
+        if len(self._touched) >= 64:
+            self._touched = [torch.unique(torch.cat(self._touched))]
+
+    def tracked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(touched, deleted) keys pending for the next delta, on CPU (for checkpoints)."""
+        touched = torch.unique(torch.cat(self._touched)).cpu() if self._touched else torch.empty(0, dtype=torch.int64)
+        deleted = torch.cat(self._deleted) if self._deleted else torch.empty(0, dtype=torch.int64)
+        return touched, deleted
+
+    def set_tracked(self, touched: torch.Tensor, deleted: torch.Tensor) -> None:
+        self._touched = [touched.to(self.top.device)] if len(touched) else []
+        self._deleted = [deleted.cpu()] if len(deleted) else []
 
     def _bring_up(self, keys: torch.Tensor, counts: torch.Tensor | None, now_ms: int, train: bool, protect: torch.Tensor) -> torch.Tensor:
         """Make ``keys`` resident in the top tier where they exist (or are admitted now);
@@ -187,7 +223,7 @@ class EmbeddingTable:
                 found_w = torch.cat([found_w, init])
                 found_s = torch.cat([found_s, self.optimizer.init_state(n, self.config.dim, torch.device("cpu"))])
                 found_t = torch.cat([found_t, torch.full((n,), now_ms, dtype=torch.int64)])
-                self._touched.append(new_keys)
+                self._track(new_keys)
                 self.stats["created"] += n
         if len(found_k):
             self._make_room(len(found_k), protect)
@@ -311,9 +347,9 @@ class EmbeddingTable:
         """Keys changed (updated, created or deleted) since the last call; resets the
         tracking. Read their values with :meth:`read` (in chunks, if the caller wants to
         bound the pause): a key missing by then is a deletion."""
-        touched = self._touched + self._deleted
+        touched, deleted = self.tracked()
         self._touched, self._deleted = [], []
-        return torch.unique(torch.cat(touched)) if touched else torch.empty(0, dtype=torch.int64)
+        return torch.unique(torch.cat([touched, deleted]))
 
     def take_delta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, deleted keys) changed since the last call, in one go."""

@@ -2,6 +2,8 @@
 
 from collections import Counter
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -9,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import make_sample_run, run_cli
 from pipelines.samples import SampleSpec
 from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
@@ -108,7 +111,7 @@ def test_published_version_equals_the_trainers_parameters(tmp_path, sample_run):
         assert found.all(), name
         assert torch.equal(got, values), name
         assert len(loaded.store[name]) == len(keys)
-    state = torch.load(trainer.checkpointer.latest() / "dense.pt", weights_only=False)["model"]
+    state = torch.load(trainer.checkpointer.latest() / "dense.pt", map_location="cpu", weights_only=False)["model"]
     for key, value in state.items():
         assert torch.equal(loaded.model.state_dict()[key], value), key
     restored.close()
@@ -131,7 +134,7 @@ def test_bad_files_and_locks_give_clear_errors(tmp_path, sample_run):
 def test_a_nan_loss_stops_training_and_publishes_nothing_poisoned(tmp_path, sample_run):
     cfg = _cfg(tmp_path, **{"model.dense_lr": 1e30, "model.sparse_lr": 1e30, "trainer.publish_interval_s": 0.05,
                             "trainer.warmup_samples": 10**9})
-    with pytest.raises(TrainingError, match="loss became nan.*last good version"):
+    with pytest.raises(TrainingError, match="(loss became nan|non-finite).*last good version"):
         train(cfg, TrainOptions(files=[str(sample_run)], max_samples=100000, progress=False))
     ms = ModelStore(str(tmp_path / "models"), "ctr")
     for version in ms.versions():
@@ -139,3 +142,20 @@ def test_a_nan_loss_stops_training_and_publishes_nothing_poisoned(tmp_path, samp
         assert all(torch.isfinite(v).all() for v in dense.values())
         for t in sparse.values():
             assert np.isfinite(pc.list_flatten(t["value"]).to_numpy()).all()
+
+
+@pytest.mark.slow
+def test_online_learning_approaches_bayes_and_beats_the_frozen_model(tmp_path):
+    """4 minutes of drifting traffic: the documented gap (docs/trainer.md) is measured here."""
+    run = make_sample_run(tmp_path / "run", 240, seed=5)
+    result = run_cli("train", "--samples", str(run), "--truth", str(run), "--model-store", str(tmp_path / "models"),
+                     "--work-dir", str(tmp_path / "work"), "--publish-interval", "10", "--warmup-samples", "200000",
+                     "--device", "cpu", "--json", timeout=900)
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout)
+    print({k: round(v, 4) for k, v in s.items() if k.startswith(("auc_", "logloss_"))})
+    assert s["samples"] > 600_000 and s["rejected"] == {}
+    assert s["auc_bayes"] - s["auc_online"] < 0.04  # measured 0.015 (bench/RESULTS.md)
+    assert s["auc_online"] - s["auc_frozen"] > 0.02  # measured 0.05
+    assert s["logloss_online"] < s["logloss_frozen"]
+    assert len(s["published"]) >= 3 and s["frozen_version"] is not None

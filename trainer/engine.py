@@ -51,6 +51,7 @@ from trainer.sparse import SparseFeatures
 
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
+DRAIN_EVERY = 16  # steps between host syncs of losses and scores
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Trainer:
         self._stop = threading.Event()
         self.times = {p: 0.0 for p in PHASES}
         self.rejected: Counter = Counter()
+        self._pending: list[tuple] = []  # (step, loss, scores, labels, event ids, frozen scores) not yet on the host
         self._restore_or_init()
         self.sparse = SparseFeatures(self.store)
         self.metrics = WindowMetrics(tcfg.eval_window)
@@ -233,25 +235,23 @@ class Trainer:
                 if (self.opts.max_samples and trained >= self.opts.max_samples) or \
                         (self.opts.max_seconds and time.monotonic() - started >= self.opts.max_seconds):
                     break
-        except PoisonedModel as exc:
-            poisoned = str(exc)
-        finally:
-            prefetch.stop()
-        if poisoned:
-            source.close()
-            self._close()
-            raise TrainingError(
-                f"{poisoned}. Nothing was published or checkpointed after it: the last good version is "
-                f"{self.publisher.last_version}, the last checkpoint is {self.checkpointer.latest()}. Lower the learning rates or "
-                f"check the inputs, then run again: it resumes from that checkpoint.")
-        try:
             self.publisher.flush()
             if self._dirty():
                 self._begin_publish()
                 self.publisher.flush()
             self.checkpoint(source)
+        except PoisonedModel as exc:
+            poisoned = str(exc)
         finally:
+            prefetch.stop()
             source.close()
+        if poisoned:
+            self._close()
+            latest = self.checkpointer.latest()
+            raise TrainingError(
+                f"{poisoned}. Nothing was published or checkpointed after it: the last good version is "
+                f"{self.publisher.last_version or 'none'}, the last checkpoint is {latest or 'none'}. Lower the learning rates "
+                f"or check the inputs, then run again" + (f": it resumes from {latest.name}." if latest else "."))
         summary = self.summary(time.monotonic() - started, self.state["samples"] - samples_at_start)
         self._close()
         return summary
@@ -272,18 +272,18 @@ class Trainer:
         loss = F.binary_cross_entropy_with_logits(logits, batch.label)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        loss_value = float(loss.detach())  # one host sync per step: needed to refuse a poisoned step
+        if sync:
+            torch.cuda.synchronize()
         t2 = time.perf_counter()
-        if not math.isfinite(loss_value):
-            self.publisher.abandon(f"loss is {loss_value} at step {self.state['step']}")
-            raise PoisonedModel(f"the training loss became {loss_value} at step {self.state['step']} "
-                                f"(batch event time up to {now_ms})")
         self.optimizer.step()
         self.sparse.push(handles)
         if sync:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        self._evaluate(batch, logits, now_ms)
+        frozen = self.frozen.predict(batch, now_ms) if self.frozen is not None else None
+        self._pending.append((self.state["step"], loss.detach(), torch.sigmoid(logits.detach()), batch.label, batch.event_ids, frozen))
+        if len(self._pending) >= DRAIN_EVERY:
+            self._drain()
         t4 = time.perf_counter()
         self.times["lookup"] += t1 - t0
         self.times["forward_backward"] += t2 - t1
@@ -293,29 +293,42 @@ class Trainer:
         self.state["step"] += 1
         self.state["samples"] += n
         self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
-        self.state["loss"] = loss_value
         self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
-        self.prom.loss.set(loss_value)
         if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
             for table in self.store.tables.values():
                 table.expire(now_ms)
+
+    def _drain(self) -> None:
+        """Bring the last steps' losses and scores to the host in one transfer: refuse a
+        non-finite loss (PoisonedModel), feed progressive validation. Runs every
+        DRAIN_EVERY steps and before anything is published, checkpointed or reported, so
+        no per-step host sync stalls the device queue."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        losses = torch.stack([p[1] for p in pending]).float().cpu()
+        finite = torch.isfinite(losses)
+        if not bool(finite.all()):
+            first = int(torch.nonzero(~finite)[0, 0])
+            self.publisher.abandon(f"loss is {float(losses[first])} at step {pending[first][0]}")
+            raise PoisonedModel(f"the training loss became {float(losses[first])} at step {pending[first][0]}")
+        self.state["loss"] = float(losses[-1])
+        self.prom.loss.set(self.state["loss"])
+        online = torch.cat([p[2] for p in pending]).float().cpu().numpy()
+        labels = torch.cat([p[3] for p in pending]).cpu().numpy()
+        frozen = np.concatenate([p[5] for p in pending]) if pending[0][5] is not None and all(p[5] is not None for p in pending) else None
+        if self.truth is not None:
+            bayes = self.truth.get([e for p in pending for e in p[4]])
+            known = ~np.isnan(bayes)  # compare all scorers on the same impressions
+            self.metrics.add(labels[known], online=online[known], frozen=None if frozen is None else frozen[known], bayes=bayes[known])
+        else:
+            self.metrics.add(labels, online=online, frozen=frozen)
 
     def _advance(self, positions: dict[int, int], rejected: Counter) -> None:
         for p, o in positions.items():
             self._positions[p] = max(self._positions.get(p, 0), o)
         self.rejected.update(rejected)
-
-    def _evaluate(self, batch: SampleBatch, logits: torch.Tensor, now_ms: int) -> None:
-        online = torch.sigmoid(logits.detach()).float().cpu().numpy()
-        labels = batch.label.cpu().numpy()
-        frozen = self.frozen.predict(batch, now_ms) if self.frozen is not None else None
-        if self.truth is not None:
-            bayes = self.truth.get(batch.event_ids)
-            known = ~np.isnan(bayes)  # compare all scorers on the same impressions
-            self.metrics.add(labels[known], online=online[known], frozen=None if frozen is None else frozen[known], bayes=bayes[known])
-        else:
-            self.metrics.add(labels, online=online, frozen=frozen)
 
     def _between_steps(self, source: SampleSource) -> None:
         t0 = time.perf_counter()
@@ -336,9 +349,11 @@ class Trainer:
                 self._begin_publish()
         self.times["publish"] += time.perf_counter() - t0
         if self.reporter is not None and self.reporter.due():
+            self._drain()
             self.reporter.report(self.status(source))
 
     def _begin_publish(self, kind: str | None = None) -> None:
+        self._drain()  # never begin a version after an unchecked loss
         meta = {
             "trained_through_ms": self.state["trained_through_ms"],
             "source": self.source_name,
@@ -353,6 +368,7 @@ class Trainer:
 
     def checkpoint(self, source: SampleSource) -> Path:
         """Consistent checkpoint (only between steps, never during a publish); then commit offsets."""
+        self._drain()
         self.publisher.flush()
         self.state.update({
             "positions": {str(p): o for p, o in sorted(self._positions.items())},

@@ -112,6 +112,10 @@ class KafkaSampleSource:
 
     Where to start: ``start`` positions (a checkpoint's) win; otherwise the group's
     committed offsets; otherwise the earliest retained sample.
+
+    KafkaConsumer is not thread-safe and ``chunks`` runs on the prefetch thread, so
+    ``commit`` and ``lag`` never touch the consumer from the caller's thread: commits are
+    handed to the polling loop (and done at ``close`` at the latest), lag is measured there.
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, spec: SampleSpec, start: dict[int, int] | None = None,
@@ -138,9 +142,12 @@ class KafkaSampleSource:
                 self.consumer.seek(tp, where)
         self._lag: int | None = None
         self._lag_checked = 0.0
+        self._to_commit: dict[int, int] | None = None
 
     def chunks(self) -> Iterator[SampleChunk]:
         while True:
+            self._commit_pending()
+            self._measure_lag()
             polled = self.consumer.poll(timeout_ms=self.poll_ms, max_records=self.max_records)
             records = [r for recs in polled.values() for r in recs]
             if not records:
@@ -157,7 +164,7 @@ class KafkaSampleSource:
             yield SampleChunk(table, partitions[index], offsets[index], consumed,
                               [(int(partitions[i]), int(offsets[i]), reason) for i, reason in rejected])
 
-    def lag(self) -> int | None:
+    def _measure_lag(self) -> None:
         now = time.monotonic()
         if now - self._lag_checked > 2.0:
             self._lag_checked = now
@@ -166,14 +173,24 @@ class KafkaSampleSource:
                 self._lag = sum(max(0, ends[tp] - self.consumer.position(tp)) for tp in self.assignment)
             except Exception as exc:  # lag is informational; never stop training for it
                 log.debug("lag check failed: %s", exc)
+
+    def lag(self) -> int | None:
         return self._lag
 
     def commit(self, positions: dict[int, int]) -> None:
+        self._to_commit = dict(positions)
+
+    def _commit_pending(self) -> None:
         from kafka import OffsetAndMetadata, TopicPartition
 
-        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in positions.items()}
-        if offsets:
-            self.consumer.commit(offsets)
+        positions, self._to_commit = self._to_commit, None
+        if positions:
+            try:
+                self.consumer.commit({TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in positions.items()})
+            except Exception as exc:  # checkpoints hold the positions; the group's copy is for lag tools
+                log.warning("committing offsets to group failed: %s", exc)
 
     def close(self) -> None:
+        """Commit what the caller last asked for, then leave (call after the polling stopped)."""
+        self._commit_pending()
         self.consumer.close()

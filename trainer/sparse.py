@@ -40,7 +40,9 @@ class SparseFeatures:
     def __init__(self, store: EmbeddingStore) -> None:
         self.store = store
 
-    def _ids(self, batch: SampleBatch) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def table_ids(batch: SampleBatch) -> dict[str, torch.Tensor]:
+        """The ids each table is asked for (candidate ids first, then the history's)."""
         return {
             "user": batch.user,
             "item": torch.cat([batch.item, batch.hist_items]),
@@ -52,7 +54,7 @@ class SparseFeatures:
     def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows]]:
         """Training lookup: rows are created/admitted as needed and will receive gradients."""
         embeddings, handles = {}, []
-        for name, ids in self._ids(batch).items():
+        for name, ids in self.table_ids(batch).items():
             table = self.store[name]
             pulled = table.pull(ids, now_ms)
             rows = pulled.rows.detach().requires_grad_(True)
@@ -68,7 +70,7 @@ class SparseFeatures:
 
     def lookup(self, batch: SampleBatch, now_ms: int) -> ModelInputs:
         """Inference lookup: never creates rows; ids without a row embed as zeros."""
-        embeddings = {name: self.store[name].lookup(ids, now_ms) for name, ids in self._ids(batch).items()}
+        embeddings = {name: self.store[name].lookup(ids, now_ms) for name, ids in self.table_ids(batch).items()}
         return self._assemble(batch, embeddings)
 
     @staticmethod

@@ -1,0 +1,221 @@
+"""Trainer throughput and per-step time split, against a plain-PyTorch static-table baseline.
+
+Ours: the real engine (trainer.engine.Trainer) reading a sample file in a loop: prefetch
+thread (decode + batch), ps/ dynamic tables (hash index, unique ids, fused row-wise
+Adagrad), the CTR model with Adam, progressive validation, and publishing a version every
+``--publish-interval`` seconds into a temporary model store. Two passes: one with a device
+sync between phases (exact split: input / lookup / forward_backward / update / evaluate /
+publish), one without (throughput).
+
+Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
+the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
+publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
+(input time 0). ratio = our step time / baseline step time.
+
+Publish stall: a separate measurement of what publishing costs the training thread per
+million touched rows (begin + every snapshot slice), and the longest single pause, against
+a bare device-to-host copy of the same rows.
+
+Usage: python bench/bench_trainer.py --samples RUN_DIR|samples.parquet [--batch 4096] [--steps 200] [--device cuda]
+Writes bench/out/trainer-<device>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipelines.samples import SampleSpec
+from ps.model_store import ModelStore
+from ps.store import EmbeddingStore
+from ps.table import TableConfig
+from streamrec.config import load_config
+from trainer.engine import Trainer, TrainOptions
+from trainer.features import TABLES, SampleBatch, batch_from_table, dense_feature_names
+from trainer.model import CTRModel, ModelSpec
+from trainer.publisher import Publisher
+from trainer.sources import sample_files
+from trainer.sparse import ModelInputs, SparseFeatures
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path) -> dict:
+    cfg = load_config(overrides={
+        "trainer.model_store": str(work / f"models-{sync_timings}"), "trainer.work_dir": str(work / f"work-{sync_timings}"),
+        "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
+        "trainer.checkpoint_interval_s": 0.0, "trainer.frozen_baseline": False, "trainer.progress_interval_s": 3600.0,
+        "trainer.prefetch_batches": 8,
+    }, environ={})
+    trainer = Trainer(cfg, TrainOptions(files=[samples], loop_files=True, max_samples=batch * steps, sync_timings=sync_timings,
+                                        fresh=True, progress=False))
+    summary = trainer.run()
+    return {k: summary[k] for k in ("samples_this_run", "elapsed_s", "samples_per_s", "ms_per_step", "auc_online",
+                                    "publish_stall_ms_per_million_rows", "table_rows")} | {"versions": len(summary["published"])}
+
+
+class StaticSparse(nn.Module):
+    """The baseline's sparse side: one pre-sized nn.EmbeddingBag per table (sparse grads)."""
+
+    def __init__(self, sizes: dict[str, int], dim: int) -> None:
+        super().__init__()
+        self.bags = nn.ModuleDict({name: nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for name, n in sizes.items()})
+        for bag in self.bags.values():
+            nn.init.normal_(bag.weight, std=0.01)
+
+    def forward(self, batch: SampleBatch, ids: dict[str, torch.Tensor]) -> ModelInputs:
+        emb = {}
+        for name, x in ids.items():
+            emb[name] = self.bags[name](x, torch.arange(len(x), device=x.device))  # one id per bag
+        return SparseFeatures._assemble(batch, emb)
+
+
+def run_baseline(table, spec: SampleSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int) -> dict:
+    batches = [batch_from_table(table.slice(i * batch, batch), spec, model_spec.history_len) for i in range(n_batches)]
+    # Pre-size every table and remap ids to 0..N-1 (the static world the baseline needs).
+    raw = {name: [SparseFeatures.table_ids(b)[name] for b in batches] for name in TABLES}
+    sizes, remapped = {}, {name: [] for name in TABLES}
+    for name, parts in raw.items():
+        vocab = torch.unique(torch.cat(parts))
+        sizes[name] = len(vocab)
+        for p in parts:
+            remapped[name].append(torch.searchsorted(vocab, p).to(device))
+    batches = [b.to(device) for b in batches]
+    sparse = StaticSparse(sizes, model_spec.embedding_dim).to(device)
+    model = CTRModel(model_spec).to(device)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=0.05)
+    times = {"lookup": 0.0, "forward_backward": 0.0, "update": 0.0}
+
+    def step(i: int, timed: bool) -> None:
+        b = batches[i % n_batches]
+        ids = {name: remapped[name][i % n_batches] for name in TABLES}
+        t0 = time.perf_counter()
+        inputs = sparse(b, ids)
+        if timed:
+            sync(device)
+        t1 = time.perf_counter()
+        loss = F.binary_cross_entropy_with_logits(model(*inputs.as_args()), b.label)
+        dense_opt.zero_grad(set_to_none=True)
+        sparse_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        float(loss.detach())  # the same one host sync per step as ours
+        t2 = time.perf_counter()
+        dense_opt.step()
+        sparse_opt.step()
+        if timed:
+            sync(device)
+        t3 = time.perf_counter()
+        times["lookup"] += t1 - t0
+        times["forward_backward"] += t2 - t1
+        times["update"] += t3 - t2
+
+    for i in range(5):
+        step(i, False)
+    sync(device)
+    for i in range(steps):
+        step(i, True)
+    split = {k: 1000 * v / steps for k, v in times.items()}
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i, False)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    return {"samples_per_s": steps * batch / elapsed, "ms_per_step": 1000 * elapsed / steps, "ms_per_step_split": split,
+            "table_rows": sizes}
+
+
+def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int, work: Path) -> dict:
+    """Training-thread pause to publish ``rows`` touched rows, vs a bare device->host copy."""
+    configs = [TableConfig("t", dim, gpu_cache_rows=rows + 1024 if device.type == "cuda" else 0)]
+    store = EmbeddingStore(configs, device)
+    table = store["t"]
+    keys = torch.randperm(rows * 4)[:rows] + 1
+    for lo in range(0, rows, 262144):
+        pulled = table.pull(keys[lo: lo + 262144].to(device), now_ms=1)
+        table.push(pulled, torch.ones_like(pulled.rows))
+    sync(device)
+    pub = Publisher(store, ModelStore(str(work / "stall"), "m"), 1.0, 10, rows_per_step)
+    pauses = []
+    t0 = time.perf_counter()
+    pub.begin({"w": torch.zeros(10)}, {}, kind="full")  # every row: the touched-rows case at its largest
+    pauses.append(time.perf_counter() - t0)
+    while pub._task is not None:
+        t0 = time.perf_counter()
+        pub.pump()
+        sync(device)
+        pauses.append(time.perf_counter() - t0)
+    pub.flush()
+    weights = table.top.weights
+    sync(device)
+    t0 = time.perf_counter()
+    weights[:rows].to("cpu", copy=True)
+    bare = time.perf_counter() - t0
+    store.close()
+    total = sum(pauses)
+    return {"rows": rows, "dim": dim, "rows_per_step": rows_per_step, "pause_ms_total": 1000 * total,
+            "pause_ms_per_million_rows": 1000 * total / rows * 1e6, "max_single_pause_ms": 1000 * max(pauses),
+            "slices": len(pauses), "bare_copy_ms": 1000 * bare, "ratio_to_bare_copy": total / bare}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", required=True, help="a `pipeline offline` run dir or samples.parquet")
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--publish-interval", type=float, default=5.0)
+    parser.add_argument("--stall-rows", type=int, default=1_000_000)
+    parser.add_argument("--stall-rows-per-step", type=int, default=262144)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    path = str(sample_files([args.samples])[0])
+    table = pq.read_table(path)
+    spec = SampleSpec()
+    cfg = load_config(environ={})
+    model_spec = ModelSpec.from_config(cfg.model, len(dense_feature_names(spec)))
+    n_batches = max(1, min(args.steps, table.num_rows // args.batch))
+    result = {"bench": "trainer", "device": str(device), "batch": args.batch, "steps": args.steps, "samples_file": path,
+              "host": platform.node(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"baseline: nn.EmbeddingBag static tables, {args.steps} steps of {args.batch} on {device} ...", flush=True)
+        result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches)
+        print(f"  {result['baseline']['samples_per_s']:,.0f} samples/s  split {result['baseline']['ms_per_step_split']}", flush=True)
+        print("ours, with phase sync ...", flush=True)
+        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work)
+        print(f"  split ms/step {json.dumps({k: round(v, 2) for k, v in result['ours_split']['ms_per_step'].items()})}", flush=True)
+        print("ours, throughput ...", flush=True)
+        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work)
+        ours_ms = 1000 * args.batch / result["ours"]["samples_per_s"]
+        result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
+        print(f"  {result['ours']['samples_per_s']:,.0f} samples/s = {ours_ms:.2f} ms/step; "
+              f"{result['ratio_step_time_ours_over_baseline']:.2f}x the baseline's step time", flush=True)
+        print(f"publish stall for {args.stall_rows:,} touched rows ...", flush=True)
+        result["publish_stall"] = publish_stall(args.stall_rows, cfg.model.embedding_dim, device, args.stall_rows_per_step, work)
+        print(f"  {json.dumps(result['publish_stall'])}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path_out = out / f"trainer-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path_out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path_out}")
+
+
+if __name__ == "__main__":
+    main()
