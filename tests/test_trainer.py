@@ -88,7 +88,7 @@ def test_batches_cover_the_files_exactly_and_positions_resume_without_gaps(tmp_p
 
 def _cfg(tmp_path, **extra):
     overrides = {"trainer.model_store": str(tmp_path / "models"), "trainer.work_dir": str(tmp_path / "work"),
-                 "trainer.progress_interval_s": 3600.0, "trainer.device": "cpu", **extra}
+                 "trainer.progress_interval_s": 3600.0, "trainer.device": "auto", **extra}
     return load_config(overrides=overrides, environ={})
 
 
