@@ -92,6 +92,17 @@ class HashIndex:
             raise ReservedKeyError(f"keys {RESERVED_KEYS} are reserved by the hash index and cannot be feature ids")
         if (self._used + len(keys)) > MAX_LOAD * self.slots:
             self._rehash(self._used + len(keys))
+        self._used += len(keys)
+        if self.device.type == "cuda":
+            from ps import kernels
+
+            if kernels.available(self.device):
+                left = kernels.insert(keys, values, self)  # one launch instead of probe rounds with host syncs
+                keys, values = keys[left], values[left]  # (almost always none)
+        self._place(keys, values)
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Linear-probing insert of absent, unique keys, a whole batch per round."""
         pos = self._hash(keys)
         mask = self.slots - 1
         pending = torch.arange(len(keys), device=self.device)
@@ -105,7 +116,6 @@ class HashIndex:
             lost = torch.ones(len(pending), dtype=torch.bool, device=self.device)
             lost[torch.nonzero(free).squeeze(1)[won]] = False
             pending, pos = pending[lost], (pos[lost] + 1) & mask
-        self._used += len(keys)
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove present keys; returns the values they had (-1 for absent ones)."""

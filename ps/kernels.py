@@ -19,7 +19,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-from ps.hash_index import EMPTY, MULTIPLIER, HashIndex
+from ps.hash_index import EMPTY, MULTIPLIER, TOMBSTONE, HashIndex
 
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
 
@@ -63,6 +63,50 @@ if triton is not None:
             have = (slot >= 0)[:, None] & col_ok[None, :]
             rows = tl.load(weights_ptr + tl.where(slot >= 0, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
             tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _insert(keys_ptr, values_ptr, index_keys_ptr, index_values_ptr, scratch_ptr, left_ptr, n, multiplier, shift, mask,
+                empty, tombstone, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = tl.load(keys_ptr + offs, mask=valid, other=0)
+        value = tl.load(values_ptr + offs, mask=valid, other=-1)
+        pos = ((key * multiplier) >> shift) & mask
+        pending = valid
+        for _ in range(PROBES):
+            # atomic_cas has no mask: lanes that are done aim at their own scratch word,
+            # which never holds EMPTY or TOMBSTONE, so their CAS fails harmlessly.
+            target = tl.where(pending, index_keys_ptr + pos, scratch_ptr + offs)
+            old = tl.atomic_cas(target, empty + tl.zeros((BLOCK,), tl.int64), key)
+            won = pending & (old == empty)
+            retry_tomb = pending & (old == tombstone)
+            target = tl.where(retry_tomb, index_keys_ptr + pos, scratch_ptr + offs)
+            old2 = tl.atomic_cas(target, tombstone + tl.zeros((BLOCK,), tl.int64), key)
+            won = won | (retry_tomb & (old2 == tombstone))
+            tl.store(index_values_ptr + pos, value, mask=won)
+            pending = pending & ~won
+            pos = tl.where(pending, (pos + 1) & mask, pos)
+        tl.store(left_ptr + offs, pending.to(tl.int8), mask=valid)
+
+
+def insert(keys: torch.Tensor, values: torch.Tensor, index: HashIndex) -> torch.Tensor:
+    """Claim slots for absent, batch-unique ``keys`` in one launch (atomic compare-and-swap
+    on EMPTY or TOMBSTONE). Returns a bool mask of keys still unplaced after MAX_PROBES
+    (the caller places those with the torch loop)."""
+    index_keys, index_values = index.raw_tables()
+    n = len(keys)
+    left = torch.zeros(n, dtype=torch.int8, device=keys.device)
+    if n == 0:
+        return left.bool()
+    scratch = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    block = 256
+    bits = index.bits
+    _insert[(triton.cdiv(n, block),)](keys, values, index_keys, index_values, scratch, left, n, MULTIPLIER, 64 - bits,
+                                      (1 << bits) - 1, EMPTY, TOMBSTONE, BLOCK=block, PROBES=MAX_PROBES)
+    return left.bool()
 
 
 def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, last_seen: torch.Tensor,

@@ -29,6 +29,24 @@ from ps.table import EmbeddingTable, TableConfig
 CHECKPOINT_FORMAT = 1
 
 
+def to_host(tables: dict[str, SparseDelta]) -> dict[str, SparseDelta]:
+    """Move snapshot values to host memory without stalling training: on CUDA the copy
+    runs on a side stream into pinned buffers (the caller is the writer thread)."""
+    out = {}
+    for name, delta in tables.items():
+        values = delta.values
+        if values.device.type == "cuda":
+            side = torch.cuda.Stream(device=values.device)
+            side.wait_stream(torch.cuda.current_stream(values.device))  # the snapshot kernels are done first
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            with torch.cuda.stream(side):
+                host.copy_(values, non_blocking=True)
+            side.synchronize()
+            values = host
+        out[name] = SparseDelta(delta.keys.cpu(), values, delta.deleted.cpu())
+    return out
+
+
 class SnapshotTask:
     """A snapshot read in chunks, so training can run between chunks.
 
@@ -66,7 +84,8 @@ class SnapshotTask:
         while self._queue and budget > 0:
             name, keys = self._queue[0]
             chunk, rest = keys[:budget], keys[budget:]
-            found, values = self._tables[name].read(chunk)
+            table = self._tables[name]
+            found, values = table.read(chunk, device=table.top.device)  # keys and values stay on the device
             self._parts[name].append((chunk[found], values, chunk[~found]))
             budget -= len(chunk)
             self.rows_done += len(chunk)
@@ -77,13 +96,16 @@ class SnapshotTask:
         return self.done
 
     def result(self) -> dict[str, SparseDelta]:
+        """The snapshot; values may still be on the GPU (see :func:`to_host`)."""
         if not self.done:
             raise RuntimeError("snapshot not complete: step() it until it returns True")
         out = {}
         for name, parts in self._parts.items():
-            dim = self._tables[name].config.dim
-            keys = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
-            values = torch.cat([p[1] for p in parts]) if parts else torch.empty(0, dim)
+            table = self._tables[name]
+            dim = table.config.dim
+            device = table.top.device
+            keys = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
+            values = torch.cat([p[1] for p in parts]) if parts else torch.empty(0, dim, device=device)
             deleted = torch.cat([p[2] for p in parts]) if parts and self.kind == "delta" else torch.empty(0, dtype=torch.int64)
             out[name] = SparseDelta(keys, values, deleted)
         return out
@@ -118,7 +140,7 @@ class EmbeddingStore:
         while not task.step(1 << 62):
             pass
         self.last_snapshot_s = time.perf_counter() - t0
-        return task.result()
+        return to_host(task.result())
 
     def publish(
         self,
@@ -136,7 +158,7 @@ class EmbeddingStore:
               meta: Mapping[str, Any] | None, background: bool = False) -> int | Future:
         """Write a finished snapshot as a version (on the writer thread with ``background``)."""
         dims = {name: t.config.dim for name, t in self.tables.items()}
-        job = lambda: model_store.publish(kind, tables, dims, dense, meta)  # noqa: E731
+        job = lambda: model_store.publish(kind, to_host(tables), dims, dense, meta)  # noqa: E731
         return self._writer.submit(job) if background else job()
 
     # ------------------------------------------------------------------ checkpoints

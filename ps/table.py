@@ -292,27 +292,32 @@ class EmbeddingTable:
         self.stats["spilled"] += len(victims)
 
     # ------------------------------------------------------------------ reading, expiry
-    def read(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, keys: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Current values of ``keys`` from whichever tier holds them, without moving rows.
-        Returns (found mask, values[found])."""
-        keys = keys.to(torch.int64).cpu()
-        values = torch.zeros(len(keys), self.config.dim)
-        found = torch.zeros(len(keys), dtype=torch.bool)
+        Returns (found mask, values[found]), both on ``device`` (snapshots read into the GPU
+        so the training thread pays a device-to-device copy, not a host transfer)."""
+        device = torch.device(device)
+        keys = keys.to(torch.int64)
+        values = torch.zeros(len(keys), self.config.dim, device=device)
+        found = torch.zeros(len(keys), dtype=torch.bool, device=device)
         for tier in (self.cache, self.dram):
             if tier is None:
                 continue
-            slots = tier.slots_of(keys).cpu()
-            hit = (slots >= 0) & ~found
-            values[hit] = tier.weights[slots[hit].to(tier.device)].cpu()
-            found |= hit
-        if self.ssd is not None and bool((~found).any()):
-            idx = torch.nonzero(~found).squeeze(1)
-            k, w, _, _ = self.ssd.get(keys[idx])
+            slots = tier.slots_of(keys.to(tier.device))
+            hit = (slots >= 0) & ~found.to(tier.device)
+            idx = torch.nonzero(hit).squeeze(1)
+            values[idx.to(device)] = tier.weights.index_select(0, slots[idx]).to(device)
+            found |= hit.to(device)
+        missing = ~found.cpu()
+        if self.ssd is not None and bool(missing.any()):
+            idx = torch.nonzero(missing).squeeze(1)
+            cpu_keys = keys.cpu()
+            k, w, _, _ = self.ssd.get(cpu_keys[idx])
             if len(k):
-                pos = idx[torch.isin(keys[idx], k)]
+                pos = idx[torch.isin(cpu_keys[idx], k)]
                 order = {key: i for i, key in enumerate(k.tolist())}
-                values[pos] = w[[order[key] for key in keys[pos].tolist()]]
-                found[pos] = True
+                values[pos.to(device)] = w[[order[key] for key in cpu_keys[pos].tolist()]].to(device)
+                found[pos.to(device)] = True
         return found, values[found]
 
     def expire(self, now_ms: int) -> int:
@@ -344,26 +349,29 @@ class EmbeddingTable:
 
     # ------------------------------------------------------------------ deltas and snapshots
     def begin_delta(self) -> torch.Tensor:
-        """Keys changed (updated, created or deleted) since the last call; resets the
-        tracking. Read their values with :meth:`read` (in chunks, if the caller wants to
-        bound the pause): a key missing by then is a deletion."""
-        touched, deleted = self.tracked()
+        """Keys changed (updated, created or deleted) since the last call, on the top tier's
+        device; resets the tracking. Read their values with :meth:`read` (in chunks, if the
+        caller wants to bound the pause): a key missing by then is a deletion."""
+        device = self.top.device
+        touched = torch.unique(torch.cat(self._touched)) if self._touched else torch.empty(0, dtype=torch.int64, device=device)
+        deleted = torch.cat(self._deleted).to(device) if self._deleted else None
         self._touched, self._deleted = [], []
-        return torch.unique(torch.cat([touched, deleted]))
+        return touched if deleted is None else torch.unique(torch.cat([touched, deleted]))
 
     def take_delta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keys, values, deleted keys) changed since the last call, in one go."""
-        candidates = self.begin_delta()
+        candidates = self.begin_delta().cpu()
         found, values = self.read(candidates)
         return candidates[found], values, candidates[~found]
 
     def all_keys(self) -> torch.Tensor:
-        """Every key with a row, in any tier (for full versions)."""
-        parts = [self.dram.keys[self.dram.live_slots()]]
+        """Every key with a row, in any tier (for full versions), on the top tier's device."""
+        device = self.top.device
+        parts = [self.dram.keys[self.dram.live_slots()].to(device)]
         if self.cache is not None and len(self.cache):
-            parts.append(self.cache.keys[self.cache.live_slots()].cpu())
+            parts.append(self.cache.keys[self.cache.live_slots()])
         if self.ssd is not None:
-            parts += [k for k, _, _, _ in self.ssd.items()]
+            parts += [k.to(device) for k, _, _, _ in self.ssd.items()]
         return torch.unique(torch.cat(parts))
 
     def iter_rows(self, with_state: bool = False, chunk: int = 65536):

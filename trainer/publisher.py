@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ps.model_store import ModelStore, SparseDelta
-from ps.store import EmbeddingStore, SnapshotTask
+from ps.store import EmbeddingStore, SnapshotTask, to_host
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class Publisher:
     # ------------------------------------------------------------------ writer thread
     def _write(self, pending: dict, tables: dict[str, SparseDelta]) -> PublishRecord:
         t0 = time.perf_counter()
+        tables = to_host(tables)
         for name, delta in tables.items():
             if len(delta.values) and not bool(torch.isfinite(delta.values).all()):
                 raise PoisonedModel(f"table {name} holds non-finite embedding values")

@@ -1,0 +1,109 @@
+"""Where the time of the trainer's sparse lookup goes, per table, on first sight of ids
+(miss path: rows created) and on a second pass (hit path). A diagnostic for bench_trainer.py.
+
+Usage: python bench/profile_trainer.py --samples RUN_DIR [--batch 4096] [--steps 30] [--device cuda]
+"""
+
+import argparse
+import time
+
+import pyarrow.parquet as pq
+import torch
+
+from pipelines.samples import SampleSpec
+from ps.store import EmbeddingStore
+from streamrec.config import load_config
+from trainer.features import batch_from_table
+from trainer.model import table_configs
+from trainer.sources import sample_files
+from trainer.sparse import SparseFeatures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", required=True)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    table = pq.read_table(sample_files([args.samples])[0])
+    batches = [batch_from_table(table.slice(i * args.batch, args.batch), SampleSpec(), 50).to(device) for i in range(args.steps)]
+    store = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for label in ("first pass (misses: rows created)", "second pass (hits)"):
+        per_table = {name: 0.0 for name in store.tables}
+        assemble = 0.0
+        for b in batches:
+            emb = {}
+            for name, ids in SparseFeatures.table_ids(b).items():
+                sync()
+                t0 = time.perf_counter()
+                pulled = store[name].pull(ids, 1)
+                emb[name] = pulled.embeddings()
+                sync()
+                per_table[name] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            SparseFeatures._assemble(b, emb)
+            sync()
+            assemble += time.perf_counter() - t0
+        n = len(batches)
+        print(label, {k: round(1000 * v / n, 2) for k, v in per_table.items()}, "assemble", round(1000 * assemble / n, 2), "ms/step",
+              "ids/step", {k: len(v) for k, v in SparseFeatures.table_ids(batches[0]).items()})
+    # Which ps/ functions the miss path spends its time in (device-synchronised wall time).
+    import collections
+    import functools
+
+    from ps import kernels
+    from ps.hash_index import HashIndex
+    from ps.storage import RowStorage
+    from ps.table import EmbeddingTable
+
+    spent = collections.Counter()
+    calls = collections.Counter()
+
+    def timed(owner, name):
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                sync()
+                spent[f"{owner.__name__}.{name}"] += time.perf_counter() - t0
+                calls[f"{owner.__name__}.{name}"] += 1
+        setattr(owner, name, wrapper)
+
+    for owner, names in ((HashIndex, ("insert", "lookup", "_find", "remove")), (RowStorage, ("add", "pop", "coldest")),
+                         (EmbeddingTable, ("_bring_up", "_take_from_lower", "_make_room", "_spill_dram", "push"))):
+        for name in names:
+            timed(owner, name)
+    if device.type == "cuda":
+        timed(kernels, "probe_gather")
+    fresh = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+    for b in batches:
+        pulled = fresh["user"].pull(b.user, 3)
+        fresh["user"].push(pulled, torch.zeros_like(pulled.rows))
+    print("user table, fresh store, all batches: ms per call (calls)",
+          {k: f"{1000 * v / calls[k]:.2f} ({calls[k]})" for k, v in spent.most_common()}, "stats", fresh["user"].stats)
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for b in batches[:10]:
+                for name, ids in SparseFeatures.table_ids(b).items():
+                    store[name].pull(ids, 2)
+            sync()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        fresh = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for b in batches[:10]:
+                for name, ids in SparseFeatures.table_ids(b).items():
+                    fresh[name].pull(ids, 2)
+            sync()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+
+
+if __name__ == "__main__":
+    main()
