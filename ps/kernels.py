@@ -101,8 +101,8 @@ def insert(keys: torch.Tensor, values: torch.Tensor, index: HashIndex) -> torch.
     left = torch.zeros(n, dtype=torch.int8, device=keys.device)
     if n == 0:
         return left.bool()
-    scratch = torch.zeros(n, dtype=torch.int64, device=keys.device)
     block = 256
+    scratch = torch.zeros(triton.cdiv(n, block) * block, dtype=torch.int64, device=keys.device)  # one word per lane
     bits = index.bits
     _insert[(triton.cdiv(n, block),)](keys, values, index_keys, index_values, scratch, left, n, MULTIPLIER, 64 - bits,
                                       (1 << bits) - 1, EMPTY, TOMBSTONE, BLOCK=block, PROBES=MAX_PROBES)
