@@ -16,7 +16,8 @@ Publish stall: a separate measurement of what publishing costs the training thre
 million touched rows (begin + every snapshot slice), and the longest single pause, against
 a bare device-to-host copy of the same rows.
 
-Usage: python bench/bench_trainer.py --samples RUN_DIR|samples.parquet [--batch 4096] [--steps 200] [--device cuda]
+Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
+(without --samples: 60 s of generated traffic, made into samples by the reference pipeline)
 Writes bench/out/trainer-<device>-<time>.json.
 """
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -174,9 +177,18 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
             "slices": len(pauses), "bare_copy_ms": 1000 * bare, "ratio_to_bare_copy": total / bare}
 
 
+def make_samples(run: Path) -> str:
+    """60 s of generated traffic turned into samples (the reference pipeline), for a self-contained run."""
+    print(f"generating samples into {run} ...", flush=True)
+    for args in (["generate", "--out", str(run), "--duration", "60", "--rate", "3000", "--start-ms", "1700000000000"],
+                 ["pipeline", "offline", str(run)]):
+        subprocess.run([sys.executable, "-m", "streamrec.cli", *args], check=True, stdout=subprocess.DEVNULL)
+    return str(run)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", required=True, help="a `pipeline offline` run dir or samples.parquet")
+    parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate 60 s of traffic)")
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -186,6 +198,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.samples is None:
+        args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
     path = str(sample_files([args.samples])[0])
     table = pq.read_table(path)
     spec = SampleSpec()

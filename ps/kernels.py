@@ -30,7 +30,9 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Integer arguments are not specialised on their values: Triton would otherwise compile
+    # a new variant whenever n or the clock changes divisibility by 16 (seconds each, mid-training).
+    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty"])
     def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
                       last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty,
                       DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
@@ -67,7 +69,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "multiplier", "shift", "mask", "empty", "tombstone"])
     def _insert(keys_ptr, values_ptr, index_keys_ptr, index_values_ptr, scratch_ptr, left_ptr, n, multiplier, shift, mask,
                 empty, tombstone, BLOCK: tl.constexpr, PROBES: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
