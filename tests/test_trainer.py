@@ -58,7 +58,7 @@ def _positions_check(path, batch_size, expected_rows):
         rejected += item.rejected
         if isinstance(item, Skipped):
             continue
-        ids += item.event_ids
+        ids += item.event_ids.to_pylist()
         seen += len(item)
         # everything before the position was handed out or rejected, and nothing after it
         assert item.positions[0] == seen + sum(rejected.values())
@@ -81,7 +81,7 @@ def test_batches_cover_the_files_exactly_and_positions_resume_without_gaps(tmp_p
     pre = Prefetcher(source, SPEC, 256, history_len=50).start()
     rest = []
     while (item := pre.get(timeout=10)) is not END:
-        rest += item.event_ids
+        rest += item.event_ids.to_pylist()
     pre.stop()
     assert rest == [e for i, e in enumerate(small["event_id"].to_pylist()) if i >= 2500 and labels[i] != 5]
 

@@ -319,7 +319,7 @@ class Trainer:
         labels = torch.cat([p[3] for p in pending]).cpu().numpy()
         frozen = np.concatenate([p[5] for p in pending]) if pending[0][5] is not None and all(p[5] is not None for p in pending) else None
         if self.truth is not None:
-            bayes = self.truth.get([e for p in pending for e in p[4]])
+            bayes = self.truth.get([e for p in pending for e in p[4].to_pylist()])
             known = ~np.isnan(bayes)  # compare all scorers on the same impressions
             self.metrics.add(labels[known], online=online[known], frozen=None if frozen is None else frozen[known], bayes=bayes[known])
         else:

@@ -48,7 +48,7 @@ class SampleBatch:
     label: torch.Tensor  # [B] float32 (zeros at serving)
     ts: torch.Tensor  # [B] int64 event time
     history_len: int
-    event_ids: list[str] = field(default_factory=list)
+    event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
     rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
 
@@ -117,7 +117,7 @@ def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_l
 
     label = table["label"].to_numpy().astype(np.float32) if with_labels and "label" in table.column_names else np.zeros(n, np.float32)
     ts = ints("ts")
-    event_ids = table["event_id"].to_pylist() if "event_id" in table.column_names else []
+    event_ids = table["event_id"].combine_chunks() if "event_id" in table.column_names else None
     return SampleBatch(
         user=torch.from_numpy(ints("user_id")),
         item=torch.from_numpy(ints("item_id")),
