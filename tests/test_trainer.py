@@ -17,6 +17,7 @@ from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from ps.table import TableConfig
 from streamrec.config import load_config
+from trainer.checkpoint import Checkpointer
 from trainer.engine import Trainer, TrainingError, TrainOptions, train
 from trainer.features import TABLES, batch_from_table
 from trainer.inference import InferenceModel
@@ -159,3 +160,33 @@ def test_online_learning_approaches_bayes_and_beats_the_frozen_model(tmp_path):
     assert s["auc_online"] - s["auc_frozen"] > 0.02  # measured 0.05
     assert s["logloss_online"] < s["logloss_frozen"]
     assert len(s["published"]) >= 3 and s["frozen_version"] is not None
+
+
+def test_sigterm_publishes_checkpoints_and_exits_cleanly(tmp_path, sample_run):
+    """A stop signal finishes the step, publishes what was trained, checkpoints, exits 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "train", "--samples", str(sample_run), "--model-store",
+                             str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"), "--publish-interval", "0.5",
+                             "--batch-size", "256", "--device", "cpu", "--json"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = ModelStore(str(tmp_path / "models"), "ctr")
+    deadline = time.monotonic() + 120
+    while store.latest() is None and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    summary = json.loads(out)
+    state = json.loads((Checkpointer(tmp_path / "work" / "ctr" / "checkpoints").latest() / "state.json").read_text())
+    manifest = store.manifest(store.latest())
+    assert 0 < summary["samples"] < 174_000  # stopped mid-file
+    assert state["samples"] == manifest["samples_trained"] == summary["samples"]  # everything trained is published
+    assert state["positions"] == manifest["offsets"] == {"0": summary["samples"]}
+    assert not list((tmp_path / "work" / "ctr").glob("tiers-*"))  # the run's scratch tiers are gone

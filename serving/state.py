@@ -1,0 +1,281 @@
+"""The served model: one version at a time, changed in place, with undo data for rollback.
+
+Applying a version:
+- a **delta** whose parent is the version being served is applied in place: its sparse
+  rows are upserted/removed in the inference store, its dense tensors are copied into the
+  existing parameters (so anything holding them, e.g. captured CUDA graphs, sees the new
+  values). The rows it overwrites or removes, and the old dense tensors, are kept as an
+  undo record (the last ``undo_depth`` ones);
+- anything else (a full version, a gap in the chain, a version older than the current
+  one) is loaded as a fresh model and swapped in; the previous model object is the undo.
+
+Consistency: every batch runs under a shared lock and every apply/rollback mutates under
+the exclusive one, so a batch sees exactly one version (never sparse rows of N with
+dense weights of N+1). Everything slow (reading, verifying and decoding the version's
+files) happens before the exclusive lock is taken. A version that fails its checks is
+refused (``CorruptVersion``) and the served state is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ps.model_store import CorruptVersion, ModelStore
+from trainer.features import SampleBatch
+from trainer.inference import InferenceModel
+
+log = logging.getLogger(__name__)
+
+
+class RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+@dataclass
+class _SparseUndo:
+    restore_keys: torch.Tensor  # rows that existed before: put these values back
+    restore_values: torch.Tensor
+    remove_keys: torch.Tensor  # rows the delta created: remove them
+
+
+@dataclass
+class UndoRecord:
+    version_before: int
+    manifest_before: dict = field(default_factory=dict)
+    sparse: dict[str, _SparseUndo] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    replaced: InferenceModel | None = None  # a whole model swapped out (full version / reload)
+
+
+@dataclass
+class ApplyReport:
+    version: int
+    previous: int
+    mode: str  # "delta" (in place) or "swap" (fresh model)
+    rows: int
+    prepare_s: float  # reading + verifying + decoding, outside the lock
+    locked_s: float  # time batches were held off
+
+
+class ServedModel:
+    def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
+                 undo_depth: int = 8) -> None:
+        self.model_store = model_store
+        self.device = torch.device(device)
+        self.gpu_cache_rows = gpu_cache_rows
+        self.undo_depth = undo_depth
+        self.lock = RWLock()
+        self.current: InferenceModel | None = None
+        self.undo: list[UndoRecord] = []
+        self.pinned = False  # set by rollback: automatic applies stop until reload releases it
+        self.applied_at: dict[int, float] = {}
+        self.refused: dict[int, str] = {}  # version -> why it was not applied
+
+    @property
+    def version(self) -> int | None:
+        return self.current.version if self.current is not None else None
+
+    # ------------------------------------------------------------------ serving
+    def predict(self, batch: SampleBatch, now_ms: int | None = None) -> tuple[int, np.ndarray]:
+        """(version, scores) of one batch, all from one version."""
+        with self.lock.read():
+            if self.current is None:
+                raise LookupError(f"model {self.model_store.model} has no version loaded yet")
+            return self.current.version, self.current.predict(batch, now_ms)
+
+    # ------------------------------------------------------------------ changing versions
+    def load(self, version: int | None = None) -> ApplyReport:
+        """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a swap."""
+        target = self.model_store.latest() if version is None else version
+        if target is None:
+            raise CorruptVersion(f"model {self.model_store.model} has no published version under {self.model_store.base}")
+        manifest = self.model_store.manifest(target)
+        current = self.version
+        if current is not None and manifest["kind"] == "delta" and manifest["parent"] == current:
+            return self._apply_delta(target)
+        return self._swap(target)
+
+    def catch_up(self) -> list[ApplyReport]:
+        """Apply every version after the current one up to LATEST, in order (the watcher's job).
+
+        Never raises for a bad version: it is recorded in ``refused`` (and logged) and the
+        served version stays. Deltas that depend on a refused version cannot apply; the next
+        full version (or a loadable LATEST chain) gets the server going again.
+        """
+        latest = self.model_store.latest()
+        if latest is None or (self.version is not None and latest <= self.version) or self.pinned:
+            return []
+        reports = []
+        if self.version is not None:
+            for v in [v for v in self.model_store.versions() if self.version < v <= latest and v not in self.refused]:
+                try:
+                    manifest = self.model_store.manifest(v)
+                    if manifest["kind"] == "delta" and manifest["parent"] == self.version:
+                        reports.append(self._apply_delta(v))
+                    elif manifest["kind"] == "full":
+                        reports.append(self._swap(v))
+                except CorruptVersion as exc:
+                    self._refuse(v, exc)
+        if self.version != latest and latest not in self.refused:  # first load, or a gap (garbage-collected versions)
+            try:
+                reports.append(self._swap(latest))
+            except CorruptVersion as exc:
+                self._refuse(latest, exc)
+        return reports
+
+    def _refuse(self, version: int, exc: Exception) -> None:
+        self.refused[version] = str(exc)
+        log.error("version %d refused, still serving %s: %s", version, self.version, exc)
+
+    def rollback(self, version: int | None = None) -> ApplyReport:
+        """Back to ``version`` (default: the previous one) from the undo records, and pin."""
+        if not self.undo:
+            raise LookupError("no earlier version to roll back to (no undo data kept)")
+        target = self.undo[-1].version_before if version is None else version
+        kept = [u.version_before for u in self.undo]
+        if target not in kept:
+            raise LookupError(f"cannot roll back to version {target}: undo data is kept for {sorted(set(kept))}")
+        t0 = time.perf_counter()
+        previous = self.version
+        with self.lock.write():
+            while self.version != target:
+                self._undo_one(self.undo.pop())
+        self.pinned = True
+        return ApplyReport(target, previous, "rollback", 0, 0.0, time.perf_counter() - t0)
+
+    def release(self) -> None:
+        """Un-pin after a rollback (``:reload``)."""
+        self.pinned = False
+
+    # ------------------------------------------------------------------ internals
+    def _apply_delta(self, version: int) -> ApplyReport:
+        t0 = time.perf_counter()
+        manifest, sparse, dense = self.model_store.read_version(version)  # verified; may raise CorruptVersion
+        decoded = {}
+        for name, table in sparse.items():
+            dim = manifest["tables"][name]["dim"]
+            keys = torch.from_numpy(table["key"].to_numpy().copy())
+            deleted = torch.from_numpy(table["deleted"].to_numpy(zero_copy_only=False).copy())
+            values = table["value"].combine_chunks().flatten().to_numpy().reshape(-1, dim) if table.num_rows else np.zeros((0, dim), np.float32)
+            decoded[name] = (keys[~deleted], torch.from_numpy(values[~deleted.numpy()].copy()), keys[deleted])
+        model = self.current
+        unknown = set(decoded) - set(model.store.tables)
+        if unknown:
+            raise CorruptVersion(f"version {version} has tables {sorted(unknown)} the served model does not")
+        params = dict(model.model.state_dict())
+        for name, tensor in dense.items():
+            if name not in params or params[name].shape != tensor.shape:
+                raise CorruptVersion(f"version {version}: dense tensor {name} {tuple(tensor.shape)} does not fit the served model")
+        prepared = time.perf_counter()
+        rows = 0
+        with self.lock.write():
+            record = UndoRecord(model.version, model.manifest)
+            for name, (keys, values, deleted) in decoded.items():
+                table = model.store[name]
+                touched = torch.cat([keys, deleted])
+                found, old = table.read(touched)
+                record.sparse[name] = _SparseUndo(touched[found], old, touched[~found])
+                if len(keys):
+                    table.load_rows(keys, values)
+                if len(deleted):
+                    table.remove(deleted)
+                rows += len(touched)
+            with torch.no_grad():
+                for name, tensor in dense.items():
+                    record.dense[name] = params[name].detach().clone()
+                    params[name].copy_(tensor.to(params[name].device))
+            model.version, model.manifest = version, manifest
+            self._push_undo(record)
+        self.applied_at[version] = time.time()
+        return ApplyReport(version, record.version_before, "delta", rows, prepared - t0, time.perf_counter() - prepared)
+
+    def _swap(self, version: int) -> ApplyReport:
+        t0 = time.perf_counter()
+        fresh = InferenceModel.load(self.model_store, version, self.device, self.gpu_cache_rows)  # verified
+        prepared = time.perf_counter()
+        with self.lock.write():
+            previous = self.current
+            self.current = fresh
+            if previous is not None:
+                self._push_undo(UndoRecord(previous.version, previous.manifest, replaced=previous))
+        self.applied_at[version] = time.time()
+        rows = sum(len(t) for t in fresh.store.tables.values())
+        return ApplyReport(version, previous.version if previous else -1, "swap", rows, prepared - t0, time.perf_counter() - prepared)
+
+    def _push_undo(self, record: UndoRecord) -> None:
+        self.undo.append(record)
+        while len(self.undo) > self.undo_depth:
+            dropped = self.undo.pop(0)
+            if dropped.replaced is not None:
+                dropped.replaced.close()
+
+    def _undo_one(self, record: UndoRecord) -> None:
+        """Reverse one record (caller holds the write lock)."""
+        if record.replaced is not None:
+            self.current.close()
+            self.current = record.replaced
+            return
+        model = self.current
+        for name, undo in record.sparse.items():
+            table = model.store[name]
+            if len(undo.remove_keys):
+                table.remove(undo.remove_keys)
+            if len(undo.restore_keys):
+                table.load_rows(undo.restore_keys, undo.restore_values)
+        params = dict(model.model.state_dict())
+        with torch.no_grad():
+            for name, tensor in record.dense.items():
+                params[name].copy_(tensor)
+        model.version, model.manifest = record.version_before, record.manifest_before
+
+    def close(self) -> None:
+        with self.lock.write():
+            for record in self.undo:
+                if record.replaced is not None:
+                    record.replaced.close()
+            self.undo.clear()
+            if self.current is not None:
+                self.current.close()
+                self.current = None
