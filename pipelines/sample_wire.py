@@ -16,6 +16,7 @@ block some speed and loses nothing else.
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from typing import Sequence
 
@@ -29,8 +30,10 @@ from pipelines.samples import SAMPLE_VERSION, SampleSpec
 
 RESERVED_IDS = (-(2**63), -(2**63) + 1)  # ps/'s hash-index markers: cannot be keys
 ID_COLUMNS = ("user_id", "item_id", "category_id", "advertiser_id")
-REQUIRED = ("sample_version", "event_id", "ts", "user_id", "item_id", "position", "device", "local_hour",
-            "category_id", "advertiser_id", "hist_item_ids", "hist_category_ids", "label")
+FEATURES = ("ts", "user_id", "item_id", "position", "device", "local_hour", "category_id", "advertiser_id",
+            "hist_item_ids", "hist_category_ids")
+REQUIRED = ("sample_version", "event_id", *FEATURES, "label")  # a training sample
+REQUIRED_INSTANCE = FEATURES  # a predict instance: ids, version and label are optional
 
 
 def encode_samples(table: pa.Table) -> list[bytes]:
@@ -38,13 +41,14 @@ def encode_samples(table: pa.Table) -> list[bytes]:
     return [orjson.dumps(row) for row in table.to_pylist()]
 
 
-def decode_samples(values: Sequence[bytes], spec: SampleSpec = SampleSpec()) -> tuple[pa.Table, np.ndarray, list[tuple[int, str]]]:
-    """Decode and check a block of messages.
+def decode_samples(values: Sequence[bytes], spec: SampleSpec = SampleSpec(),
+                   instances: bool = False) -> tuple[pa.Table, np.ndarray, list[tuple[int, str]]]:
+    """Decode and check a block of messages (``instances``: predict instances, no label).
 
-    Returns (good samples as a table of ``spec.schema()``, the input index of each good
-    row, [(input index, reason)] for every rejected message).
+    Returns (good rows as a table of ``spec.schema()``, the input index of each good row,
+    [(input index, reason)] for every rejected message).
     """
-    schema = spec.schema()
+    schema = spec.schema(with_label=not instances)
     options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     lines = [_one_line(v) for v in values]
     rejected = [(i, "malformed_json") for i, line in enumerate(lines) if line is None]
@@ -53,19 +57,20 @@ def decode_samples(values: Sequence[bytes], spec: SampleSpec = SampleSpec()) -> 
     _read_bisecting(candidates, lines, options, parts, rejected)
     table = pa.concat_tables([t for _, t in parts]) if parts else schema.empty_table()
     index = np.array([i for idx, _ in parts for i in idx], dtype=np.int64)
-    good, reasons = check_samples(table, spec)
+    good, reasons = check_samples(table, spec, instances)
     rejected.extend((int(index[i]), reason) for i, reason in reasons)
     return table.filter(pa.array(good)), index[good], sorted(rejected)
 
 
-def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec()) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec(), instances: bool = False) -> tuple[np.ndarray, list[tuple[int, str]]]:
     """Semantic checks of typed samples: (good-row mask, [(row, reason)] of the others).
 
     A sample is refused for an unknown ``sample_version``, a missing required field, a
     label other than 0/1, a negative counter, an id equal to a reserved key, or a
     behaviour history that is longer than ``history_len`` or whose two lists disagree.
     """
-    missing = [c for c in (*REQUIRED, *spec.counter_columns()) if c not in table.column_names]
+    required = REQUIRED_INSTANCE if instances else REQUIRED
+    missing = [c for c in (*required, *spec.counter_columns()) if c not in table.column_names]
     if missing:
         raise ValueError(f"samples lack columns {missing}: not sample schema v{SAMPLE_VERSION} with spec {spec}")
     n = table.num_rows
@@ -75,12 +80,14 @@ def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec()) -> tuple[np.
         fresh = mask & (reason == None)  # noqa: E711 -- elementwise on an object array
         reason[fresh] = why
 
-    flag(_np(pc.not_equal(table["sample_version"], SAMPLE_VERSION)) | _np(pc.is_null(table["sample_version"])), "unknown_sample_version")
-    for name in REQUIRED:
+    version_missing = _np(pc.is_null(table["sample_version"])) if not instances else np.zeros(n, dtype=bool)
+    flag(_np(pc.not_equal(table["sample_version"], SAMPLE_VERSION)) | version_missing, "unknown_sample_version")
+    for name in required:
         flag(_np(pc.is_null(table[name])), f"missing_field:{name}")
     for name in spec.counter_columns():
         flag(_np(pc.is_null(table[name])) | _np(pc.less(table[name], 0)), f"invalid_value:{name}")
-    flag(~_np(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), "invalid_value:label")
+    if not instances:
+        flag(~_np(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), "invalid_value:label")
     for name in ID_COLUMNS:
         flag(_np(pc.is_in(table[name], pa.array(RESERVED_IDS, pa.int64()))), f"reserved_id:{name}")
     items, cats = table["hist_item_ids"], table["hist_category_ids"]
@@ -156,5 +163,6 @@ def _read_lines(lines: list[bytes], options: pj.ParseOptions) -> pa.Table:
 
 def _reason_of(message: str) -> str:
     if "Failed to convert" in message or "changed from" in message or "too big" in message:
-        return "wrong_type"
+        column = re.search(r"Column\(/([A-Za-z0-9_]+)", message)  # pyarrow names the field when it can
+        return f"wrong_type:{column.group(1)}" if column else "wrong_type"
     return "malformed_json"

@@ -43,7 +43,8 @@ class SampleSpec:
     def counter_columns(self) -> list[str]:
         return [f"{entity}_{what}_{w}s" for w in self.windows_s for entity in ("user", "item", "category") for what in ("imps", "clicks")]
 
-    def schema(self) -> pa.Schema:
+    def schema(self, with_label: bool = True) -> pa.Schema:
+        """The sample schema; without the label (and click_ts) it is a predict instance's."""
         fields = [
             ("sample_version", pa.int16()),
             ("event_id", pa.string()),
@@ -62,6 +63,8 @@ class SampleSpec:
             ("label", pa.int8()),
             ("click_ts", pa.int64()),  # null unless label = 1
         ]
+        if not with_label:
+            fields = [f for f in fields if f[0] not in ("label", "click_ts")]
         meta = {b"sample_version": str(SAMPLE_VERSION).encode(), b"spec": repr(self).encode()}
         return pa.schema(fields, metadata=meta)
 

@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
     train.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
+    sv = tomllib.loads(default_config_text())["serving"]
+    serve = add("serve", "serve predictions over HTTP; follows new model versions, hot-swaps them, rolls back on request")
+    serve.add_argument("--host", help=f"listen address (serving.host: {sv['host']})")
+    serve.add_argument("--port", type=int, help=f"listen port (serving.port: {sv['port']})")
+    serve.add_argument("--model", help="model name (model.name)")
+    serve.add_argument("--model-store", dest="serving_model_store", help=f"model store root or URI (serving.model_store: {sv['model_store']})")
+    serve.add_argument("--device", dest="serving_device", help=f"auto | cpu | cuda[:N] (serving.device: {sv['device']})")
+    serve.add_argument("--admin-token", help="bearer token of the admin routes (serving.admin_token; prefer the env variable)")
+    serve.add_argument("--poll-interval", type=float, help=f"seconds between LATEST checks (serving.poll_interval_s: {sv['poll_interval_s']})")
+
     add("config", "print the effective configuration as JSON")
 
     demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
@@ -159,7 +169,7 @@ def _config_from(args: argparse.Namespace) -> Config:
     overrides = {
         "kafka.bootstrap": getattr(args, "bootstrap", None),
         "kafka.partitions": getattr(args, "partitions", None),
-        "kafka.embedded_port": getattr(args, "port", None),
+        "kafka.embedded_port": getattr(args, "port", None) if getattr(args, "command", None) != "serve" else None,
         "kafka.data_dir": getattr(args, "data_dir", None),
         "flink.jars_dir": getattr(args, "jars_dir", None),
         "model.name": getattr(args, "model", None),
@@ -173,6 +183,12 @@ def _config_from(args: argparse.Namespace) -> Config:
         "trainer.device": getattr(args, "device", None),
         "trainer.metrics_port": getattr(args, "metrics_port", None),
         "trainer.frozen_baseline": False if getattr(args, "no_frozen", False) else None,
+        "serving.host": getattr(args, "host", None),
+        "serving.port": getattr(args, "port", None) if getattr(args, "command", None) == "serve" else None,
+        "serving.model_store": getattr(args, "serving_model_store", None),
+        "serving.device": getattr(args, "serving_device", None),
+        "serving.admin_token": getattr(args, "admin_token", None),
+        "serving.poll_interval_s": getattr(args, "poll_interval", None),
     }
     return load_config(getattr(args, "config", None), overrides)
 
@@ -356,6 +372,14 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- serve
+def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
+    from serving.server import serve
+
+    serve(cfg)
+    return 0
+
+
 # ---------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     script = Path(__file__).resolve().parent.parent / "bench" / f"bench_{args.part}.py"
@@ -394,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(args, cfg)
         handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "pipeline": cmd_pipeline,
-                   "train": cmd_train, "bench": cmd_bench}[args.command]
+                   "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}[args.command]
         return handler(args, cfg)
     except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)

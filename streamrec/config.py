@@ -131,6 +131,22 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    host: str
+    port: int
+    model_store: str
+    device: str
+    admin_token: str
+    max_batch: int
+    max_delay_us: int
+    workers: int
+    max_instances: int
+    max_body_bytes: int
+    poll_interval_s: float
+    undo_depth: int
+
+
+@dataclass(frozen=True)
 class Config:
     kafka: KafkaConfig
     topics: TopicsConfig
@@ -138,6 +154,7 @@ class Config:
     generator: GeneratorConfig
     model: ModelConfig
     trainer: TrainerConfig
+    serving: ServingConfig
     source: str = "defaults"  # which files contributed, for `--help`/status output
 
 

@@ -62,3 +62,22 @@ def make_sample_run(path: Path, duration_s: int, seed: int = 11, rate: int = 300
 def sample_run(tmp_path_factory) -> Path:
     """60 s of traffic (~175k samples) with truth and samples."""
     return make_sample_run(tmp_path_factory.mktemp("samples") / "run", 60)
+
+
+@pytest.fixture(scope="session")
+def published_model(sample_run, tmp_path_factory):
+    """(model store root, versions): a trainer's full version followed by a chain of deltas."""
+    from ps.model_store import ModelStore
+    from streamrec.config import load_config
+    from trainer.engine import Trainer, TrainOptions
+
+    root = tmp_path_factory.mktemp("published")
+    cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),
+                                 "trainer.publish_interval_s": 0.3, "trainer.full_every": 1000, "trainer.warmup_samples": 10**9,
+                                 "trainer.progress_interval_s": 3600.0, "trainer.device": "cpu"}, environ={})
+    Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=40000, progress=False)).run()
+    store = ModelStore(str(root / "models"), "ctr")
+    versions = store.versions()
+    assert len(versions) >= 4 and store.manifest(versions[0])["kind"] == "full"
+    assert all(store.manifest(v)["kind"] == "delta" for v in versions[1:])
+    return root / "models", versions

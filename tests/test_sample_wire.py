@@ -36,7 +36,7 @@ def test_every_bad_message_is_refused_with_its_reason_and_nothing_else_is_lost(t
         3: (b"not json", "malformed_json"),
         10: (b"[1, 2]", "wrong_type"),
         11: (_edit(messages[11], user_id=1.5), "wrong_type"),
-        12: (_edit(messages[12], item_id="7"), "wrong_type"),
+        12: (_edit(messages[12], item_id="7"), "wrong_type:item_id"),
         13: (_edit(messages[13], sample_version=2), "unknown_sample_version"),
         14: (_edit(messages[14], label=KeyError), "missing_field:label"),
         15: (_edit(messages[15], label=3), "invalid_value:label"),

@@ -11,25 +11,13 @@ import pytest
 from pipelines.samples import SampleSpec
 from ps.model_store import CorruptVersion, ModelStore
 from serving.state import ServedModel
-from streamrec.config import load_config
-from trainer.engine import Trainer, TrainOptions
 from trainer.features import batch_from_table
 from trainer.inference import InferenceModel
 
 
 @pytest.fixture(scope="module")
-def published(sample_run, tmp_path_factory):
-    """A model store with one full version followed by a chain of deltas."""
-    root = tmp_path_factory.mktemp("served")
-    cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),
-                                 "trainer.publish_interval_s": 0.3, "trainer.full_every": 1000, "trainer.warmup_samples": 10**9,
-                                 "trainer.progress_interval_s": 3600.0, "trainer.device": "cpu"}, environ={})
-    Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=40000, progress=False)).run()
-    store = ModelStore(str(root / "models"), "ctr")
-    versions = store.versions()
-    assert len(versions) >= 4 and store.manifest(versions[0])["kind"] == "full"
-    assert all(store.manifest(v)["kind"] == "delta" for v in versions[1:])
-    return root / "models", versions
+def published(published_model):
+    return published_model
 
 
 @pytest.fixture(scope="module")

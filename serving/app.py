@@ -1,0 +1,231 @@
+"""The HTTP API of a serving node (DESIGN.md), on FastAPI.
+
+Routes: ``POST /v1/models/{model}:predict``, ``GET /v1/models/{model}``,
+``POST /v1/models/{model}:reload`` and ``:rollback`` (admin: bearer token),
+``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is JSON
+``{"error": {"code": <http status>, "message": "..."}}`` with a message that says what is
+wrong; no input can take the server down. The OpenAPI schema is at ``/openapi.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipelines.sample_wire import decode_samples
+from ps.model_store import CorruptVersion
+from serving.batcher import RequestBatcher
+from serving.state import ServedModel
+from streamrec import __version__
+from streamrec.config import ServingConfig
+from trainer.features import batch_from_table
+
+log = logging.getLogger("streamrec.serving")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": status, "message": message}}, status_code=status)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("streamrec_serving_requests", "predict requests", ["status"], registry=r)
+        self.instances = Counter("streamrec_serving_instances", "instances scored", registry=r)
+        self.latency = Histogram("streamrec_serving_request_seconds", "predict request latency", registry=r,
+                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
+        self.queued = Histogram("streamrec_serving_queue_seconds", "time a request waited for its batch", registry=r,
+                                buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
+        self.version = Gauge("streamrec_serving_model_version", "version being served", registry=r)
+        self.freshness = Gauge("streamrec_serving_trained_through_ms", "event time the served version is trained through", registry=r)
+
+
+def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
+    metrics = ServingMetrics()
+    model_name = served.model_store.model
+
+    def run_batch(table):
+        # Shapes and features come from the served version's own specs (manifest).
+        current = served.current
+        if current is None:
+            raise ApiError(503, "no model version is loaded yet")
+        batch = batch_from_table(table, current.sample_spec, current.model.spec.history_len, with_labels=False)
+        return served.predict(batch, now_ms=int(time.time() * 1000))
+
+    batcher = RequestBatcher(run_batch, settings.max_batch, settings.max_delay_us, settings.workers)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="streamrec serving", version=__version__, lifespan=lifespan,
+                  description="Online CTR predictions from a continuously updated model.")
+    app.state.served, app.state.metrics, app.state.batcher = served, metrics, batcher
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, f"invalid request: {exc.errors()}")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def check_model(model: str) -> None:
+        if model != model_name:
+            raise ApiError(404, f"unknown model {model!r}; this server serves {model_name!r}")
+
+    def check_admin(request: Request) -> None:
+        if not settings.admin_token:
+            raise ApiError(403, "admin routes are disabled: set serving.admin_token (or STREAMREC_SERVING__ADMIN_TOKEN)")
+        header = request.headers.get("authorization", "")
+        if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), settings.admin_token.encode()):
+            raise ApiError(401, "admin route: send 'Authorization: Bearer <serving.admin_token>'")
+
+    async def read_json(request: Request, optional: bool = False) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            raise ApiError(413, f"request body of {int(length):,} bytes exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
+        body = await request.body()
+        if len(body) > settings.max_body_bytes:
+            raise ApiError(413, f"request body exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
+        if not body.strip() and optional:
+            return {}
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        return data
+
+    @app.post("/v1/models/{model}:predict")
+    async def predict(model: str, request: Request) -> Response:
+        """Scores for ``{"instances": [sample without label, ...]}``."""
+        t0 = time.perf_counter()
+        status = "error"
+        try:
+            check_model(model)
+            body = await read_json(request)
+            instances = body.get("instances")
+            if not isinstance(instances, list) or not instances:
+                raise ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
+            if len(instances) > settings.max_instances:
+                raise ApiError(413, f"{len(instances):,} instances in one request; the limit is serving.max_instances ({settings.max_instances:,})")
+            not_objects = [i for i, x in enumerate(instances) if not isinstance(x, dict)]
+            if not_objects:
+                raise ApiError(400, f"instances {not_objects[:10]} are not JSON objects")
+            current = served.current
+            if current is None:
+                raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+            table, _, rejected = decode_samples([orjson.dumps(x) for x in instances], current.sample_spec, instances=True)
+            if rejected:
+                shown = "; ".join(f"instance {i}: {reason}" for i, reason in rejected[:10])
+                raise ApiError(400, f"{len(rejected)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
+            result = await batcher.submit(table)
+            metrics.queued.observe(result.queued_s)
+            metrics.instances.inc(len(instances))
+            status = "ok"
+            return Response(orjson.dumps({"model_version": result.version, "scores": result.scores.tolist()}),
+                            media_type="application/json")
+        finally:
+            metrics.requests.labels(status).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+
+    @app.get("/v1/models/{model}")
+    async def model_status(model: str) -> dict[str, Any]:
+        """The served version, the versions rollback can reach, freshness."""
+        check_model(model)
+        current = served.current
+        through = current.manifest.get("trained_through_ms") if current else None
+        return {
+            "model": model_name,
+            "model_version": served.version,
+            "kind": current.manifest.get("kind") if current else None,
+            "trained_through_ms": through,
+            "freshness_s": (time.time() * 1000 - through) / 1000 if through else None,
+            "applied_at": served.applied_at.get(served.version) if served.version else None,
+            "rollback_to": sorted({u.version_before for u in served.undo}),
+            "pinned": served.pinned,
+            "refused": {str(v): why for v, why in served.refused.items()},
+            "latest_in_store": served.model_store.latest(),
+        }
+
+    async def admin_call(fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        except (LookupError, CorruptVersion) as exc:
+            raise ApiError(409 if isinstance(exc, LookupError) else 422, str(exc)) from None
+
+    def version_arg(body: dict) -> int | None:
+        version = body.get("version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
+            raise ApiError(400, f"'version' must be a positive integer, got {version!r}")
+        return version
+
+    @app.post("/v1/models/{model}:reload")
+    async def reload(model: str, request: Request) -> dict[str, Any]:
+        """Apply ``{"version": N}`` (or catch up to LATEST); releases a rollback pin."""
+        check_model(model)
+        check_admin(request)
+        version = version_arg(await read_json(request, optional=True))
+        served.release()
+        reports = [await admin_call(served.load, version)] if version else await admin_call(served.catch_up)
+        return {"model_version": served.version, "applied": [r.__dict__ for r in reports], "pinned": served.pinned}
+
+    @app.post("/v1/models/{model}:rollback")
+    async def rollback(model: str, request: Request) -> dict[str, Any]:
+        """Back to ``{"version": N}`` or the previous version; pins it until :reload."""
+        check_model(model)
+        check_admin(request)
+        version = version_arg(await read_json(request, optional=True))
+        report = await admin_call(served.rollback, version)
+        return {"model_version": served.version, "previous": report.previous, "seconds": report.locked_s, "pinned": served.pinned}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if served.version is None:
+            return _error(503, "no model version loaded yet")
+        return JSONResponse({"status": "ready", "model_version": served.version})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if served.version is not None:
+            metrics.version.set(served.version)
+            through = served.current.manifest.get("trained_through_ms") if served.current else None
+            if through:
+                metrics.freshness.set(through)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,209 @@
+"""`streamrec serve` over real HTTP: predictions equal the trainer's model, bad requests get
+clear 4xx answers, new versions are hot-swapped under load with no failed request, and
+rollback restores the previous predictions exactly."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, free_port
+from pipelines.samples import SampleSpec
+from ps.model_store import ModelStore
+from trainer.features import batch_from_table
+from trainer.inference import InferenceModel
+
+pytestmark = pytest.mark.slow
+TOKEN = "test-token"
+N_INSTANCES = 64
+
+
+def call(base, method, path, body=None, token=None, raw=None):
+    data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
+    request = urllib.request.Request(base + path, data=data, method=method, headers={"content-type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, orjson.loads(response.read()) if "json" in response.headers.get("content-type", "") else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def instances(sample_run):
+    table = pq.read_table(sample_run / "samples.parquet").slice(60_000, N_INSTANCES)
+    return table.drop(["label", "click_ts"])
+
+
+@pytest.fixture(scope="module")
+def expected(published_model, instances):
+    """Reference scores of every version: the trainer's model loaded directly."""
+    root, versions = published_model
+    batch = batch_from_table(instances, SampleSpec(), 50, with_labels=False)
+    out = {}
+    for v in versions:
+        model = InferenceModel.load(ModelStore(str(root), "ctr"), v)
+        out[v] = model.predict(batch)
+        model.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(published_model, tmp_path_factory):
+    """A server started on a store that holds only the first two versions."""
+    root, versions = published_model
+    store_root = tmp_path_factory.mktemp("serving") / "models"
+    shutil.copytree(root, store_root)
+    for v in versions[2:]:
+        shutil.rmtree(store_root / "ctr" / "versions" / f"{v:012d}")
+    (store_root / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port),
+         "--device", "cpu", "--poll-interval", "0.2"],
+        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if call(base, "GET", "/readyz")[0] == 200:
+                break
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    yield base, store_root, versions
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert proc.returncode == 0  # graceful shutdown on SIGTERM
+
+
+def test_predictions_equal_the_trainers_model(server, instances, expected):
+    base, _, versions = server
+    rows = instances.to_pylist()
+    results = {}
+
+    def client(i):  # 8 concurrent clients of 8 instances: the batcher merges them
+        status, body = call(base, "POST", "/v1/models/ctr:predict", {"instances": rows[i * 8:(i + 1) * 8]})
+        results[i] = (status, body)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (status, body) in results.items():
+        assert status == 200 and body["model_version"] == versions[1]
+        np.testing.assert_allclose(body["scores"], expected[versions[1]][i * 8:(i + 1) * 8], rtol=0, atol=1e-6)
+    status, info = call(base, "GET", "/v1/models/ctr")
+    assert status == 200 and info["model_version"] == versions[1] and info["trained_through_ms"] > 0
+
+
+@pytest.mark.parametrize("path, body, raw, status, message", [
+    ("/v1/models/nope:predict", {"instances": [{}]}, None, 404, "unknown model 'nope'"),
+    ("/v1/models/ctr:predict", None, b"{not json", 400, "not valid JSON"),
+    ("/v1/models/ctr:predict", None, b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/models/ctr:predict", {"rows": []}, None, 400, "needs 'instances'"),
+    ("/v1/models/ctr:predict", {"instances": []}, None, 400, "needs 'instances'"),
+    ("/v1/models/ctr:predict", {"instances": [1, 2]}, None, 400, "are not JSON objects"),
+    ("/v1/models/ctr:predict", {"instances": [{}] * 1025}, None, 413, "serving.max_instances"),
+])
+def test_bad_requests_get_a_clear_4xx(server, path, body, raw, status, message):
+    base = server[0]
+    got, answer = call(base, "POST", path, body, raw=raw)
+    assert got == status and message in answer["error"]["message"], answer
+
+
+def test_an_oversize_body_is_refused_before_it_is_read(server):
+    import http.client
+
+    host, port = server[0].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/models/ctr:predict")
+    conn.putheader("content-type", "application/json")
+    conn.putheader("content-length", str(64 << 20))  # announced, never sent
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and "max_body_bytes" in orjson.loads(response.read())["error"]["message"]
+    conn.close()
+
+
+def test_bad_instances_name_the_instance_and_field(server, instances):
+    base = server[0]
+    rows = instances.to_pylist()[:4]
+    rows[1] = {**rows[1], "user_id": "u-1"}
+    rows[2] = {k: v for k, v in rows[2].items() if k != "item_id"}
+    rows[3] = {**rows[3], "hist_item_ids": [1, 2], "hist_category_ids": [3]}
+    status, answer = call(base, "POST", "/v1/models/ctr:predict", {"instances": rows})
+    message = answer["error"]["message"]
+    assert status == 400 and "instance 1: wrong_type:user_id" in message and "instance 2: missing_field:item_id" in message
+    assert "instance 3: invalid_value:hist_category_ids" in message
+    assert call(base, "GET", "/healthz") == (200, {"status": "ok"})  # the server shrugs it off
+
+
+def test_admin_routes_need_the_token(server):
+    base = server[0]
+    assert call(base, "POST", "/v1/models/ctr:rollback")[0] == 401
+    assert call(base, "POST", "/v1/models/ctr:reload", {}, token="wrong")[0] == 401
+    status, answer = call(base, "POST", "/v1/models/ctr:rollback", {"version": "x"}, token=TOKEN)
+    assert status == 400 and "positive integer" in answer["error"]["message"]
+
+
+def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, instances, expected):
+    base, store_root, versions = server
+    root = published_model[0]
+    body = {"instances": instances.to_pylist()}
+    answers, failures, stop = [], [], threading.Event()
+
+    def load():
+        while not stop.is_set():
+            status, answer = call(base, "POST", "/v1/models/ctr:predict", body)
+            if status != 200:
+                failures.append(answer)
+            else:
+                answers.append(answer)
+
+    clients = [threading.Thread(target=load) for _ in range(4)]
+    for c in clients:
+        c.start()
+    for v in versions[2:]:  # the trainer publishes: version dirs appear, then LATEST moves
+        shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
+        tmp = store_root / "ctr" / ".LATEST.tmp"
+        tmp.write_text(f"{v}\n")
+        tmp.replace(store_root / "ctr" / "LATEST")
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != versions[-1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    stop.set()
+    for c in clients:
+        c.join()
+    assert not failures, failures[:3]
+    seen = {a["model_version"] for a in answers}
+    assert versions[-1] in seen and len(seen) >= 3
+    for a in answers:  # every response is exactly one version's scores
+        np.testing.assert_allclose(a["scores"], expected[a["model_version"]], rtol=0, atol=1e-6)
+
+    status, answer = call(base, "POST", "/v1/models/ctr:rollback", {}, token=TOKEN)
+    assert status == 200 and answer["model_version"] == versions[-2] and answer["pinned"]
+    np.testing.assert_allclose(call(base, "POST", "/v1/models/ctr:predict", body)[1]["scores"], expected[versions[-2]], rtol=0, atol=1e-6)
+    time.sleep(0.5)  # pinned: the watcher does not move it forward
+    assert call(base, "GET", "/v1/models/ctr")[1]["model_version"] == versions[-2]
+    status, answer = call(base, "POST", "/v1/models/ctr:reload", {}, token=TOKEN)
+    assert status == 200 and answer["model_version"] == versions[-1] and not answer["pinned"]
+    status, metrics = 200, urllib.request.urlopen(base + "/metrics").read().decode()
+    assert "streamrec_serving_requests_total" in metrics and f"streamrec_serving_model_version {float(versions[-1])}" in metrics
+    assert json.loads(urllib.request.urlopen(base + "/openapi.json").read())["info"]["title"] == "streamrec serving"
