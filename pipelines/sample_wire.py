@@ -113,7 +113,9 @@ def reason_counts(rejected: Sequence[tuple[int, str]]) -> Counter:
 
 def _np(array) -> np.ndarray:
     """A boolean compute result as numpy, nulls as False."""
-    return np.asarray(pc.fill_null(array, False).to_numpy(zero_copy_only=False), dtype=bool)
+    if array.null_count:
+        array = pc.fill_null(array, False)
+    return np.asarray(array.to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def _one_line(value: bytes | None) -> bytes | None:
@@ -157,7 +159,7 @@ def _read_lines(lines: list[bytes], options: pj.ParseOptions) -> pa.Table:
     if not lines:
         return options.explicit_schema.empty_table()
     table = pj.read_json(io.BytesIO(b"\n".join(lines) + b"\n"), parse_options=options,
-                         read_options=pj.ReadOptions(block_size=max(1 << 20, 2 * sum(map(len, lines)))))
+                         read_options=pj.ReadOptions(block_size=max(1 << 14, 2 * sum(map(len, lines)) + 1024)))
     return table.select(options.explicit_schema.names).cast(options.explicit_schema)
 
 

@@ -1,0 +1,148 @@
+"""Serving over HTTP: QPS and latency vs concurrency, with and without request aggregation.
+
+Two `streamrec serve` processes on the same model store and device:
+- ours: request aggregation (``max_batch`` 1024 instances, ``max_delay_us`` 2000), 2 workers;
+- baseline: the same model in eager PyTorch with one request per batch per worker
+  (``max_batch`` 1, ``max_delay_us`` 0, 2 workers) — what a plain model server does.
+Closed-loop clients (threads with keep-alive connections) send requests of
+``--instances`` samples each for ``--seconds`` per concurrency level.
+
+Not measured yet (not built): shape buckets / CUDA graphs / multi-stream workers, and so
+the GPU-only time per batch (issue 6).
+
+Usage: python bench/bench_serving.py [--samples RUN] [--concurrency 1 8 32] [--instances 16] [--seconds 5] [--device cpu]
+Writes bench/out/serving-<device>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.bench_serving_swap import build_store  # noqa: E402
+from bench.bench_trainer import make_samples  # noqa: E402
+from trainer.sources import sample_files  # noqa: E402
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
+           "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
+                             "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def load(port: int, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
+    latencies: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        mine, i = [], k
+        while time.monotonic() < stop:
+            body = bodies[i % len(bodies)]
+            i += concurrency
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/models/ctr:predict", body=body, headers={"content-type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200:
+                mine.append(time.perf_counter() - t0)
+            else:
+                errors[0] += 1
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    lat = np.array(latencies) * 1000
+    return {"concurrency": concurrency, "requests": len(lat), "errors": errors[0], "qps": len(lat) / elapsed,
+            "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None, "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate one)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--instances", type=int, default=16, help="instances per request")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    args = parser.parse_args()
+    if args.samples is None:
+        args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
+    table = pq.read_table(sample_files([args.samples])[0]).slice(0, 200 * args.instances).drop(["label", "click_ts"])
+    rows = table.to_pylist()
+    bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, len(rows), args.instances)]
+    result = {"bench": "serving", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
+              "workers": args.workers, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_store(Path(tmp), 200_000, 1000, 16)  # a full version + a small delta (weights do not matter for speed)
+        for name, (max_batch, delay) in {"ours": (1024, 2000), "baseline": (1, 0)}.items():
+            proc, port = start_server(Path(tmp), args.device, max_batch, delay, args.workers)
+            try:
+                load(port, bodies, 4, 1.0)  # warm-up
+                result[name] = [load(port, bodies, c, args.seconds) for c in args.concurrency]
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+            for row in result[name]:
+                print(f"{name:9s} concurrency {row['concurrency']:3d}: {row['qps']:8.1f} req/s "
+                      f"({row['qps'] * args.instances:9.0f} instances/s)  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
+                      f"errors {row['errors']}", flush=True)
+    best = {name: max(result[name], key=lambda r: r["qps"]) for name in ("ours", "baseline")}
+    result["best_qps_ratio"] = best["ours"]["qps"] / best["baseline"]["qps"]
+    print(f"best throughput: ours {best['ours']['qps']:.1f} req/s vs baseline {best['baseline']['qps']:.1f} "
+          f"({result['best_qps_ratio']:.2f}x)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"serving-{args.device.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
