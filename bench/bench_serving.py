@@ -1,6 +1,7 @@
 """Serving over HTTP: QPS and latency vs concurrency, with and without request aggregation.
 
-Two `streamrec serve` processes on the same model store and device:
+A model is trained on the first 50k samples (`streamrec train`), then two `streamrec serve`
+processes serve it on the same device:
 - ours: request aggregation (``max_batch`` 1024 instances, ``max_delay_us`` 2000), 2 workers;
 - baseline: the same model in eager PyTorch with one request per batch per worker
   (``max_batch`` 1, ``max_delay_us`` 0, 2 workers) — what a plain model server does.
@@ -35,7 +36,6 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_serving_swap import build_store  # noqa: E402
 from bench.bench_trainer import make_samples  # noqa: E402
 from trainer.sources import sample_files  # noqa: E402
 
@@ -120,7 +120,10 @@ def main() -> None:
     result = {"bench": "serving", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
               "workers": args.workers, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with tempfile.TemporaryDirectory() as tmp:
-        build_store(Path(tmp), 200_000, 1000, 16)  # a full version + a small delta (weights do not matter for speed)
+        # A real model trained on the same samples, so requests hit existing rows as in production.
+        subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", tmp,
+                        "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
+                       cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for name, (max_batch, delay) in {"ours": (1024, 2000), "baseline": (1, 0)}.items():
             proc, port = start_server(Path(tmp), args.device, max_batch, delay, args.workers)
             try:
