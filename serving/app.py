@@ -16,7 +16,9 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -61,13 +63,36 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
     metrics = ServingMetrics()
     model_name = served.model_store.model
 
-    def run_batch(table):
-        # Shapes and features come from the served version's own specs (manifest).
+    def run_batch(payloads: list[list[bytes]]) -> list:
+        """Decode, check and score every request of a batch in one pass (a worker thread).
+        A request with an invalid instance gets a 400 naming them; the others are scored."""
         current = served.current
         if current is None:
-            raise ApiError(503, "no model version is loaded yet")
-        batch = batch_from_table(table, current.sample_spec, current.model.spec.history_len, with_labels=False)
-        return served.predict(batch, now_ms=int(time.time() * 1000))
+            raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+        flat = [value for payload in payloads for value in payload]
+        table, index, rejected = decode_samples(flat, current.sample_spec, instances=True)
+        owner = np.repeat(np.arange(len(payloads)), [len(p) for p in payloads])
+        starts = np.cumsum([0] + [len(p) for p in payloads])
+        bad: dict[int, list[str]] = {}
+        for i, reason in rejected:
+            bad.setdefault(int(owner[i]), []).append(f"instance {i - starts[owner[i]]}: {reason}")
+        keep = ~np.isin(owner[index], list(bad)) if bad else np.ones(len(index), dtype=bool)
+        scores = np.empty(0, np.float32)
+        version = current.version
+        if keep.any():
+            good = table.filter(pa.array(keep)) if not keep.all() else table
+            batch = batch_from_table(good, current.sample_spec, current.model.spec.history_len, with_labels=False)
+            version, scores = served.predict(batch, now_ms=int(time.time() * 1000))
+        outcomes, taken = [], 0
+        for r in range(len(payloads)):
+            if r in bad:
+                shown = "; ".join(bad[r][:10])
+                outcomes.append(ApiError(400, f"{len(bad[r])} invalid instance(s): {shown} (schema: docs/samples.md, without label)"))
+            else:
+                n = len(payloads[r])
+                outcomes.append((version, scores[taken: taken + n]))
+                taken += n
+        return outcomes
 
     batcher = RequestBatcher(run_batch, settings.max_batch, settings.max_delay_us, settings.workers)
 
@@ -142,14 +167,9 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             not_objects = [i for i, x in enumerate(instances) if not isinstance(x, dict)]
             if not_objects:
                 raise ApiError(400, f"instances {not_objects[:10]} are not JSON objects")
-            current = served.current
-            if current is None:
+            if served.current is None:
                 raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
-            table, _, rejected = decode_samples([orjson.dumps(x) for x in instances], current.sample_spec, instances=True)
-            if rejected:
-                shown = "; ".join(f"instance {i}: {reason}" for i, reason in rejected[:10])
-                raise ApiError(400, f"{len(rejected)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
-            result = await batcher.submit(table)
+            result = await batcher.submit([orjson.dumps(x) for x in instances])
             metrics.queued.observe(result.queued_s)
             metrics.instances.inc(len(instances))
             status = "ok"

@@ -2,8 +2,10 @@
 
 Requests wait in a queue; a batch closes when it holds ``max_batch`` instances or its
 first request has waited ``max_delay_us``. Up to ``workers`` batches run at once on a
-thread pool (the model runs outside the event loop, so the server keeps accepting
-requests); each request gets its own slice of the scores back, plus how long it queued.
+thread pool (decoding and the model run outside the event loop, so the server keeps
+accepting requests). ``run_batch`` gets every request's payload at once — so the batch
+is decoded, checked and scored in one pass, whatever the number of requests — and
+returns one outcome per request: its scores, or the exception that request gets.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import pyarrow as pa
 
 
 @dataclass
 class _Request:
-    table: pa.Table
+    payload: list  # one item per instance
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
 
@@ -34,7 +35,7 @@ class BatchResult:
 
 
 class RequestBatcher:
-    def __init__(self, run_batch: Callable[[pa.Table], tuple[int, np.ndarray]], max_batch: int, max_delay_us: int,
+    def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
                  workers: int) -> None:
         if max_batch < 1 or max_delay_us < 0 or workers < 1:
             raise ValueError("serving.max_batch and serving.workers must be >= 1, serving.max_delay_us >= 0")
@@ -60,8 +61,8 @@ class RequestBatcher:
                 pass
         self._executor.shutdown(wait=True)
 
-    async def submit(self, table: pa.Table) -> BatchResult:
-        request = _Request(table, asyncio.get_running_loop().create_future())
+    async def submit(self, payload: list) -> BatchResult:
+        request = _Request(payload, asyncio.get_running_loop().create_future())
         self._queue.put_nowait(request)
         return await request.future
 
@@ -69,7 +70,7 @@ class RequestBatcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            rows = batch[0].table.num_rows
+            rows = len(batch[0].payload)
             deadline = loop.time() + self.max_delay_s
             while rows < self.max_batch:
                 timeout = deadline - loop.time()
@@ -80,22 +81,22 @@ class RequestBatcher:
                 except asyncio.TimeoutError:
                     break
                 batch.append(request)
-                rows += request.table.num_rows
+                rows += len(request.payload)
             await self._slots.acquire()
             asyncio.create_task(self._run(batch, rows))
 
     async def _run(self, batch: list[_Request], rows: int) -> None:
         started = time.perf_counter()
         try:
-            table = pa.concat_tables([r.table for r in batch]) if len(batch) > 1 else batch[0].table
-            version, scores = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, table)
+            outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, [r.payload for r in batch])
             self.batches += 1
-            offset = 0
-            for r in batch:
-                n = r.table.num_rows
-                if not r.future.done():
-                    r.future.set_result(BatchResult(version, scores[offset: offset + n], started - r.enqueued, rows))
-                offset += n
+            for r, outcome in zip(batch, outcomes):
+                if r.future.done():
+                    continue
+                if isinstance(outcome, Exception):
+                    r.future.set_exception(outcome)
+                else:
+                    r.future.set_result(BatchResult(outcome[0], outcome[1], started - r.enqueued, rows))
         except Exception as exc:  # every request of the batch learns why
             for r in batch:
                 if not r.future.done():
