@@ -256,10 +256,8 @@ class ModelStore:
             manifest, sparse, dense_v = self.read_version(v)
             dense.update(dense_v)
             for name, table in sparse.items():
-                dim = manifest["tables"][name]["dim"]
-                dims[name] = dim
-                values = table["value"].combine_chunks().flatten().to_numpy().reshape(-1, dim) if table.num_rows else np.zeros((0, dim), np.float32)
-                parts.setdefault(name, []).append((table["key"].to_numpy(), table["deleted"].to_numpy(zero_copy_only=False), values))
+                dims[name] = manifest["tables"][name]["dim"]
+                parts.setdefault(name, []).append(sparse_arrays(table, dims[name]))
         tables = {name: _merge(chunks, dims[name]) for name, chunks in parts.items()}
         return LoadedModel(version, manifest, tables, dense, chain)
 
@@ -279,6 +277,12 @@ class ModelStore:
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
         return doomed
+
+
+def sparse_arrays(table: pa.Table, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys int64 [n], deleted bool [n], values float32 [n, dim]) of one sparse file's table."""
+    values = table["value"].combine_chunks().flatten().to_numpy().reshape(-1, dim) if table.num_rows else np.zeros((0, dim), np.float32)
+    return table["key"].to_numpy(), table["deleted"].to_numpy(zero_copy_only=False), values
 
 
 def _merge(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:

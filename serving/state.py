@@ -28,7 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ps.model_store import CorruptVersion, ModelStore
+from ps.model_store import CorruptVersion, ModelStore, sparse_arrays
 from trainer.features import SampleBatch
 from trainer.inference import InferenceModel
 
@@ -195,11 +195,8 @@ class ServedModel:
         manifest, sparse, dense = self.model_store.read_version(version)  # verified; may raise CorruptVersion
         decoded = {}
         for name, table in sparse.items():
-            dim = manifest["tables"][name]["dim"]
-            keys = torch.from_numpy(table["key"].to_numpy().copy())
-            deleted = torch.from_numpy(table["deleted"].to_numpy(zero_copy_only=False).copy())
-            values = table["value"].combine_chunks().flatten().to_numpy().reshape(-1, dim) if table.num_rows else np.zeros((0, dim), np.float32)
-            decoded[name] = (keys[~deleted], torch.from_numpy(values[~deleted.numpy()].copy()), keys[deleted])
+            keys, deleted, values = sparse_arrays(table, manifest["tables"][name]["dim"])
+            decoded[name] = (torch.from_numpy(keys[~deleted]), torch.from_numpy(values[~deleted]), torch.from_numpy(keys[deleted]))
         model = self.current
         unknown = set(decoded) - set(model.store.tables)
         if unknown:
