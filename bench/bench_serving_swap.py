@@ -20,7 +20,6 @@ import json
 import platform
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from trainer.model import CTRModel, ModelSpec
 def build_store(root: Path, full_rows: int, delta_rows: int, dim: int) -> tuple[ModelStore, int, int]:
     cfg = load_config(environ={})
     spec = ModelSpec.from_config(cfg.model, len(dense_feature_names(SampleSpec())))
-    meta = {"model_spec": spec.to_json(), "sample_spec": {**asdict(SampleSpec()), "windows_s": list(SampleSpec().windows_s)}}
+    meta = {"model_spec": spec.to_json(), "sample_spec": SampleSpec().to_json()}
     store = ModelStore(str(root), "ctr")
     g = torch.Generator().manual_seed(0)
     user_keys = torch.randperm(4 * full_rows, generator=g)[:full_rows] + 1

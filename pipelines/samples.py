@@ -40,6 +40,14 @@ class SampleSpec:
         if self.history_len < 1 or not self.windows_s or min(self.windows_s) <= 0 or self.attribution_window_s <= 0:
             raise ValueError(f"invalid sample spec {self}")
 
+    def to_json(self) -> dict:
+        """As stored in version manifests (``sample_spec``)."""
+        return {"history_len": self.history_len, "windows_s": list(self.windows_s), "attribution_window_s": self.attribution_window_s}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SampleSpec":
+        return cls(**{**data, "windows_s": tuple(data["windows_s"])})
+
     def counter_columns(self) -> list[str]:
         return [f"{entity}_{what}_{w}s" for w in self.windows_s for entity in ("user", "item", "category") for what in ("imps", "clicks")]
 

@@ -361,7 +361,7 @@ class Trainer:
             "samples_trained": self.state["samples"],
             "step": self.state["step"],
             "model_spec": self.spec.to_json(),
-            "sample_spec": {**asdict(self.sample_spec), "windows_s": list(self.sample_spec.windows_s)},
+            "sample_spec": self.sample_spec.to_json(),
         }
         self.publisher.begin(self.model.state_dict(), meta, kind)
         self.state["published_samples"] = self.state["samples"]

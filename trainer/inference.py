@@ -47,7 +47,7 @@ class InferenceModel:
         model = CTRModel(spec).to(device)
         model.load_state_dict({k: v.to(device) for k, v in loaded.dense.items()})
         model.eval()
-        sample_spec = SampleSpec(**{**manifest["sample_spec"], "windows_s": tuple(manifest["sample_spec"]["windows_s"])})
+        sample_spec = SampleSpec.from_json(manifest["sample_spec"])
         return cls(loaded.version, manifest, model, store, sample_spec)
 
     @torch.no_grad()
