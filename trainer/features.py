@@ -96,12 +96,10 @@ def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_l
     def ints(name: str) -> np.ndarray:
         return table[name].to_numpy().astype(np.int64)  # a writable copy for torch
 
-    hist = []
-    for name in ("hist_item_ids", "hist_category_ids"):
-        col = pc.list_slice(table[name], 0, history_len)  # most recent first: keep the head
-        hist.append(pc.list_flatten(col).to_numpy().astype(np.int64))  # writable copies for torch
-    col = pc.list_slice(table["hist_item_ids"], 0, history_len)
-    lengths = pc.list_value_length(col).to_numpy().astype(np.int64)
+    # most recent first: keep the head of each list
+    items, categories = (pc.list_slice(table[name], 0, history_len) for name in ("hist_item_ids", "hist_category_ids"))
+    hist = [pc.list_flatten(col).to_numpy().astype(np.int64) for col in (items, categories)]  # writable copies for torch
+    lengths = pc.list_value_length(items).to_numpy().astype(np.int64)
     rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
     starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     hist_index = rows * history_len + (np.arange(len(rows), dtype=np.int64) - starts)
