@@ -25,7 +25,6 @@ import time
 import tomllib
 from pathlib import Path
 
-import orjson
 
 from pipelines.generator.runner import generate
 from pipelines.generator.sinks import FileSink, KafkaSink
@@ -35,6 +34,8 @@ from streamrec.bus.broker import EmbeddedBroker
 from streamrec.bus.clients import make_producer
 from streamrec.bus.topics import ensure_topics
 from streamrec.config import default_config_text
+
+from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
 START_MS = 1_700_000_000_000
 
@@ -138,15 +139,11 @@ def main() -> None:
         "kafka_events_only_vs_raw_producer": runs["kafka_events_only"]["events_per_s"] / runs["raw_producer"]["events_per_s"],
         "kafka_with_truth_vs_raw_producer": runs["kafka_with_truth"]["events_per_s"] / runs["raw_producer"]["events_per_s"],
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"generator-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     for name, run in runs.items():
         print(f"{name:22s} {run['events']:>10,} events {run['seconds']:7.2f}s {run['events_per_s']:>10,.0f} events/s")
     for name, ratio in results["ratios"].items():
         print(f"{name:40s} {ratio:6.2f}x")
-    print(f"wrote {path}")
+    write_result(args.out, "generator", results)
 
 
 def _free_port() -> int:

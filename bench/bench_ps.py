@@ -18,14 +18,14 @@ Writes bench/out/ps-<device>-<time>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 from ps.table import EmbeddingTable, TableConfig
+
+from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
 
 def zipf_ranks(n_rows: int, batch: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
@@ -181,11 +181,7 @@ def main() -> None:
     info = {"bench": "ps", "device": str(device), "snapshot": snapshot, "threads": args.threads, "python": platform.python_version(),
             "torch": torch.__version__, "machine": platform.platform(),
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "runs": runs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ps-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(info, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, f"ps-{device.type}", info)
 
 
 if __name__ == "__main__":

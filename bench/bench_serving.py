@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import platform
 import subprocess
@@ -33,11 +32,11 @@ import numpy as np
 import orjson
 import pyarrow.parquet as pq
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
+from output import write_result
+from trainer.sources import sample_files
 
-from bench.bench_trainer import make_samples  # noqa: E402
-from trainer.sources import sample_files  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -140,11 +139,7 @@ def main() -> None:
     result["best_qps_ratio"] = best["ours"]["qps"] / best["baseline"]["qps"]
     print(f"best throughput: ours {best['ours']['qps']:.1f} req/s vs baseline {best['baseline']['qps']:.1f} "
           f"({result['best_qps_ratio']:.2f}x)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"serving-{args.device.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, f"serving-{args.device.split(':')[0]}", result)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from trainer.features import TABLES, dense_feature_names
 from trainer.inference import InferenceModel
 from trainer.model import CTRModel, ModelSpec
 
+from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
+
 
 def build_store(root: Path, full_rows: int, delta_rows: int, dim: int) -> tuple[ModelStore, int, int]:
     cfg = load_config(environ={})
@@ -92,11 +94,7 @@ def main() -> None:
         "baseline_fresh_reload_s": reload_s, "ratio_apply_over_reload": apply_s / reload_s,
     }
     print(json.dumps(result, indent=2))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"serving-swap-{args.device.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(args.out, f"serving-swap-{args.device.split(':')[0]}", result)
 
 
 if __name__ == "__main__":

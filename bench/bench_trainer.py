@@ -50,6 +50,8 @@ from trainer.publisher import Publisher
 from trainer.sources import sample_files
 from trainer.sparse import ModelInputs, SparseFeatures
 
+from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -228,11 +230,7 @@ def main() -> None:
         print(f"publish stall for {args.stall_rows:,} touched rows ...", flush=True)
         result["publish_stall"] = publish_stall(args.stall_rows, cfg.model.embedding_dim, device, args.stall_rows_per_step, work)
         print(f"  {json.dumps(result['publish_stall'])}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path_out = out / f"trainer-{device.type}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path_out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path_out}")
+    write_result(args.out, f"trainer-{device.type}", result)
 
 
 if __name__ == "__main__":

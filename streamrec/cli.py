@@ -389,6 +389,7 @@ def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
     if getattr(args, "bootstrap", None):
         extra = ["--bootstrap", args.bootstrap, *extra]
     sys.argv = [str(script), *extra]
+    sys.path.insert(0, str(script.parent))  # as `python bench/x.py` would: benchmarks import their siblings
     runpy.run_path(str(script), run_name="__main__")
     return 0
 
