@@ -13,7 +13,6 @@ import urllib.request
 
 import numpy as np
 import orjson
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.samples import SampleSpec
-from trainer.features import SampleBatch, batch_from_table
+from trainer.features import batch_from_table
 from trainer.sources import SampleSource
 
 END = "end"  # the source is exhausted
