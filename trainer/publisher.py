@@ -141,8 +141,7 @@ class Publisher:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise PoisonedModel(f"dense parameter {name} holds non-finite values")
         kind = pending["kind"]
-        dims = {name: t.config.dim for name, t in self.store.tables.items()}
-        version = self.model_store.publish(kind, tables, dims, pending["dense"], pending["meta"])
+        version = self.store.write(self.model_store, kind, tables, pending["dense"], pending["meta"])
         if kind == "full" and self.keep_fulls:
             self.model_store.gc(keep_fulls=self.keep_fulls)
         rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
