@@ -1,0 +1,194 @@
+package streamrec.flink;
+
+import java.util.Arrays;
+
+import org.apache.flink.table.annotation.DataTypeHint;
+import org.apache.flink.table.annotation.FunctionHint;
+import org.apache.flink.table.functions.AggregateFunction;
+import org.apache.flink.types.Row;
+
+/**
+ * Everything the job knows per user, in one pass over the user's events in event-time order.
+ *
+ * <p>Used as {@code OVER (PARTITION BY user_id ORDER BY rowtime ROWS UNBOUNDED PRECEDING)}
+ * on the user's valid impressions (kind 0) and clicks (kind 1). Per row it answers:
+ * <ul>
+ *   <li>{@code dup}: the same event_id was already seen at this event time (an at-least-once
+ *       repeat upstream); the row must be ignored;</li>
+ *   <li>for a click: {@code joined} (an impression of the same (request_id, item_id) at or
+ *       before it, at most the attribution window earlier), {@code first_click} (the first
+ *       click to join that impression: it carries the label) and the impression's
+ *       {@code category_id};</li>
+ *   <li>for an impression: the user's impression/click counts over (ts - W, ts) and the last
+ *       {@code historyLen} joined clicks strictly before ts (most recent first).</li>
+ * </ul>
+ * Clicks join inside the user's partition because events are keyed by user upstream; doing
+ * it here instead of in an interval join avoids holding every feature back by the
+ * attribution window (the interval join delays its watermark by that much).
+ */
+@FunctionHint(output = @DataTypeHint(
+        "ROW<dup BOOLEAN, joined BOOLEAN, first_click BOOLEAN, category_id BIGINT, counts ARRAY<INT>,"
+                + " hist_item_ids ARRAY<BIGINT>, hist_category_ids ARRAY<BIGINT>>"))
+public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
+
+    /** One user's state. */
+    public static class Acc {
+        public long[] windowsMs = new long[0];
+        public long attributionMs;
+        public int historyLen;
+
+        public long lastTs = Long.MIN_VALUE;
+        public String[] idsAtLastTs = new String[0];
+        public TimeRing imps = new TimeRing();
+        public TimeRing clicks = new TimeRing();
+
+        // joined clicks, most recent first: the behaviour sequence
+        public long[] histItem = new long[0];
+        public long[] histCat = new long[0];
+        public long[] histTs = new long[0];
+
+        // impressions a click can still join (ts + attribution window not yet passed)
+        public String[] openKey = new String[0];
+        public long[] openTs = new long[0];
+        public long[] openCat = new long[0];
+        public boolean[] openClicked = new boolean[0];
+
+        // what the last row was, for getValue
+        public int lastKind;
+        public boolean lastDup;
+        public boolean lastJoined;
+        public boolean lastFirstClick;
+        public long lastCategory;
+
+        public Acc() {}
+    }
+
+    @Override
+    public Acc createAccumulator() {
+        return new Acc();
+    }
+
+    public void accumulate(Acc acc, Long ts, Integer kind, String eventId, String requestId, Long itemId,
+                           Long categoryId, String windows, Long attributionMs, Integer historyLen) {
+        if (acc.windowsMs.length == 0) {
+            acc.windowsMs = Windows.parse(windows);
+            acc.attributionMs = attributionMs;
+            acc.historyLen = historyLen;
+        }
+        if (ts != acc.lastTs) {
+            acc.lastTs = ts;
+            acc.idsAtLastTs = new String[0];
+        }
+        acc.lastKind = kind;
+        acc.lastJoined = false;
+        acc.lastFirstClick = false;
+        acc.lastDup = contains(acc.idsAtLastTs, eventId);
+        if (acc.lastDup) {
+            return;
+        }
+        acc.idsAtLastTs = append(acc.idsAtLastTs, eventId);
+        expireOpen(acc, ts);
+        String key = requestId + '\u0001' + itemId;
+        if (kind == 0) {
+            acc.imps.add(ts);
+            acc.lastCategory = categoryId;
+            acc.openKey = append(acc.openKey, key);
+            acc.openTs = Arrays.copyOf(acc.openTs, acc.openTs.length + 1);
+            acc.openTs[acc.openTs.length - 1] = ts;
+            acc.openCat = Arrays.copyOf(acc.openCat, acc.openCat.length + 1);
+            acc.openCat[acc.openCat.length - 1] = categoryId;
+            acc.openClicked = Arrays.copyOf(acc.openClicked, acc.openClicked.length + 1);
+        } else {
+            for (int i = 0; i < acc.openKey.length; i++) {
+                if (acc.openKey[i].equals(key)) { // open impressions are within the window by construction
+                    acc.lastJoined = true;
+                    acc.lastFirstClick = !acc.openClicked[i];
+                    acc.openClicked[i] = true;
+                    acc.lastCategory = acc.openCat[i];
+                    break;
+                }
+            }
+            if (acc.lastJoined) {
+                acc.clicks.add(ts);
+                remember(acc, itemId, acc.lastCategory, ts);
+            }
+        }
+        long cutoff = ts - Windows.max(acc.windowsMs);
+        acc.imps.expire(cutoff);
+        acc.clicks.expire(cutoff);
+    }
+
+    @Override
+    public Row getValue(Acc acc) {
+        if (acc.lastDup) {
+            return Row.of(true, false, false, null, null, null, null);
+        }
+        if (acc.lastKind != 0) {
+            return Row.of(false, acc.lastJoined, acc.lastFirstClick, acc.lastJoined ? acc.lastCategory : null, null, null, null);
+        }
+        Integer[] counts = new Integer[acc.windowsMs.length * 2];
+        for (int i = 0; i < acc.windowsMs.length; i++) {
+            long lo = acc.lastTs - acc.windowsMs[i];
+            counts[2 * i] = acc.imps.countBetween(lo, acc.lastTs);
+            counts[2 * i + 1] = acc.clicks.countBetween(lo, acc.lastTs);
+        }
+        int skip = 0;
+        while (skip < acc.histTs.length && acc.histTs[skip] >= acc.lastTs) {
+            skip++; // clicks at this very millisecond are not visible yet
+        }
+        int n = Math.min(acc.historyLen, acc.histTs.length - skip);
+        Long[] items = new Long[n];
+        Long[] cats = new Long[n];
+        for (int i = 0; i < n; i++) {
+            items[i] = acc.histItem[skip + i];
+            cats[i] = acc.histCat[skip + i];
+        }
+        return Row.of(false, false, false, acc.lastCategory, counts, items, cats);
+    }
+
+    /** Put a joined click at the front of the sequence; keep historyLen older ones besides
+     *  those at the current millisecond (not yet visible to an impression at this time). */
+    private static void remember(Acc acc, long item, long category, long ts) {
+        int sameTs = 1;
+        while (sameTs <= acc.histTs.length - 1 && acc.histTs[sameTs - 1] >= ts) {
+            sameTs++;
+        }
+        int keep = Math.min(acc.histTs.length + 1, sameTs + acc.historyLen);
+        acc.histItem = prepend(acc.histItem, item, keep);
+        acc.histCat = prepend(acc.histCat, category, keep);
+        acc.histTs = prepend(acc.histTs, ts, keep);
+    }
+
+    private static void expireOpen(Acc acc, long ts) {
+        int first = 0;
+        while (first < acc.openTs.length && acc.openTs[first] + acc.attributionMs < ts) {
+            first++;
+        }
+        if (first > 0) {
+            acc.openKey = Arrays.copyOfRange(acc.openKey, first, acc.openKey.length);
+            acc.openTs = Arrays.copyOfRange(acc.openTs, first, acc.openTs.length);
+            acc.openCat = Arrays.copyOfRange(acc.openCat, first, acc.openCat.length);
+            acc.openClicked = Arrays.copyOfRange(acc.openClicked, first, acc.openClicked.length);
+        }
+    }
+
+    private static long[] prepend(long[] values, long head, int keep) {
+        long[] out = new long[keep];
+        out[0] = head;
+        System.arraycopy(values, 0, out, 1, keep - 1);
+        return out;
+    }
+
+    private static String[] append(String[] values, String tail) {
+        String[] out = Arrays.copyOf(values, values.length + 1);
+        out[values.length] = tail;
+        return out;
+    }
+
+    private static boolean contains(String[] values, String x) {
+        for (String v : values) {
+            if (v.equals(x)) return true;
+        }
+        return false;
+    }
+}
