@@ -109,6 +109,34 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--out", help="output directory (default: the run directory)")
     offline.add_argument("--attribution-window-s", type=float, default=10.0, help="click-to-impression window (default 10)")
     offline.add_argument("--history-len", type=int, default=50, help="clicked items remembered per user (default 50)")
+    f = tomllib.loads(default_config_text())["flink"]
+    sub_p = psub.add_parser(
+        "submit", help="run the Flink job: events topic -> samples topic + DLQ",
+        description="Submit the streaming job (docs/pipeline.md) to the embedded Flink mini-cluster (default; runs in "
+                    "the foreground until Ctrl-C / SIGTERM, or in the background with --detach) or, with "
+                    "--jobmanager, to a Flink cluster. Resumes from the newest checkpoint unless --fresh.")
+    _common(sub_p)
+    sub_p.add_argument("--jobmanager", metavar="HOST:PORT", help="REST endpoint of a Flink cluster (flink.jobmanager)")
+    sub_p.add_argument("--parallelism", type=int, help=f"operator parallelism (flink.parallelism: {f['parallelism']})")
+    sub_p.add_argument("--state-backend", choices=("rocksdb", "hashmap"), help=f"(flink.state_backend: {f['state_backend']})")
+    sub_p.add_argument("--checkpoint-dir", help=f"checkpoint directory (flink.checkpoint_dir: {f['checkpoint_dir']})")
+    sub_p.add_argument("--checkpoint-interval", type=float, metavar="S",
+                       help=f"seconds between checkpoints (flink.checkpoint_interval_s: {f['checkpoint_interval_s']:g})")
+    sub_p.add_argument("--delivery", choices=("exactly-once", "at-least-once"), help=f"(flink.delivery: {f['delivery']})")
+    sub_p.add_argument("--attribution-window-s", type=float,
+                       help=f"click attribution window (flink.attribution_window_s: {f['attribution_window_s']:g})")
+    sub_p.add_argument("--bounded", action="store_true", help="stop at the events topic's current end (backfills, tests)")
+    sub_p.add_argument("--fresh", action="store_true", help="ignore earlier checkpoints (offsets then come from the consumer group)")
+    sub_p.add_argument("--detach", action="store_true", help="run the embedded job in the background (log in var/flink/)")
+    for action, text in (("status", "jobs on the cluster (embedded or --jobmanager) with their progress"),
+                         ("cancel", "cancel the pipeline job (or JOB_ID); its last checkpoint is kept")):
+        p = psub.add_parser(action, help=text, description=text)
+        _common(p)
+        p.add_argument("--jobmanager", metavar="HOST:PORT", help="REST endpoint of a Flink cluster (flink.jobmanager)")
+        if action == "cancel":
+            p.add_argument("job_id", nargs="?", help="a job id (default: every running job named flink.job_name)")
+        else:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
 
     t = tomllib.loads(default_config_text())["trainer"]
     train = add("train", "continuous training from the samples topic (or sample files), publishing versions",
@@ -172,6 +200,13 @@ def _config_from(args: argparse.Namespace) -> Config:
         "kafka.embedded_port": getattr(args, "port", None) if getattr(args, "command", None) != "serve" else None,
         "kafka.data_dir": getattr(args, "data_dir", None),
         "flink.jars_dir": getattr(args, "jars_dir", None),
+        "flink.jobmanager": getattr(args, "jobmanager", None),
+        "flink.parallelism": getattr(args, "parallelism", None),
+        "flink.state_backend": getattr(args, "state_backend", None),
+        "flink.checkpoint_dir": getattr(args, "checkpoint_dir", None),
+        "flink.checkpoint_interval_s": getattr(args, "checkpoint_interval", None),
+        "flink.delivery": getattr(args, "delivery", None),
+        "flink.attribution_window_s": getattr(args, "attribution_window_s", None) if getattr(args, "pipeline_command", None) == "submit" else None,
         "model.name": getattr(args, "model", None),
         "trainer.model_store": getattr(args, "model_store", None),
         "trainer.work_dir": getattr(args, "work_dir", None),
@@ -249,6 +284,7 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
 # ---------------------------------------------------------------- setup
 def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
     from pipelines.flink_jars import ensure_jars, verify_jars
+    from pipelines.udf_jar import ensure_udf_jar
 
     jars_dir = cfg.flink.resolved_jars_dir()
     if args.verify:
@@ -258,6 +294,7 @@ def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
     paths = ensure_jars(jars_dir, Path(args.wheel) if args.wheel else None)
     for path in paths:
         print(f"{path} (sha256 verified)")
+    print(f"{ensure_udf_jar(jars_dir)} (the pipeline job's functions, compiled from pipelines/udf/)")
     return 0
 
 
@@ -336,6 +373,33 @@ def print_generate_summary(s) -> None:
 
 # ---------------------------------------------------------------- pipeline
 def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
+    if args.pipeline_command == "offline":
+        return cmd_pipeline_offline(args)
+    from pipelines import pipeline_service as service
+
+    if args.pipeline_command == "submit":
+        if args.detach:
+            if cfg.flink.jobmanager:
+                raise ConfigError("--detach is for the embedded mini-cluster; a --jobmanager job runs on the cluster anyway")
+            return service.detach(sys.argv[1:], cfg)
+        spec, opts = service.job_spec(cfg, bounded=args.bounded), service.run_options(cfg, fresh=args.fresh)
+        return service.submit_remote(spec, opts) if cfg.flink.jobmanager else service.run_embedded(cfg, spec, opts)
+    if args.pipeline_command == "cancel":
+        cancelled = service.cancel(cfg, args.job_id)
+        print(f"cancelled {', '.join(cancelled)}" if cancelled else f"no running job named {cfg.flink.job_name!r}")
+        return 0
+    jobs = service.status(cfg)
+    if args.json:
+        print(json.dumps([j.as_dict() for j in jobs], indent=2))
+    elif not jobs:
+        print(f"no jobs on {service.rest_address(cfg)}")
+    for job in jobs if not args.json else []:
+        print(f"{job.job_id}  {job.name}  {job.state}  {job.duration_s:,.0f}s  {job.records_in:,} events in  "
+              f"{job.records_out:,} records out")
+    return 0
+
+
+def cmd_pipeline_offline(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from pipelines.samples import SampleBuilder, SampleSpec, read_run, write_samples
@@ -421,13 +485,16 @@ def main(argv: list[str] | None = None) -> int:
         handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "pipeline": cmd_pipeline,
                    "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}[args.command]
         return handler(args, cfg)
-    except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError,
+            ConnectionError, TimeoutError) as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
+        from pipelines.pipeline_service import PipelineError
+        from pipelines.udf_jar import UdfBuildError
         from trainer.engine import TrainingError
 
-        if not isinstance(exc, TrainingError):
+        if not isinstance(exc, (TrainingError, PipelineError, UdfBuildError)):
             raise
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 3

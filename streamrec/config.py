@@ -65,6 +65,18 @@ class TopicsConfig:
 @dataclass(frozen=True)
 class FlinkConfig:
     jars_dir: str
+    jobmanager: str
+    rest_port: int
+    job_name: str
+    group_id: str
+    parallelism: int
+    state_backend: str
+    checkpoint_dir: str
+    checkpoint_interval_s: float
+    delivery: str
+    out_of_orderness_ms: int
+    idle_timeout_s: float
+    attribution_window_s: float
 
     def resolved_jars_dir(self) -> Path:
         if self.jars_dir:

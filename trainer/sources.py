@@ -126,6 +126,7 @@ class KafkaSampleSource:
 
         self.topic, self.spec, self.poll_ms, self.max_records = topic, spec, poll_ms, max_records
         self.consumer = make_consumer(bootstrap, group_id=group, timeout_s=timeout_s, auto_offset_reset="earliest",
+                                      isolation_level="read_committed",  # the pipeline writes in transactions
                                       max_poll_records=max_records)
         partitions = self.consumer.partitions_for_topic(topic)
         if not partitions:

@@ -1,0 +1,213 @@
+"""The Flink job on the embedded mini-cluster, with the real broker, against the exact
+reference (pipelines/samples.py SampleBuilder) fed with the very records the job read."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import orjson
+import pyarrow as pa
+import pytest
+from kafka import TopicPartition
+
+from conftest import REPO, free_port, run_cli
+from pipelines.generator.sinks import decode_truth_message
+from pipelines.sample_wire import decode_samples
+from pipelines.samples import SampleBuilder, SampleSpec
+from streamrec.bus.clients import make_consumer, make_producer
+from streamrec.bus.topics import ensure_topics
+
+pytestmark = pytest.mark.slow
+WINDOW_S = 5.0
+
+
+def _env(broker, tmp_path, name):
+    """Config of one isolated pipeline: its own topics, group, job name, checkpoints and REST port."""
+    return {
+        "STREAMREC_KAFKA__BOOTSTRAP": broker,
+        "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
+        "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
+        "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
+        "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        "STREAMREC_FLINK__REST_PORT": str(free_port()),
+        "STREAMREC_FLINK__ATTRIBUTION_WINDOW_S": str(WINDOW_S),
+        "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
+    }
+
+
+def _read(broker, topic, committed=True):
+    consumer = make_consumer(broker, group_id=None, auto_offset_reset="earliest",
+                             isolation_level="read_committed" if committed else "read_uncommitted")
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        end = consumer.end_offsets(parts)
+        out, deadline = [], time.monotonic() + 60
+        while any(consumer.position(tp) < end[tp] for tp in parts):
+            assert time.monotonic() < deadline, f"could not read {topic} to its end"
+            for records in consumer.poll(timeout_ms=500).values():
+                out.extend(records)
+        return out
+    finally:
+        consumer.close()
+
+
+def _oracle(broker, events_topic):
+    """The reference samples and rejections of exactly what the events topic holds."""
+    records = _read(broker, events_topic, committed=False)
+    builder = SampleBuilder(SampleSpec(attribution_window_s=WINDOW_S)).add_all((r.value, r.timestamp) for r in records)
+    return builder.build(), builder
+
+
+def _samples(broker, topic):
+    values = [r.value for r in _read(broker, topic)]
+    table, _, rejected = decode_samples(values, SampleSpec(attribution_window_s=WINDOW_S))
+    assert not rejected, rejected[:3]  # the job's output passes the trainer's strict decoder
+    return table
+
+
+def _dlq(broker, topic):
+    return sorted((dict(r.headers)["reason"].decode().split(":")[0], r.value) for r in _read(broker, topic))
+
+
+def _assert_same(got: pa.Table, want: pa.Table):
+    ids = got.column("event_id").to_pylist()
+    assert len(ids) == len(set(ids)), "an impression yielded two samples"
+    got_rows = {r["event_id"]: r for r in got.to_pylist()}
+    want_rows = want.to_pylist()
+    missing = [r["event_id"] for r in want_rows if r["event_id"] not in got_rows]
+    assert not missing, f"{len(missing)} impressions without a sample, e.g. {missing[:3]}"
+    assert len(got_rows) == len(want_rows)
+    diffs = [(w["event_id"], k, w[k], got_rows[w["event_id"]][k]) for w in want_rows for k in w if got_rows[w["event_id"]][k] != w[k]]
+    assert not diffs, f"{len(diffs)} differing fields, e.g. {diffs[:5]}"
+
+
+def _want_dlq(builder):
+    return sorted((r.reason.split(":")[0], r.raw) for r in builder.rejected)
+
+
+def test_generator_to_samples_matches_the_reference_exactly(broker, tmp_path):
+    name = f"pj-{uuid.uuid4().hex[:8]}"
+    env = _env(broker, tmp_path, name)
+    gen = run_cli("generate", "--duration", "30", "--rate", "1500", "--bad-fraction", "0.02", "--fast", env=env)
+    assert gen.returncode == 0, gen.stderr
+    run = run_cli("pipeline", "submit", "--bounded", "--fresh", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "finished" in run.stdout
+
+    want, builder = _oracle(broker, f"{name}.events")
+    got = _samples(broker, f"{name}.samples")
+    assert want.num_rows > 30_000 and sum(want.column("label").to_pylist()) > 500
+    _assert_same(got, want)
+    dlq = _dlq(broker, f"{name}.dlq")
+    assert dlq == _want_dlq(builder)
+    assert {reason for reason, _ in dlq} >= {"malformed_json", "missing_field", "wrong_type", "invalid_value",
+                                             "future_timestamp", "orphan_click"}
+
+    # labels are the generator's clicks: clicked within the window <=> label 1
+    truth = {r["event_id"]: r for record in _read(broker, f"{name}.truth", committed=False)
+             for r in decode_truth_message(record.value) if r["kind"] == "impression"}
+    assert len(truth) == got.num_rows
+    for row in got.to_pylist():
+        t = truth[row["event_id"]]
+        clicked_in_window = bool(t["clicked"]) and t["click_ts"] - row["ts"] <= WINDOW_S * 1000
+        assert row["label"] == int(clicked_in_window), row["event_id"]
+
+
+def _imp(eid, ts, user, item, req, cat=1, pos=1):
+    return orjson.dumps({"type": "impression", "event_id": eid, "ts": ts, "user_id": user, "item_id": item, "request_id": req,
+                         "position": pos, "context": {"device": "ios", "local_hour": 3}, "item": {"category_id": cat, "advertiser_id": 9}})
+
+
+def _click(eid, ts, user, item, req):
+    return orjson.dumps({"type": "click", "event_id": eid, "ts": ts, "user_id": user, "item_id": item, "request_id": req})
+
+
+def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
+    """Same-millisecond events are invisible, duplicates count once, a click arriving before its
+    impression still joins, a click after the window is an orphan, sequences are most recent first."""
+    name = f"pit-{uuid.uuid4().hex[:8]}"
+    env = _env(broker, tmp_path, name)
+    t0 = int(time.time() * 1000) - 60_000
+    u, v = 7, 8
+    events = [  # (arrival order) user u's story, then user v for contrast
+        _imp("i1", t0, u, 100, "r1", cat=11),
+        _click("c1", t0 + 500, u, 100, "r1"),
+        _imp("i2", t0 + 1000, u, 200, "r2", cat=22),
+        _click("c2", t0 + 1500, u, 200, "r2"),
+        _click("c2", t0 + 1500, u, 200, "r2"),  # duplicate delivery of the same click
+        _imp("i3", t0 + 1500, u, 300, "r3", cat=11),  # same ms as c2: must not see it
+        _imp("i3", t0 + 1500, u, 300, "r3", cat=11),  # duplicate impression: one sample
+        _click("c4", t0 + 2200, u, 400, "r4"),  # arrives before its impression (disorder < watermark lag)
+        _imp("i4", t0 + 2000, u, 400, "r4", cat=22),
+        _imp("i5", t0 + 3000, u, 100, "r5", cat=11),  # sees c1 and c2 (sequence), c4 (2200 < 3000)
+        _click("c6", t0 + 3000 + int(WINDOW_S * 1000) + 1, u, 100, "r5"),  # one ms past the window: orphan
+        _imp("i6", t0 + 3000 + int(WINDOW_S * 1000) + 2, v, 100, "r6", cat=11),  # item 100 seen by another user
+        b'{"type": "click", "broken',
+    ]
+    producer = make_producer(broker)
+    ensure_topics(broker, [f"{name}.events"], 2)
+    for value in events:
+        producer.send(f"{name}.events", key=b"%d" % (u if b'"user_id":7' in value or b"broken" in value else v), value=value)
+    producer.flush()
+    run = run_cli("pipeline", "submit", "--bounded", "--fresh", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+    want, builder = _oracle(broker, f"{name}.events")
+    got = _samples(broker, f"{name}.samples")
+    _assert_same(got, want)
+    rows = {r["event_id"]: r for r in got.to_pylist()}
+    assert sorted(rows) == ["i1", "i2", "i3", "i4", "i5", "i6"]
+    assert rows["i1"]["label"] == 1 and rows["i1"]["click_ts"] == t0 + 500
+    assert rows["i3"]["hist_item_ids"] == [100] and rows["i3"]["user_clicks_60s"] == 1  # c2 at the same ms: invisible
+    assert rows["i3"]["user_imps_60s"] == 2  # i1, i2 (not itself, not its duplicate)
+    assert rows["i4"]["label"] == 1  # the click arrived first and still joined
+    assert rows["i5"]["hist_item_ids"] == [400, 200, 100] and rows["i5"]["hist_category_ids"] == [22, 22, 11]
+    assert rows["i5"]["user_clicks_60s"] == 3 and rows["i5"]["user_imps_60s"] == 4
+    assert rows["i5"]["label"] == 0  # its only click came 1 ms too late
+    assert rows["i5"]["item_imps_60s"] == 1 and rows["i5"]["item_clicks_60s"] == 1  # i1 and c1 on item 100
+    assert rows["i5"]["category_imps_60s"] == 2 and rows["i5"]["category_clicks_60s"] == 1  # i1, i3; c1
+    assert rows["i6"]["user_imps_60s"] == 0 and rows["i6"]["hist_item_ids"] == []
+    assert rows["i6"]["item_imps_60s"] == 2 and rows["i6"]["item_clicks_60s"] == 1  # i1, i5; c1 (c6 never joined)
+    assert _dlq(broker, f"{name}.dlq") == sorted([("orphan_click", events[10]), ("malformed_json", events[12])])
+
+
+def _wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, tmp_path):
+    name = f"kill-{uuid.uuid4().hex[:8]}"
+    env = _env(broker, tmp_path, name)
+    gen = run_cli("generate", "--duration", "40", "--rate", "1500", "--bad-fraction", "0.01", "--fast", env=env)
+    assert gen.returncode == 0, gen.stderr
+    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", "--fresh"], cwd=REPO,
+                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        # kill -9 mid-stream: after a checkpoint completed and some samples are committed, before the end
+        _wait_for(lambda: len(_read(broker, f"{name}.samples")) > 2000, 180, "committed samples")
+        assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "no completed checkpoint before the kill"
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    committed_before = len(_read(broker, f"{name}.samples"))
+    run = run_cli("pipeline", "submit", "--bounded", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "resumed from" in run.stdout
+
+    want, builder = _oracle(broker, f"{name}.events")
+    assert committed_before < want.num_rows, "the kill came too late to test anything"
+    _assert_same(_samples(broker, f"{name}.samples"), want)
+    assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
