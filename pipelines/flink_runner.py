@@ -58,8 +58,14 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
         "parallelism.default": str(opts.parallelism),
         "table.local-time-zone": "UTC",
         "pipeline.auto-watermark-interval": f"{opts.watermark_interval_ms} ms",
+        "pipeline.object-reuse": "true",
         "state.backend.type": opts.state_backend,
         "state.backend.incremental": "true",
+        # timers on the heap (they are checkpointed all the same): the OVER and interval-join
+        # operators register one per key and timestamp, and RocksDB timers cost a write each
+        "state.backend.rocksdb.timer-service.factory": "HEAP",
+        "state.backend.rocksdb.predefined-options": "FLASH_SSD_OPTIMIZED",
+        "taskmanager.memory.managed.size": "512m",
         "execution.checkpointing.interval": f"{opts.checkpoint_interval_ms} ms",
         "execution.checkpointing.mode": "EXACTLY_ONCE",
         "execution.checkpointing.dir": Path(opts.checkpoint_dir).resolve().as_uri(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pipelines import events as ev
 from pipelines.samples import SAMPLE_VERSION, SampleSpec
-from pipelines.validation_sql import reason_expression
+from pipelines.validation_sql import parse_call
 
 LATE_EVENT = "late_event"  # reason code of valid events behind the watermark (docs/pipeline.md)
 # epoch ms of the Kafka record timestamp (the job runs with the UTC session time zone)
@@ -120,36 +120,28 @@ def ddl(spec: JobSpec) -> list[str]:
 
 def functions(jar_class_prefix: str = "streamrec.flink") -> list[str]:
     return [f"CREATE TEMPORARY SYSTEM FUNCTION {name} AS '{jar_class_prefix}.{name}' LANGUAGE JAVA"
-            for name in ("UserFeatures", "WindowCounts")]
+            for name in ("ParseEvent", "UserFeatures", "WindowCounts")]
 
 
 def views(spec: JobSpec) -> list[str]:
     s = spec.sample_spec
     windows = ",".join(str(int(w * 1000)) for w in s.windows_s)
     attribution_ms = int(s.attribution_window_s * 1000)
-    reason = reason_expression("body", "arrival_ms")
-
-    def num(path: str, kind: str = "BIGINT") -> str:
-        return f"CAST(JSON_VALUE(body, '$.{path}') AS {kind})"
-
     over = "ORDER BY rowtime ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
     return [
+        f"""CREATE TEMPORARY VIEW parsed AS
+SELECT k, payload, rowtime, {parse_call()} AS e FROM raw_events""",
         f"""CREATE TEMPORARY VIEW checked AS
-SELECT k, payload, body, rowtime,
-  CASE WHEN reason IS NOT NULL THEN reason
+SELECT k, payload, rowtime, e,
+  CASE WHEN e.reason IS NOT NULL THEN e.reason
        WHEN rowtime <= CURRENT_WATERMARK(rowtime) THEN '{LATE_EVENT}'
        ELSE CAST(NULL AS STRING) END AS reason
-FROM (SELECT k, payload, body, rowtime, {reason} AS reason
-      FROM (SELECT k, payload, CAST(payload AS STRING) AS body, rowtime, arrival_ms FROM raw_events))""",
-        f"""CREATE TEMPORARY VIEW valid_events AS
-SELECT k, rowtime, {num('ts')} AS ts,
-  CASE JSON_VALUE(body, '$.type') WHEN 'impression' THEN 0 ELSE 1 END AS kind,
-  JSON_VALUE(body, '$.event_id') AS event_id, JSON_VALUE(body, '$.request_id') AS request_id,
-  {num('user_id')} AS user_id, {num('item_id')} AS item_id,
-  {num('position', 'INT')} AS `position`, JSON_VALUE(body, '$.context.device') AS device,
-  {num('context.local_hour', 'INT')} AS local_hour,
-  {num('item.category_id')} AS category_id, {num('item.advertiser_id')} AS advertiser_id,
-  CASE WHEN JSON_VALUE(body, '$.type') = 'click' THEN payload END AS click_payload
+FROM parsed""",
+        """CREATE TEMPORARY VIEW valid_events AS
+SELECT k, rowtime, e.ts AS ts, e.kind AS kind, e.event_id AS event_id, e.request_id AS request_id,
+  e.user_id AS user_id, e.item_id AS item_id, e.`position` AS `position`, e.device AS device,
+  e.local_hour AS local_hour, e.category_id AS category_id, e.advertiser_id AS advertiser_id,
+  CASE WHEN e.kind = 1 THEN payload END AS click_payload
 FROM checked WHERE reason IS NULL""",
         f"""CREATE TEMPORARY VIEW user_stage AS
 SELECT *, UserFeatures(ts, kind, event_id, request_id, item_id, category_id, '{windows}',
