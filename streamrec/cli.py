@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
 
     bench = add("bench", "run a benchmark from bench/ (writes JSON under bench/out/)")
-    bench.add_argument("part", choices=("generator", "ps", "trainer", "serving", "serving_swap"), help="what to benchmark")
+    bench.add_argument("part", choices=("generator", "pipeline", "ps", "trainer", "serving", "serving_swap"), help="what to benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
     return parser
 

@@ -1,0 +1,179 @@
+"""The Flink job's throughput and event-to-sample latency, against plain Python.
+
+1. Backlog throughput: the generator writes N events to a fresh topic; the job (embedded
+   mini-cluster, ``--bounded``) turns them into samples. Sustained events/s = events /
+   (last - first moment its source had read anything, from Flink's REST metrics), so the
+   ~10-15 s of JVM and job start-up are not counted. Per core = that / the machine's cores.
+   Baseline, same run, same events: a kafka-python consumer feeding the exact reference
+   builder (pipelines/samples.py: the same validation, join and point-in-time features).
+2. Live latency: the generator paced at ``--live-rate`` events/s while the job runs; a
+   read_committed consumer notes when each positive sample becomes visible. Latency =
+   that wall time - the impression's event time (and - the click's), p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from output import write_result  # noqa: E402
+
+from pipelines.flink_rest import FlinkRest, FlinkUnreachable  # noqa: E402
+from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
+from streamrec.bus.clients import make_consumer  # noqa: E402
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(args, name: str, tmp: Path, backend: str) -> dict:
+    return {**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": args.bootstrap,
+            "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
+            "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
+            "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
+            "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp / name), "STREAMREC_FLINK__REST_PORT": str(_free_port()),
+            "STREAMREC_FLINK__STATE_BACKEND": backend}
+
+
+def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], cwd=REPO, env=env, **kw)
+
+
+def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
+    name = events_env["STREAMREC_FLINK__JOB_NAME"] + "-" + backend
+    env = {**events_env, **{k: v for k, v in _env(args, name, tmp, backend).items() if k.startswith("STREAMREC_FLINK")}}
+    rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}", timeout_s=2)
+    started = time.monotonic()
+    job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = last = None
+    records = 0
+    while job.poll() is None:
+        try:
+            for info in rest.jobs():
+                if info.records_in > 0:
+                    first = first or time.monotonic()
+                    if info.records_in > records:
+                        records, last = info.records_in, time.monotonic()
+        except FlinkUnreachable:
+            pass
+        time.sleep(0.25)
+    output = job.stdout.read()
+    if job.returncode != 0:
+        raise SystemExit(f"the pipeline job failed:\n{output[-3000:]}")
+    end = time.monotonic()
+    busy = end - (first or started)
+    return {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(busy, 2),
+            "startup_s": round((first or end) - started, 2)}
+
+
+def python_baseline(args, topic: str) -> dict:
+    """kafka-python consumer + the exact reference builder over the same events."""
+    started = time.monotonic()
+    consumer = make_consumer(args.bootstrap, topic, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=3000,
+                             max_poll_records=5000)
+    builder = SampleBuilder(SampleSpec())
+    n = 0
+    for record in consumer:
+        builder.add(record.value, record.timestamp)
+        n += 1
+    table = builder.build()
+    elapsed = time.monotonic() - started - 3.0  # the consumer's idle timeout at the end
+    consumer.close()
+    return {"events": n, "samples": table.num_rows, "elapsed_s": round(elapsed, 2), "events_per_s": round(n / elapsed)}
+
+
+def live_latency(args, tmp: Path) -> dict:
+    name = f"bench-live-{uuid.uuid4().hex[:6]}"
+    env = _env(args, name, tmp, args.backend)
+    job = _cli(env, "pipeline", "submit", "--fresh", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 120)
+    seen: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+
+    def follow() -> None:
+        consumer = make_consumer(args.bootstrap, f"{name}.samples", group_id=None, auto_offset_reset="earliest",
+                                 isolation_level="read_committed")
+        while not stop.is_set():
+            for records in consumer.poll(timeout_ms=200).values():
+                now_ms = time.time() * 1000
+                for r in records:
+                    sample = orjson.loads(r.value)
+                    if sample["label"] == 1:
+                        seen.append((now_ms, sample["ts"], sample["click_ts"]))
+        consumer.close()
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    gen = _cli(env, "generate", "--duration", str(args.live_seconds), "--rate", str(args.live_rate), "--no-truth",
+               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gen.wait()
+    time.sleep(args.drain_seconds)
+    stop.set()
+    follower.join(10)
+    os.killpg(job.pid, 15)
+    job.wait(60)
+    warm = [s for s in seen if s[1] > seen[0][1] + 5000] if seen else []  # skip the first seconds (job warm-up)
+    from_imp = np.array([now - ts for now, ts, _ in warm])
+    from_click = np.array([now - click for now, _, click in warm])
+    if not len(warm):
+        return {"rate": args.live_rate, "positives": 0}
+    return {"rate": args.live_rate, "seconds": args.live_seconds, "positives": len(warm), "backend": args.backend,
+            "impression_to_sample_ms": {"p50": float(np.percentile(from_imp, 50)), "p99": float(np.percentile(from_imp, 99))},
+            "click_to_sample_ms": {"p50": float(np.percentile(from_click, 50)), "p99": float(np.percentile(from_click, 99))}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bootstrap", default="127.0.0.1:9092")
+    parser.add_argument("--seconds", type=float, default=60, help="simulated seconds of backlog traffic")
+    parser.add_argument("--rate", type=float, default=2000, help="events/s of the backlog traffic")
+    parser.add_argument("--backends", default="rocksdb,hashmap")
+    parser.add_argument("--backend", default="rocksdb", help="state backend of the live phase")
+    parser.add_argument("--live-rate", type=float, default=1000)
+    parser.add_argument("--live-seconds", type=float, default=40)
+    parser.add_argument("--drain-seconds", type=float, default=15)
+    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    args = parser.parse_args()
+    tmp = REPO / "var" / "bench-pipeline"
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    env = _env(args, name, tmp, "rocksdb")
+    gen = subprocess.run([sys.executable, "-m", "streamrec.cli", "generate", "--duration", str(args.seconds), "--rate",
+                          str(args.rate), "--fast", "--no-truth", "--json"], cwd=REPO, env=env, capture_output=True, text=True)
+    if gen.returncode != 0:
+        raise SystemExit(gen.stderr)
+    events = orjson.loads(gen.stdout)["events"]
+    cores = os.cpu_count() or 1
+    result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
+    print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
+    for backend in args.backends.split(","):
+        run = flink_backlog(args, env, backend, tmp)
+        run["events_per_s"] = round(events / run["processing_s"])
+        run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
+        run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
+        result["flink"].append(run)
+        print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
+              f"{run['vs_python']}x python), start-up {run['startup_s']} s", flush=True)
+    result["live"] = live_latency(args, tmp)
+    print(f"live at {args.live_rate:g} events/s: {result['live']}", flush=True)
+    write_result(args.out, "pipeline", result)
+
+
+if __name__ == "__main__":
+    main()
