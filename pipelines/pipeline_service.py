@@ -70,12 +70,21 @@ def _progress(job: JobInfo, started: float) -> str:
             f"({job.records_in / max(1e-9, time.monotonic() - started):,.0f} events/s)")
 
 
+def _warn_if_bounded_restore(spec: JobSpec, restored: Path | None) -> None:
+    """Kafka splits restored from a checkpoint keep the stopping offsets of the run that took it."""
+    if spec.bounded and restored:
+        print(f"warning: --bounded does not apply to partitions restored from {restored}: they keep the end "
+              "offsets of the run that took the checkpoint (none, if it was unbounded). Use --fresh for a "
+              "bounded run over the whole topic.", file=sys.stderr, flush=True)
+
+
 def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0) -> int:
     """Run on the in-process mini-cluster until the job ends or we are told to stop."""
     if _embedded_alive(cfg):
         raise PipelineError(f"a Flink REST endpoint already answers at {rest_address(cfg)}: is a pipeline running? "
                            "(`streamrec pipeline status`, `streamrec pipeline cancel`)")
     result, restored = submit(spec, opts)
+    _warn_if_bounded_restore(spec, restored)
     client = result.get_job_client()
     job_id = str(client.get_job_id())
     print(f"pipeline job {job_id} submitted to the embedded mini-cluster "
@@ -157,6 +166,7 @@ def detach(argv: list[str], cfg, timeout_s: float = 120.0) -> int:
 
 def submit_remote(spec: JobSpec, opts: RunOptions) -> int:
     result, restored = submit(spec, opts)
+    _warn_if_bounded_restore(spec, restored)
     job_id = result.get_job_client().get_job_id()
     print(f"pipeline job {job_id} submitted to {opts.jobmanager}"
           f"{' (resumed from ' + str(restored) + ')' if restored else ''}")

@@ -14,6 +14,7 @@ import pytest
 from kafka import TopicPartition
 
 from conftest import REPO, free_port, run_cli
+from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
@@ -132,7 +133,8 @@ def _click(eid, ts, user, item, req):
 
 def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
     """Same-millisecond events are invisible, duplicates count once, a click arriving before its
-    impression still joins, a click after the window is an orphan, sequences are most recent first."""
+    impression still joins, a click after the window is an orphan, sequences are most recent first
+    and clicks of one millisecond are ordered by event id, not by arrival."""
     name = f"pit-{uuid.uuid4().hex[:8]}"
     env = _env(broker, tmp_path, name)
     t0 = int(time.time() * 1000) - 60_000
@@ -151,6 +153,11 @@ def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
         _click("c6", t0 + 3000 + int(WINDOW_S * 1000) + 1, u, 100, "r5"),  # one ms past the window: orphan
         _imp("i6", t0 + 3000 + int(WINDOW_S * 1000) + 2, v, 100, "r6", cat=11),  # item 100 seen by another user
         b'{"type": "click", "broken',
+        _imp("i7", t0 + 9000, u, 500, "r7", cat=33),
+        _imp("i8", t0 + 9000, u, 600, "r8", cat=33),
+        _click("c9", t0 + 9100, u, 500, "r7"),  # two clicks in one ms, arriving in the opposite
+        _click("c10", t0 + 9100, u, 600, "r8"),  # order to their event ids ("c10" < "c9")
+        _imp("i9", t0 + 9200, u, 700, "r9", cat=33),
     ]
     producer = make_producer(broker)
     ensure_topics(broker, [f"{name}.events"], 2)
@@ -164,7 +171,7 @@ def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
     got = _samples(broker, f"{name}.samples")
     _assert_same(got, want)
     rows = {r["event_id"]: r for r in got.to_pylist()}
-    assert sorted(rows) == ["i1", "i2", "i3", "i4", "i5", "i6"]
+    assert sorted(rows) == ["i1", "i2", "i3", "i4", "i5", "i6", "i7", "i8", "i9"]
     assert rows["i1"]["label"] == 1 and rows["i1"]["click_ts"] == t0 + 500
     assert rows["i3"]["hist_item_ids"] == [100] and rows["i3"]["user_clicks_60s"] == 1  # c2 at the same ms: invisible
     assert rows["i3"]["user_imps_60s"] == 2  # i1, i2 (not itself, not its duplicate)
@@ -176,6 +183,7 @@ def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
     assert rows["i5"]["category_imps_60s"] == 2 and rows["i5"]["category_clicks_60s"] == 1  # i1, i3; c1
     assert rows["i6"]["user_imps_60s"] == 0 and rows["i6"]["hist_item_ids"] == []
     assert rows["i6"]["item_imps_60s"] == 2 and rows["i6"]["item_clicks_60s"] == 1  # i1, i5; c1 (c6 never joined)
+    assert rows["i9"]["hist_item_ids"] == [500, 600, 400, 200, 100]  # "c9" > "c10": c9 is the more recent
     assert _dlq(broker, f"{name}.dlq") == sorted([("orphan_click", events[10]), ("malformed_json", events[12])])
 
 
@@ -206,11 +214,43 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     committed_before = len(_read(broker, f"{name}.samples"))
-    run = run_cli("pipeline", "submit", "--bounded", env=env, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert "resumed from" in run.stdout
 
-    want, builder = _oracle(broker, f"{name}.events")
-    assert committed_before < want.num_rows, "the kill came too late to test anything"
+    # Restart unbounded: partitions restored from a checkpoint keep the stopping offsets of the
+    # run that took it, so --bounded would not apply. One late "flush" impression per partition
+    # moves the watermark past every window of the real traffic.
+    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit"], cwd=REPO,
+                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        events = _read(broker, f"{name}.events", committed=False)
+        flush_ts = _max_plausible_ts(events) + 60_000
+        producer = make_producer(broker)
+        for p in sorted({r.partition for r in events}):
+            producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
+        producer.flush()
+        want, builder = _oracle(broker, f"{name}.events")
+        want = want.filter(pa.compute.less(want.column("ts"), flush_ts))
+        assert committed_before < want.num_rows, "the kill came too late to test anything"
+        _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= want.num_rows, 300, "every sample after the restart")
+        time.sleep(3)  # anything extra (a duplicate) would have arrived by now
+        os.killpg(job.pid, signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "resumed from" in output, output[-3000:]
     _assert_same(_samples(broker, f"{name}.samples"), want)
     assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
+
+
+def _max_plausible_ts(records) -> int:
+    """The latest event time among records the job accepts (far-future ones go to the DLQ)."""
+    best = 0
+    for r in records:
+        try:
+            ts = orjson.loads(r.value).get("ts")
+        except (orjson.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(ts, int) and not isinstance(ts, bool) and ts < r.timestamp + MAX_FUTURE_SKEW_MS:
+            best = max(best, ts)
+    return best

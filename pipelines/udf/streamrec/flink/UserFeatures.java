@@ -46,6 +46,8 @@ public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
         public long[] histItem = new long[0];
         public long[] histCat = new long[0];
         public long[] histTs = new long[0];
+        // event ids of the leading entries that share histTs[0], in the same (descending) order
+        public String[] histHeadIds = new String[0];
 
         // impressions a click can still join (ts + attribution window not yet passed)
         public String[] openKey = new String[0];
@@ -110,7 +112,7 @@ public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
             }
             if (acc.lastJoined) {
                 acc.clicks.add(ts);
-                remember(acc, itemId, acc.lastCategory, ts);
+                remember(acc, itemId, acc.lastCategory, ts, eventId);
             }
         }
         long cutoff = ts - Windows.max(acc.windowsMs);
@@ -147,16 +149,20 @@ public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
     }
 
     /** Put a joined click at the front of the sequence; keep historyLen older ones besides
-     *  those at the current millisecond (not yet visible to an impression at this time). */
-    private static void remember(Acc acc, long item, long category, long ts) {
-        int sameTs = 1;
-        while (sameTs <= acc.histTs.length - 1 && acc.histTs[sameTs - 1] >= ts) {
-            sameTs++;
+     *  those at the current millisecond (not yet visible to an impression at this time).
+     *  Clicks of one millisecond are ordered by event id (the largest is the most recent),
+     *  not by arrival, so the sequence does not depend on how partitions interleave. */
+    private static void remember(Acc acc, long item, long category, long ts, String eventId) {
+        int head = acc.histTs.length > 0 && acc.histTs[0] == ts ? acc.histHeadIds.length : 0;
+        int at = 0;
+        while (at < head && acc.histHeadIds[at].compareTo(eventId) > 0) {
+            at++;
         }
-        int keep = Math.min(acc.histTs.length + 1, sameTs + acc.historyLen);
-        acc.histItem = prepend(acc.histItem, item, keep);
-        acc.histCat = prepend(acc.histCat, category, keep);
-        acc.histTs = prepend(acc.histTs, ts, keep);
+        acc.histHeadIds = insert(head == 0 ? new String[0] : acc.histHeadIds, at, eventId);
+        int keep = Math.min(acc.histTs.length + 1, head + 1 + acc.historyLen);
+        acc.histItem = insert(acc.histItem, at, item, keep);
+        acc.histCat = insert(acc.histCat, at, category, keep);
+        acc.histTs = insert(acc.histTs, at, ts, keep);
     }
 
     private static void expireOpen(Acc acc, long ts) {
@@ -172,10 +178,20 @@ public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
         }
     }
 
-    private static long[] prepend(long[] values, long head, int keep) {
+    /** values with x inserted at index at, cut to keep elements. */
+    private static long[] insert(long[] values, int at, long x, int keep) {
         long[] out = new long[keep];
-        out[0] = head;
-        System.arraycopy(values, 0, out, 1, keep - 1);
+        System.arraycopy(values, 0, out, 0, at);
+        out[at] = x;
+        System.arraycopy(values, at, out, at + 1, keep - at - 1);
+        return out;
+    }
+
+    private static String[] insert(String[] values, int at, String x) {
+        String[] out = new String[values.length + 1];
+        System.arraycopy(values, 0, out, 0, at);
+        out[at] = x;
+        System.arraycopy(values, at, out, at + 1, values.length - at);
         return out;
     }
 
