@@ -22,6 +22,7 @@ class JobInfo:
     duration_s: float
     records_in: int  # records read by the sources (Kafka events)
     records_out: int  # records written by the sinks (samples + DLQ)
+    tasks_running: bool = False  # every task deployed and initialised (state restored, sinks ready)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -47,9 +48,12 @@ class FlinkRest:
         out = []
         for job in self._call("GET", "/jobs/overview").get("jobs", []):
             records_in = records_out = 0
+            tasks_running = False
             try:
                 detail = self._call("GET", f"/jobs/{job['jid']}")
-                for vertex in detail.get("vertices", []):
+                vertices = detail.get("vertices", [])
+                tasks_running = bool(vertices) and all(v.get("status") == "RUNNING" for v in vertices)
+                for vertex in vertices:
                     metrics = vertex.get("metrics", {})
                     if vertex["name"].startswith("Source"):
                         records_in += metrics.get("write-records", 0)
@@ -57,20 +61,23 @@ class FlinkRest:
                         records_out += metrics.get("read-records", 0)
             except RuntimeError:
                 pass  # the job just went away; report what the overview says
-            out.append(JobInfo(job["jid"], job["name"], job["state"], job.get("duration", 0) / 1000, records_in, records_out))
+            out.append(JobInfo(job["jid"], job["name"], job["state"], job.get("duration", 0) / 1000, records_in, records_out,
+                               tasks_running))
         return out
 
     def cancel(self, job_id: str) -> None:
         self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
 
-    def wait_running(self, name: str, timeout_s: float) -> JobInfo:
-        """Wait until a job called ``name`` runs (start-up of an embedded cluster takes ~10-20 s)."""
+    def wait_running(self, name: str, timeout_s: float, all_tasks: bool = False) -> JobInfo:
+        """Wait until a job called ``name`` runs (start-up of an embedded cluster takes ~10-20 s);
+        ``all_tasks``: until every task runs too (the job is RUNNING while its tasks still
+        initialise state and the transactional Kafka sinks, another 10-30 s here)."""
         deadline = time.monotonic() + timeout_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             try:
                 for job in self.jobs():
-                    if job.name == name and job.state == "RUNNING":
+                    if job.name == name and job.state == "RUNNING" and (job.tasks_running or not all_tasks):
                         return job
             except FlinkUnreachable as exc:
                 last_error = exc

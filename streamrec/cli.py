@@ -179,13 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("config", "print the effective configuration as JSON")
 
-    demo = add("demo", "the main job on embedded defaults: broker, topics, traffic, read-back summary")
-    demo.add_argument("--duration", type=float, default=20.0, help="seconds of live traffic")
-    demo.add_argument("--rate", type=float, default=2000.0, help="events/s")
-    demo.add_argument("--bad-fraction", type=float, default=0.01, help="malformed events to inject")
+    demo = add("demo", "the whole loop, measured: broker, Flink job, generator, trainer, serving node, probe; "
+                       "prints a summary and writes a report under var/reports/")
+    demo.add_argument("--duration", type=float, default=180.0, help="seconds of live traffic (default 180)")
+    demo.add_argument("--rate", type=float, default=300.0,
+                      help="events/s (default 300: what the Flink job with RocksDB keeps up with on 2 cores beside the rest)")
+    demo.add_argument("--bad-fraction", type=float, default=0.01, help="malformed events to inject (default 0.01)")
+    demo.add_argument("--publish-interval", type=float, default=10.0, help="seconds between published versions (default 10)")
+    demo.add_argument("--attribution-window", type=float, default=5.0,
+                      help="seconds a click may follow its impression (default 5; production configs use minutes)")
+    demo.add_argument("--warmup-samples", type=int, default=3000,
+                      help="samples before the first (frozen baseline) version (default 3000)")
+    demo.add_argument("--drain", type=float, default=20.0,
+                      help="seconds to keep running after the traffic so the last clicks get served (default 20)")
+    demo.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines")
+    demo.add_argument("--report-dir", default="var/reports", help="where the run's report goes (default var/reports)")
+    demo.add_argument("--work-dir", default="var/demo", help="model store, checkpoints of the run (default var/demo)")
     demo.add_argument("--keep-broker", action="store_true", help="leave the embedded broker running afterwards")
     demo.add_argument("--data-dir", help="embedded broker data directory (kafka.data_dir)")
     demo.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
+
+    report = add("report", "re-render a demo run's HTML report from its data (run.json)")
+    report.add_argument("run_dir", nargs="?", help="a run directory (default: the newest under var/reports)")
 
     bench = add("bench", "run a benchmark from bench/ (writes JSON under bench/out/)")
     bench.add_argument("part", choices=("generator", "pipeline", "ps", "trainer", "serving", "serving_swap"), help="what to benchmark")
@@ -482,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
             from streamrec.demo import run_demo
 
             return run_demo(args, cfg)
+        if args.command == "report":
+            from streamrec.demo.report import latest_run, render
+
+            print(render(Path(args.run_dir) if args.run_dir else latest_run(Path("var/reports")))["html"])
+            return 0
         handler = {"kafka": cmd_kafka, "setup": cmd_setup, "generate": cmd_generate, "pipeline": cmd_pipeline,
                    "train": cmd_train, "serve": cmd_serve, "bench": cmd_bench}[args.command]
         return handler(args, cfg)

@@ -355,6 +355,7 @@ class Trainer:
         self._drain()  # never begin a version after an unchecked loss
         meta = {
             "trained_through_ms": self.state["trained_through_ms"],
+            "snapshot_at": time.time(),  # the moment the published state was fixed (freshness breakdown)
             "source": self.source_name,
             "offsets": {str(p): o for p, o in sorted(self._positions.items())},
             "samples_trained": self.state["samples"],

@@ -1,0 +1,267 @@
+"""What the demo measures at the serving node, as a client would see it.
+
+:class:`ServingProbe` follows the samples topic (read_committed, like the trainer) and sends
+every new sample, label removed by the server's decoder, to the serving node's
+``:predict``: the **online** score and the version that gave it. The same samples are
+scored by the **frozen** model (the first version published, i.e. the model after
+warm-up, loaded here once) and joined with the generator's **Bayes** click probability
+from the truth topic. Each positive sample also carries what freshness needs: the click's
+event time, when the sample became visible, and its (partition, offset) in the topic.
+
+:class:`VersionTimeline` polls the server's model status and the model store: when each
+version was snapshotted and published (manifest) and applied (server).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from pipelines.generator.sinks import decode_truth_message
+from pipelines.sample_wire import decode_samples
+from ps.model_store import ModelStore
+from streamrec.bus.clients import make_consumer
+from trainer.features import batch_from_table
+from trainer.inference import InferenceModel
+
+log = logging.getLogger("streamrec.demo")
+CHUNK = 256  # instances per predict request
+
+
+class ServingClient:
+    """A keep-alive HTTP/JSON client of one serving node."""
+
+    def __init__(self, address: str, model: str, admin_token: str = "") -> None:
+        host, port = address.rsplit(":", 1)
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        self.model, self.token = model, admin_token
+        self._lock = threading.Lock()
+
+    def call(self, method: str, path: str, body: bytes | None = None, admin: bool = False) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if admin:
+            headers["Authorization"] = f"Bearer {self.token}"
+        with self._lock:
+            for attempt in (1, 2):  # the server may have closed an idle keep-alive connection
+                try:
+                    self._conn.request(method, path, body=body, headers=headers)
+                    response = self._conn.getresponse()
+                    status, data = response.status, response.read()
+                    break
+                except (OSError, http.client.HTTPException):
+                    self._conn.close()
+                    if attempt == 2:
+                        raise
+        return status, orjson.loads(data) if data else {}
+
+    def predict(self, instances: list[bytes]) -> tuple[int, dict]:
+        return self.call("POST", f"/v1/models/{self.model}:predict", b'{"instances":[' + b",".join(instances) + b"]}")
+
+    def status(self) -> dict:
+        return self.call("GET", f"/v1/models/{self.model}")[1]
+
+    def rollback(self, version: int | None = None) -> tuple[int, dict]:
+        return self.call("POST", f"/v1/models/{self.model}:rollback", orjson.dumps({"version": version} if version else {}), admin=True)
+
+    def reload(self) -> tuple[int, dict]:
+        return self.call("POST", f"/v1/models/{self.model}:reload", b"{}", admin=True)
+
+
+@dataclass
+class ProbeRecords:
+    """One entry per scored sample (columns grow together)."""
+
+    ts: list[int] = field(default_factory=list)
+    label: list[int] = field(default_factory=list)
+    online: list[float] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
+    frozen: list[float] = field(default_factory=list)
+    event_id: list[str] = field(default_factory=list)
+    sample_partition: list[int] = field(default_factory=list)
+    sample_offset: list[int] = field(default_factory=list)
+    # positives only, noted by a consumer that does nothing else: the freshness trail of the click
+    click_ts: list[int] = field(default_factory=list)
+    visible_ms: list[float] = field(default_factory=list)
+    partition: list[int] = field(default_factory=list)
+    offset: list[int] = field(default_factory=list)
+    failed_requests: int = 0
+    unscored: int = 0  # samples that arrived before the server had a model
+
+
+class ServingProbe:
+    def __init__(self, bootstrap: str, samples_topic: str, truth_topic: str, client: ServingClient,
+                 model_store: ModelStore, warmup_samples: int) -> None:
+        self.warmup_samples = warmup_samples
+        self.bootstrap, self.samples_topic, self.truth_topic = bootstrap, samples_topic, truth_topic
+        self.client, self.model_store = client, model_store
+        self.records = ProbeRecords()
+        self.bayes: dict[str, float] = {}
+        self.frozen: InferenceModel | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._follow_samples, name="probe-samples", daemon=True),
+                         threading.Thread(target=self._note_visibility, name="probe-visibility", daemon=True),
+                         threading.Thread(target=self._follow_truth, name="probe-truth", daemon=True)]
+        self.error: BaseException | None = None
+
+    def start(self) -> "ServingProbe":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        if self.frozen is not None:
+            self.frozen.close()
+
+    # ------------------------------------------------------------------ threads
+    def _follow_samples(self) -> None:
+        try:
+            consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
+                                     auto_offset_reset="earliest", max_poll_records=2000)
+            try:
+                while not self._stop.is_set():
+                    for records in consumer.poll(timeout_ms=200).values():
+                        seen = time.time() * 1000
+                        for i in range(0, len(records), CHUNK):
+                            self._score(records[i:i + CHUNK], seen)
+            finally:
+                consumer.close()
+        except BaseException as exc:  # reported by the demo's main loop
+            self.error = exc
+
+    def _note_visibility(self) -> None:
+        """When each positive sample became readable (read_committed), unaffected by scoring."""
+        try:
+            consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
+                                     auto_offset_reset="earliest")
+            try:
+                rec = self.records
+                while not self._stop.is_set():
+                    for records in consumer.poll(timeout_ms=100).values():
+                        seen = time.time() * 1000
+                        for r in records:
+                            sample = orjson.loads(r.value)
+                            if sample.get("label") == 1:
+                                with self._lock:
+                                    rec.click_ts.append(sample["click_ts"])
+                                    rec.visible_ms.append(seen)
+                                    rec.partition.append(r.partition)
+                                    rec.offset.append(r.offset)
+            finally:
+                consumer.close()
+        except BaseException as exc:
+            self.error = exc
+
+    def _follow_truth(self) -> None:
+        try:
+            consumer = make_consumer(self.bootstrap, self.truth_topic, group_id=None, auto_offset_reset="earliest")
+            try:
+                while not self._stop.is_set():
+                    for records in consumer.poll(timeout_ms=500).values():
+                        rows = [row for r in records for row in decode_truth_message(r.value) if row["kind"] == "impression"]
+                        with self._lock:
+                            self.bayes.update((row["event_id"], row["p"]) for row in rows)
+            finally:
+                consumer.close()
+        except BaseException as exc:
+            self.error = exc
+
+    def _frozen_model(self) -> InferenceModel | None:
+        """The first version trained on ``warmup_samples``: the model after warm-up, never updated."""
+        if self.frozen is None:
+            for version in self.model_store.versions():
+                if self.model_store.manifest(version).get("samples_trained", 0) >= self.warmup_samples:
+                    self.frozen = InferenceModel.load(self.model_store, version)
+                    log.info("frozen baseline: version %d", version)
+                    break
+        return self.frozen
+
+    def _score(self, records: list, seen_ms: float) -> None:
+        """Score at the server (online) and here (frozen). The analysis drops samples the
+        answering version had already trained on (possible while the probe catches up)."""
+        values = [r.value for r in records]
+        status, body = self.client.predict(values)
+        if status == 503:
+            self.records.unscored += len(values)
+            return
+        if status != 200:
+            self.records.failed_requests += 1
+            log.warning("predict failed (%d): %s", status, body)
+            return
+        frozen = self._frozen_model()
+        if frozen is None:
+            self.records.unscored += len(values)
+            return
+        table, index, rejected = decode_samples(values, frozen.sample_spec)
+        if rejected or len(index) != len(values):
+            raise RuntimeError(f"the samples topic holds samples the trainer's decoder rejects: {rejected[:3]}")
+        batch = batch_from_table(table, frozen.sample_spec, frozen.model.spec.history_len)
+        frozen_scores = frozen.predict(batch, now_ms=int(seen_ms))
+        rec = self.records
+        with self._lock:
+            rec.ts.extend(table["ts"].to_pylist())
+            rec.label.extend(table["label"].to_pylist())
+            rec.online.extend(body["scores"])
+            rec.version.extend([body["model_version"]] * len(values))
+            rec.frozen.extend(frozen_scores.tolist())
+            rec.event_id.extend(table["event_id"].to_pylist())
+            rec.sample_partition.extend(r.partition for r in records)
+            rec.sample_offset.extend(r.offset for r in records)
+
+    # ------------------------------------------------------------------ results
+    def snapshot(self) -> dict:
+        """Columns of everything scored so far, with the Bayes probability joined (NaN if unknown)."""
+        with self._lock:
+            rec = self.records
+            n = len(rec.ts)
+            out = {name: np.array(getattr(rec, name)[:n]) for name in ("ts", "label", "online", "version", "frozen",
+                                                                       "sample_partition", "sample_offset")}
+            out["bayes"] = np.array([self.bayes.get(e, np.nan) for e in rec.event_id[:n]], dtype=np.float64)
+            m = len(rec.click_ts)
+            out["positives"] = {name: np.array(getattr(rec, name)[:m]) for name in ("click_ts", "visible_ms", "partition", "offset")}
+            out["failed_requests"], out["unscored"] = rec.failed_requests, rec.unscored
+        return out
+
+
+class VersionTimeline:
+    """When each version was snapshotted, published (manifest) and applied (the server)."""
+
+    def __init__(self, client: ServingClient, model_store: ModelStore, poll_s: float = 0.25) -> None:
+        self.client, self.model_store, self.poll_s = client, model_store, poll_s
+        self.manifests: dict[int, dict] = {}
+        self.applied: dict[int, float] = {}  # version -> applied_at (server clock = ours)
+        self.status: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="version-timeline", daemon=True)
+
+    def start(self) -> "VersionTimeline":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.status = self.client.status()
+                v, at = self.status.get("model_version"), self.status.get("applied_at")
+                if v is not None and at is not None and v not in self.applied:
+                    self.applied[v] = at
+                for version in self.model_store.versions():
+                    if version not in self.manifests:
+                        m = self.model_store.manifest(version)
+                        self.manifests[version] = {k: m.get(k) for k in ("kind", "created_at", "snapshot_at", "offsets",
+                                                                          "trained_through_ms", "samples_trained")}
+            except Exception as exc:  # noqa: BLE001 - a server restart or a version being GC'd: poll again
+                log.debug("version poll: %s", exc)

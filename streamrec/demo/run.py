@@ -1,0 +1,261 @@
+"""``streamrec demo``: the whole loop on one machine, measured.
+
+broker → generator → Flink job → samples → trainer (publishes every ~10 s) → model store
+→ serving node (hot-swaps each version) ← prediction traffic (the probe). Every part runs
+as its own ``streamrec`` process, exactly as a user would start it, on topics, a model
+store and a Flink job of this run only (``demo-<run id>``), so runs never mix. After the
+traffic ends and the last versions are applied, everything is stopped (process groups,
+the Flink JVM and the broker included) and the report is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+from pipelines.flink_rest import FlinkRest
+from ps.model_store import ModelStore
+from streamrec.bus.broker import EmbeddedBroker
+from streamrec.bus.topics import describe_topics, ensure_topics
+from streamrec.config import Config
+from streamrec.demo.analysis import freshness, quality
+from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
+from streamrec.demo.processes import ManagedProcess, group_members, wait_until
+from streamrec.demo.report import write_report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class DemoRun:
+    """One run's names, directories and child-process environment."""
+
+    def __init__(self, cfg: Config, args: argparse.Namespace) -> None:
+        self.cfg, self.args = cfg, args
+        self.run_id = time.strftime("%Y%m%d-%H%M%S")
+        self.prefix = f"demo-{self.run_id}"
+        self.report_dir = Path(args.report_dir) / self.run_id
+        self.work_dir = Path(args.work_dir) / self.run_id
+        self.log_dir = self.report_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.serve_address = f"127.0.0.1:{_free_port()}"
+        self.rest_port = _free_port()
+        self.admin_token = secrets.token_hex(16)
+        self.topics = {"events": f"{self.prefix}.events", "samples": f"{self.prefix}.samples",
+                       "dlq": f"{self.prefix}.events.dlq", "truth": f"{self.prefix}.truth",
+                       "model_updates": f"{self.prefix}.model-updates"}
+
+    def env(self) -> dict[str, str]:
+        a, store = self.args, str(self.work_dir / "models")
+        env = {
+            **os.environ,
+            "STREAMREC_KAFKA__BOOTSTRAP": self.cfg.kafka.bootstrap_servers,
+            **{f"STREAMREC_TOPICS__{k.upper()}": v for k, v in self.topics.items()},
+            "STREAMREC_FLINK__GROUP_ID": self.prefix, "STREAMREC_FLINK__JOB_NAME": self.prefix,
+            "STREAMREC_FLINK__CHECKPOINT_DIR": str(self.work_dir / "flink-checkpoints"),
+            "STREAMREC_FLINK__REST_PORT": str(self.rest_port), "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
+            "STREAMREC_FLINK__ATTRIBUTION_WINDOW_S": str(a.attribution_window),
+            "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(self.work_dir / "trainer"),
+            "STREAMREC_TRAINER__GROUP": self.prefix, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": str(a.publish_interval),
+            "STREAMREC_TRAINER__WARMUP_SAMPLES": str(a.warmup_samples),
+            "STREAMREC_SERVING__MODEL_STORE": store, "STREAMREC_SERVING__PORT": self.serve_address.rsplit(":", 1)[1],
+            "STREAMREC_SERVING__ADMIN_TOKEN": self.admin_token, "STREAMREC_SERVING__POLL_INTERVAL_S": "0.5",
+            # a short run has few samples: smaller steps, a faster dense learning rate
+            "STREAMREC_TRAINER__BATCH_SIZE": "256", "STREAMREC_MODEL__DENSE_LR": "0.005",
+            "OMP_NUM_THREADS": "1",  # trainer and server share the cores with Flink and the broker
+        }
+        if getattr(a, "config", None):
+            env["STREAMREC_CONFIG"] = str(Path(a.config).resolve())
+        return env
+
+
+def run_demo(args: argparse.Namespace, cfg: Config) -> int:
+    k = cfg.kafka
+    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
+    started_broker = False
+    processes: dict[str, ManagedProcess] = {}
+    probe = timeline = None
+    try:
+        if k.embedded:
+            state, started_broker = broker.up(k.connect_timeout_s)
+            print(f"[1/6] embedded Kafka broker {'started' if started_broker else 'already running'} at {state.bootstrap}", flush=True)
+        else:
+            print(f"[1/6] using external Kafka at {k.bootstrap_servers}", flush=True)
+        run = DemoRun(cfg, args)
+        ensure_topics(k.bootstrap_servers, list(run.topics.values()), k.partitions, k.replication_factor, k.connect_timeout_s)
+        print(f"[2/6] run {run.run_id}: topics {run.prefix}.*, work dir {run.work_dir}, logs {run.log_dir}", flush=True)
+
+        env = run.env()
+        start = lambda name, *argv: processes.setdefault(name, ManagedProcess(name, list(argv), env, run.log_dir, REPO))  # noqa: E731
+        start("pipeline", "pipeline", "submit", "--fresh")
+        start("trainer", "train")
+        start("serving", "serve", "--host", "127.0.0.1")
+        print("[3/6] starting the Flink job (embedded mini-cluster), the trainer and the serving node ...", flush=True)
+        wait_until(lambda: _healthy(run.serve_address), 120, "the serving node", list(processes.values()))
+        FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
+
+        store = ModelStore(str(run.work_dir / "models"), cfg.model.name)
+        client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
+        probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
+                             args.warmup_samples).start()
+        timeline = VersionTimeline(ServingClient(run.serve_address, cfg.model.name), store).start()
+        start_ms = int(time.time() * 1000)
+        start("generator", "generate", "--duration", str(args.duration), "--rate", str(args.rate),
+              "--bad-fraction", str(args.bad_fraction), "--start-ms", str(start_ms))
+        print(f"[4/6] live traffic: {args.duration:g} s at ~{args.rate:g} events/s; trainer publishes every "
+              f"{args.publish_interval:g} s; the probe scores every sample at the serving node", flush=True)
+        rollback = _drive(args, run, processes, probe, timeline, client, start_ms)
+
+        print(f"[5/6] traffic done; stopping every process", flush=True)
+        probe.stop()
+        timeline.stop()
+        stopped = _stop_all(processes)
+        snapshot = probe.snapshot()
+        result = {
+            "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
+            "publish_interval_s": args.publish_interval, "topics": run.topics,
+            "quality": quality(snapshot, start_ms, timeline.manifests),
+            "freshness": freshness(snapshot["positives"], timeline.manifests, timeline.applied,
+                                   steady_from_ms=start_ms + int(args.duration * 500)),
+            "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
+                         "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
+            "rollback": rollback,
+            "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"]},
+            "throughput": _throughput(k.bootstrap_servers, run, args.duration, snapshot),
+            "processes": stopped,
+        }
+        paths = write_report(run.report_dir, result)
+        _print_summary(result, paths)
+        ok = result["versions"]["applied"] >= 1 and not snapshot["failed_requests"] and all(s["left"] == 0 for s in stopped.values())
+        return 0 if ok else 1
+    finally:
+        if probe is not None:
+            probe.stop()
+        if timeline is not None:
+            timeline.stop()
+        _stop_all(processes)
+        if started_broker and not args.keep_broker:
+            broker.down()
+            print("embedded broker stopped (use --keep-broker to leave it running)", flush=True)
+
+
+def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: ServingProbe, timeline: VersionTimeline,
+           client: ServingClient, start_ms: int) -> dict:
+    """Progress lines while the traffic runs; one rollback (and release) mid-run; then
+    a drain so the last clicks reach a served version."""
+    rollback: dict = {"done": False}
+    t0 = time.monotonic()
+    end_of_traffic = None
+    last_print = 0.0
+    while True:
+        now = time.monotonic() - t0
+        if probe.error:
+            raise RuntimeError(f"the serving probe failed: {probe.error}")
+        for name in ("pipeline", "trainer", "serving"):
+            processes[name].check_alive()
+        gen = processes["generator"]
+        if end_of_traffic is None and not gen.alive():
+            if gen.proc.returncode != 0:
+                gen.check_alive()
+            end_of_traffic = now
+        if not rollback["done"] and now > args.duration * 0.6 and len(timeline.applied) >= 2:
+            rollback = _rollback_and_release(client)
+        if now - last_print >= args.progress_interval:
+            last_print = now
+            print(_progress_line(now, args.duration, probe, timeline, start_ms), flush=True)
+        if end_of_traffic is not None and now - end_of_traffic > args.drain:
+            return rollback
+        time.sleep(0.5)
+
+
+def _rollback_and_release(client: ServingClient) -> dict:
+    """:rollback to the previous version (pins it), then :reload to follow LATEST again."""
+    before = client.status()
+    t = time.perf_counter()
+    status, body = client.rollback()
+    rollback_ms = (time.perf_counter() - t) * 1000
+    after = client.status()
+    ok = status == 200 and after.get("pinned") is True and (after.get("model_version") or 0) < (before.get("model_version") or 0)
+    time.sleep(2.0)
+    pinned_held = client.status().get("model_version") == after.get("model_version")
+    reload_status, _ = client.reload()
+    result = {"done": True, "ok": bool(ok and pinned_held and reload_status == 200), "from_version": before.get("model_version"),
+              "to_version": after.get("model_version"), "http_ms": round(rollback_ms, 1), "pinned_held": pinned_held,
+              "released": reload_status == 200, "response": body}
+    print(f"  rollback v{result['from_version']} -> v{result['to_version']} in {rollback_ms:.0f} ms over HTTP; "
+          f"pinned for 2 s, then :reload -> following LATEST again ({'ok' if result['ok'] else 'FAILED'})", flush=True)
+    return result
+
+
+def _progress_line(now: float, duration: float, probe: ServingProbe, timeline: VersionTimeline, start_ms: int) -> str:
+    snap = probe.snapshot()
+    q = quality(snap, start_ms, timeline.manifests)["overall"]
+    served = timeline.status.get("model_version")
+    published = max(timeline.manifests) if timeline.manifests else None
+    auc = " ".join(f"{name} {q[name]['auc']:.3f}" for name in ("online", "frozen", "bayes") if name in q and q[name]["auc"] is not None)
+    fresh = freshness(snap["positives"], timeline.manifests, timeline.applied)["event_to_servable_ms"]
+    fresh_text = f" | event->servable p50 {fresh['p50'] / 1000:.1f} s" if fresh.get("n") else ""
+    return (f"  [{now:5.0f} s/{duration:.0f}] samples scored {len(snap['ts']):,} | published v{published or '-'}, "
+            f"serving v{served or '-'} | AUC {auc or '-'}{fresh_text}")
+
+
+def _stop_all(processes: dict[str, ManagedProcess]) -> dict:
+    """Stop in dependency order (traffic, serving, trainer, Flink); report what is left."""
+    out = {}
+    for name in ("generator", "serving", "trainer", "pipeline"):
+        p = processes.get(name)
+        if p is not None:
+            code = p.stop(grace_s=60 if name in ("trainer", "pipeline") else 20)
+            out[name] = {"exit": code, "left": len(group_members(p.pid)), "log": str(p.log_path)}
+    return out
+
+
+def _throughput(bootstrap: str, run: DemoRun, duration: float, snapshot: dict) -> dict:
+    topics = {t.name: t.messages for t in describe_topics(bootstrap, list(run.topics.values()))}
+    return {"events": topics.get(run.topics["events"], 0), "samples": topics.get(run.topics["samples"], 0),
+            "dlq": topics.get(run.topics["dlq"], 0), "scored_at_serving": int(len(snapshot["ts"])),
+            "events_per_s": round(topics.get(run.topics["events"], 0) / duration, 1)}
+
+
+def _print_summary(result: dict, paths: dict) -> None:
+    q, f = result["quality"]["overall"], result["freshness"]
+    print("[6/6] summary", flush=True)
+    t = result["throughput"]
+    print(f"  events {t['events']:,} ({t['events_per_s']:,.0f}/s) -> samples {t['samples']:,} (+{t['dlq']:,} to the DLQ) "
+          f"-> scored at the serving node {t['scored_at_serving']:,}")
+    v = result["versions"]
+    print(f"  versions published {v['published']}, applied by the serving node {v['applied']}; "
+          f"rollback {'ok' if result['rollback'].get('ok') else 'not done' if not result['rollback'].get('done') else 'FAILED'}")
+    for name in ("online", "frozen", "bayes"):
+        if name in q:
+            print(f"  serving-side {name:6s} AUC {q[name]['auc']}  logloss {q[name]['logloss']}")
+    e = f["event_to_servable_ms"]
+    if e.get("n"):
+        print(f"  freshness (click event time -> servable), {e['n']} clicks: p50 {e['p50'] / 1000:.1f} s, p99 {e['p99'] / 1000:.1f} s")
+        s = f["steady_event_to_servable_ms"]
+        if s.get("n"):
+            print(f"    second half of the run ({s['n']} clicks): p50 {s['p50'] / 1000:.1f} s, p99 {s['p99'] / 1000:.1f} s")
+        for stage, s in f["stages_ms"].items():
+            print(f"    {stage:22s} p50 {s['p50'] / 1000:6.1f} s  p99 {s['p99'] / 1000:6.1f} s")
+    print(f"  {result['quality']['left_out_trained_on']:,} scored samples left out of the AUCs: the answering version "
+          "had already trained on them")
+    print(f"  report: {paths['html']}  (data: {paths['data']}; `streamrec report {paths['dir']}` re-renders it)")
