@@ -41,12 +41,14 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; end of {self.log_path}:\n{self.tail()}")
 
     def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM the whole process group, wait, then SIGKILL whatever is left of it (idempotent)."""
+        """SIGTERM the leader (it shuts its own children down: the pipeline cancels its Flink
+        job through the JVM, so the JVM must outlive that), wait, then SIGKILL whatever is
+        left of the group and wait until it is gone (idempotent)."""
         if self.stopped:
             return self.proc.returncode
         self.stopped = True
         if self.alive():
-            _signal_group(self.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -54,6 +56,9 @@ class ManagedProcess:
         _signal_group(self.pid, signal.SIGKILL)  # children the leader left behind (the Flink JVM, say)
         if self.alive():
             self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while group_members(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # killed children are reaped by init shortly
         self._log.close()
         return self.proc.returncode
 
@@ -73,7 +78,7 @@ def group_members(pgid: int) -> list[int]:
             try:
                 with open(f"/proc/{entry}/stat", "rb") as fh:
                     fields = fh.read().rsplit(b")", 1)[1].split()
-                if int(fields[2]) == pgid:
+                if int(fields[2]) == pgid and fields[0] != b"Z":  # zombies are gone, just not reaped yet
                     out.append(int(entry))
             except (OSError, IndexError, ValueError):
                 pass
