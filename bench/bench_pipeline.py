@@ -32,15 +32,8 @@ from output import write_result  # noqa: E402
 
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable  # noqa: E402
 from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
+from streamrec.bus.broker import free_port  # noqa: E402
 from streamrec.bus.clients import make_consumer  # noqa: E402
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _env(args, name: str, tmp: Path, backend: str) -> dict:
@@ -48,7 +41,7 @@ def _env(args, name: str, tmp: Path, backend: str) -> dict:
             "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
             "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
             "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
-            "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp / name), "STREAMREC_FLINK__REST_PORT": str(_free_port()),
+            "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp / name), "STREAMREC_FLINK__REST_PORT": str(free_port()),
             "STREAMREC_FLINK__STATE_BACKEND": backend}
 
 

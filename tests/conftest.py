@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tomllib
@@ -12,16 +11,10 @@ from pathlib import Path
 import pytest
 
 from pipelines.generator.world import WorldConfig
-from streamrec.bus.broker import EmbeddedBroker
+from streamrec.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
 from streamrec.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -61,6 +61,13 @@ def find_binary() -> Path:
     return path
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS picks it), for a child server to bind."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def port_in_use(host: str, port: int) -> bool:
     """True when something already listens on host:port (SO_REUSEADDR ignores TIME_WAIT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -119,8 +119,9 @@ class ServingProbe:
         self._stop.set()
         for t in self._threads:
             t.join(30)
-        if self.frozen is not None:
+        if self.frozen is not None:  # stop() runs twice on the error path: close once
             self.frozen.close()
+            self.frozen = None
 
     # ------------------------------------------------------------------ threads
     def _follow_samples(self) -> None:

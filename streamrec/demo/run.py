@@ -14,14 +14,13 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import time
 import urllib.request
 from pathlib import Path
 
 from pipelines.flink_rest import FlinkRest
 from ps.model_store import ModelStore
-from streamrec.bus.broker import EmbeddedBroker
+from streamrec.bus.broker import EmbeddedBroker, free_port
 from streamrec.bus.topics import describe_topics, ensure_topics
 from streamrec.config import Config
 from streamrec.demo.analysis import freshness, quality
@@ -30,12 +29,6 @@ from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(address: str) -> bool:
@@ -57,8 +50,8 @@ class DemoRun:
         self.work_dir = Path(args.work_dir) / self.run_id
         self.log_dir = self.report_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.serve_address = f"127.0.0.1:{_free_port()}"
-        self.rest_port = _free_port()
+        self.serve_address = f"127.0.0.1:{free_port()}"
+        self.rest_port = free_port()
         self.admin_token = secrets.token_hex(16)
         self.topics = {"events": f"{self.prefix}.events", "samples": f"{self.prefix}.samples",
                        "dlq": f"{self.prefix}.events.dlq", "truth": f"{self.prefix}.truth",
