@@ -2,14 +2,17 @@
 
 A model is trained on the first 50k samples (`streamrec train`), then two `streamrec serve`
 processes serve it on the same device:
-- ours: request aggregation (``max_batch`` 1024 instances, ``max_delay_us`` 2000), 2 workers;
+- ours: request aggregation (``max_batch`` 1024 instances, ``max_delay_us`` 2000), 2 workers
+  (each on its own CUDA stream), shape buckets (``--compile``, default auto: CUDA graphs
+  on CUDA, eager on CPU);
 - baseline: the same model in eager PyTorch with one request per batch per worker
-  (``max_batch`` 1, ``max_delay_us`` 0, 2 workers) — what a plain model server does.
+  (``max_batch`` 1, ``max_delay_us`` 0, 2 workers, ``serving.compile=eager``) — what a
+  plain model server does.
 Closed-loop clients (threads with keep-alive connections) send requests of
-``--instances`` samples each for ``--seconds`` per concurrency level.
-
-Not measured yet (not built): shape buckets / CUDA graphs / multi-stream workers, and so
-the GPU-only time per batch (issue 6).
+``--instances`` samples each for ``--seconds`` per concurrency level. The server's own
+runtime statistics (device time per batch by bucket) are saved next to the end-to-end
+numbers, so the share of the HTTP/Python path is visible; bench_serving_runtime.py
+measures the runtime without HTTP.
 
 Usage: python bench/bench_serving.py [--samples RUN] [--concurrency 1 8 32] [--instances 16] [--seconds 5] [--device cpu]
 Writes bench/out/serving-<device>-<time>.json.
@@ -47,13 +50,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int) -> tuple[subprocess.Popen, int]:
+def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
-           "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000"}
+           "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
+           "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # buckets are compiled before the server is ready
     while time.monotonic() < deadline:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--compile", default="auto", help="serving.compile of ours (auto | eager | compile | graph | compile+graph)")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
     if args.samples is None:
@@ -117,17 +122,20 @@ def main() -> None:
     rows = table.to_pylist()
     bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, len(rows), args.instances)]
     result = {"bench": "serving", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
-              "workers": args.workers, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "workers": args.workers, "compile": args.compile, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with tempfile.TemporaryDirectory() as tmp:
         # A real model trained on the same samples, so requests hit existing rows as in production.
         subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", tmp,
                         "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for name, (max_batch, delay) in {"ours": (1024, 2000), "baseline": (1, 0)}.items():
-            proc, port = start_server(Path(tmp), args.device, max_batch, delay, args.workers)
+        for name, (max_batch, delay, mode) in {"ours": (1024, 2000, args.compile), "baseline": (1, 0, "eager")}.items():
+            proc, port = start_server(Path(tmp), args.device, max_batch, delay, args.workers, mode)
             try:
                 load(port, bodies, 4, 1.0)  # warm-up
                 result[name] = [load(port, bodies, c, args.seconds) for c in args.concurrency]
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("GET", "/v1/models/ctr")
+                result[f"{name}_runtime"] = orjson.loads(conn.getresponse().read()).get("runtime")
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)

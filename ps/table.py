@@ -154,13 +154,50 @@ class EmbeddingTable:
         """Serving-style read: one embedding per id, zeros for ids without a row; never
         creates rows. On CUDA, when every id hits the GPU cache, this is one fused
         probe+gather kernel (ps/kernels.py); otherwise the general path brings rows up."""
+        started = self.lookup_start(ids, now_ms)
+        if started is not None and int(started[1].item()) == 0:  # the one host sync of the hit path
+            return self.lookup_hit(started[0], len(started[0]))
+        return self.lookup_slow(ids, now_ms)
+
+    @property
+    def resident(self) -> bool:
+        """Every row is in the GPU cache (DRAM is the home of every cached row, so equal
+        counts mean no row lives only below): an id the cache lacks has no row at all."""
+        return self.cache is not None and len(self.cache) >= len(self.dram) and (self.ssd is None or self.ssd.count == 0)
+
+    def lookup_start(self, ids: torch.Tensor, now_ms: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused hit path without its host sync: (rows, pending [1]) where ``pending``
+        counts the ids that need ``lookup_slow`` (cache misses; only undecided probes when the
+        table is resident, since a miss then means "no row": zeros, already in ``rows``).
+        None where there is no fused path (CPU). Lets a caller sync once for many tables."""
+        if self.cache is None or not kernels.available(self.device):
+            return None
         ids = ids.to(self.top.device, torch.int64).flatten()
-        if self.cache is not None and kernels.available(self.device):
-            rows, _, misses = kernels.probe_gather(ids, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms)
-            if int(misses.item()) == 0:  # the one host sync of the hit path
-                self.stats["fused_hits"] += len(ids)
-                return rows
-        return self.pull(ids, now_ms, train=False).embeddings()
+        rows, slots, misses = kernels.probe_gather(ids, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms,
+                                                   count_misses=not self.resident)
+        if self.resident:
+            misses = (slots == -2).sum().view(1).to(torch.int32)
+        return rows, misses
+
+    def lookup_hit(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        self.stats["fused_hits"] += n
+        return rows
+
+    def lookup_slow(self, ids: torch.Tensor, now_ms: int) -> torch.Tensor:
+        """The general path: rows below the cache are brought up (the cache changes)."""
+        return self.pull(ids.to(self.top.device, torch.int64).flatten(), now_ms, train=False).embeddings()
+
+    def warm(self, keys: torch.Tensor, now_ms: int = 0) -> int:
+        """Bring existing rows of ``keys`` into the GPU cache while it has room (serving
+        does this at load and after each delta, so lookups take the fused path); returns
+        how many were brought up."""
+        if self.cache is None or len(keys) == 0:
+            return 0
+        room = self.cache.capacity - len(self.cache)
+        keys = keys.to(torch.int64).cpu()[:max(room, 0)]
+        if len(keys):
+            self.pull(keys.to(self.top.device), now_ms, train=False)
+        return len(keys)
 
     def push(self, pulled: Pulled, grad: torch.Tensor) -> None:
         """Apply the optimizer to the admitted rows of ``pulled`` (grad: [unique, dim])."""

@@ -57,6 +57,17 @@ class ServingMetrics:
                                 buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
         self.version = Gauge("streamrec_serving_model_version", "version being served", registry=r)
         self.freshness = Gauge("streamrec_serving_trained_through_ms", "event time the served version is trained through", registry=r)
+        self.buckets = Gauge("streamrec_serving_compiled_buckets", "shape buckets built for the served version", registry=r)
+        self.eager = Gauge("streamrec_serving_eager_batches", "batches of the served version run eagerly (out of every bucket)", registry=r)
+        self.device_ms = Gauge("streamrec_serving_device_ms_per_batch", "mean forward time per batch on the device, by bucket",
+                               ["bucket"], registry=r)
+
+    def observe_runtime(self, stats: dict) -> None:
+        self.buckets.set(stats["compiled_buckets"])
+        self.eager.set(stats["eager_batches"])
+        for bucket, s in stats["buckets"].items():
+            if s["device_ms_per_batch"] is not None:
+                self.device_ms.labels(bucket).set(s["device_ms_per_batch"])
 
 
 def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
@@ -196,6 +207,7 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             "pinned": served.pinned,
             "refused": {str(v): why for v, why in served.refused.items()},
             "latest_in_store": served.model_store.latest(),
+            "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
         }
 
     async def admin_call(fn, *args):
@@ -246,6 +258,8 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             through = served.current.manifest.get("trained_through_ms") if served.current else None
             if through:
                 metrics.freshness.set(through)
+            if served.current is not None and served.current.runner is not None:
+                metrics.observe_runtime(served.current.runner.stats.as_json())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -19,58 +19,19 @@ refused (``CorruptVersion``) and the served state is untouched.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import torch
 
+from ps.locks import RWLock
 from ps.model_store import CorruptVersion, ModelStore, sparse_arrays
+from serving.runner import RuntimeConfig
 from trainer.features import SampleBatch
 from trainer.inference import InferenceModel
 
 log = logging.getLogger(__name__)
-
-
-class RWLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -101,9 +62,11 @@ class ApplyReport:
 
 class ServedModel:
     def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
-                 undo_depth: int = 8) -> None:
+                 undo_depth: int = 8, runtime: RuntimeConfig | None = None) -> None:
+        """``runtime``: how versions run (buckets, compile mode, workers); None runs them eagerly."""
         self.model_store = model_store
         self.device = torch.device(device)
+        self.runtime = runtime
         self.gpu_cache_rows = gpu_cache_rows
         self.undo_depth = undo_depth
         self.lock = RWLock()
@@ -182,6 +145,7 @@ class ServedModel:
         with self.lock.write():
             while self.version != target:
                 self._undo_one(self.undo.pop())
+            self._settle()
         self.pinned = True
         return ApplyReport(target, previous, "rollback", 0, 0.0, time.perf_counter() - t0)
 
@@ -216,6 +180,7 @@ class ServedModel:
                 record.sparse[name] = _SparseUndo(touched[found], old, touched[~found])
                 if len(keys):
                     table.load_rows(keys, values)
+                    table.warm(keys)  # load_rows puts rows in DRAM; serve them from the GPU cache
                 if len(deleted):
                     table.remove(deleted)
                 rows += len(touched)
@@ -225,12 +190,15 @@ class ServedModel:
                     params[name].copy_(tensor.to(params[name].device))
             model.version, model.manifest = version, manifest
             self._push_undo(record)
+            self._settle()
         self.applied_at[version] = time.time()
         return ApplyReport(version, record.version_before, "delta", rows, prepared - t0, time.perf_counter() - prepared)
 
     def _swap(self, version: int) -> ApplyReport:
         t0 = time.perf_counter()
-        fresh = InferenceModel.load(self.model_store, version, self.device, self.gpu_cache_rows)  # verified
+        # verified; its buckets are compiled here, before it serves (batches keep running meanwhile)
+        fresh = InferenceModel.load(self.model_store, version, self.device, self.gpu_cache_rows, self.runtime)
+        self._settle()
         prepared = time.perf_counter()
         with self.lock.write():
             previous = self.current
@@ -240,6 +208,12 @@ class ServedModel:
         self.applied_at[version] = time.time()
         rows = sum(len(t) for t in fresh.store.tables.values())
         return ApplyReport(version, previous.version if previous else -1, "swap", rows, prepared - t0, time.perf_counter() - prepared)
+
+    def _settle(self) -> None:
+        """Wait for the in-place writes (issued on this thread's stream) before batches run
+        again: workers run on streams of their own, which do not wait for this one."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _push_undo(self, record: UndoRecord) -> None:
         self.undo.append(record)

@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", dest="serving_device", help=f"auto | cpu | cuda[:N] (serving.device: {sv['device']})")
     serve.add_argument("--admin-token", help="bearer token of the admin routes (serving.admin_token; prefer the env variable)")
     serve.add_argument("--poll-interval", type=float, help=f"seconds between LATEST checks (serving.poll_interval_s: {sv['poll_interval_s']})")
+    serve.add_argument("--compile", dest="serving_compile", choices=["auto", "eager", "compile", "graph", "compile+graph"],
+                       help=f"how the model runs: shape buckets as CUDA graphs and/or torch.compile (serving.compile: {sv['compile']})")
+    serve.add_argument("--workers", type=int, dest="serving_workers",
+                       help=f"batches in flight at once, each on its own CUDA stream (serving.workers: {sv['workers']})")
 
     add("config", "print the effective configuration as JSON")
 
@@ -239,6 +243,8 @@ def _config_from(args: argparse.Namespace) -> Config:
         "serving.device": getattr(args, "serving_device", None),
         "serving.admin_token": getattr(args, "admin_token", None),
         "serving.poll_interval_s": getattr(args, "poll_interval", None),
+        "serving.compile": getattr(args, "serving_compile", None),
+        "serving.workers": getattr(args, "serving_workers", None),
     }
     return load_config(getattr(args, "config", None), overrides)
 

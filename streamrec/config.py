@@ -156,6 +156,11 @@ class ServingConfig:
     max_body_bytes: int
     poll_interval_s: float
     undo_depth: int
+    compile: str
+    batch_buckets: str
+    history_buckets: str
+    max_extra_buckets: int
+    follow_updates: bool
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
-"""`streamrec serve` over real HTTP: predictions equal the trainer's model, bad requests get
-clear 4xx answers, new versions are hot-swapped under load with no failed request, and
-rollback restores the previous predictions exactly."""
+"""`streamrec serve` over real HTTP: predictions equal the trainer's model, shape buckets are
+compiled at load and an out-of-bucket batch gets its own bucket in the background, bad
+requests get clear 4xx answers, new versions are hot-swapped under load with no failed
+request, and rollback restores the previous predictions exactly.
+
+The server runs with ``torch.compile`` buckets (the CPU form of bucket pre-compilation;
+CUDA graphs are checked on the GPU by bench/bench_serving_runtime.py)."""
 
 import json
 import shutil
@@ -70,11 +74,12 @@ def server(published_model, tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port),
-         "--device", "cpu", "--poll-interval", "0.2"],
-        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN},
+         "--device", "cpu", "--poll-interval", "0.2", "--compile", "compile", "--workers", "2"],
+        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__BATCH_BUCKETS": "8,16",
+                       "STREAMREC_SERVING__HISTORY_BUCKETS": "16", "STREAMREC_SERVING__MAX_EXTRA_BUCKETS": "3"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
     while time.monotonic() < deadline:
         try:
             if call(base, "GET", "/readyz")[0] == 200:
@@ -108,6 +113,31 @@ def test_predictions_equal_the_trainers_model(server, instances, expected):
         np.testing.assert_allclose(body["scores"], expected[versions[1]][i * 8:(i + 1) * 8], rtol=0, atol=1e-6)
     status, info = call(base, "GET", "/v1/models/ctr")
     assert status == 200 and info["model_version"] == versions[1] and info["trained_through_ms"] > 0
+
+
+def test_buckets_compile_at_load_and_an_out_of_bucket_batch_gets_its_own(server, instances, expected):
+    base, _, versions = server
+    runtime = call(base, "GET", "/v1/models/ctr")[1]["runtime"]
+    assert runtime["mode"] == "compile"
+    assert {k for k, b in runtime["buckets"].items() if b["origin"] == "load"} == {"8x16", "8x50", "16x16", "16x50"}
+    rows, want = instances.to_pylist()[:40], expected[versions[1]][:40]
+    eager_before = runtime["eager_batches"]
+    status, body = call(base, "POST", "/v1/models/ctr:predict", {"instances": rows})  # 40 > 16: no bucket fits
+    assert status == 200
+    np.testing.assert_allclose(body["scores"], want, rtol=0, atol=1e-6)
+    deadline = time.monotonic() + 120
+    while True:  # answered eagerly at once; its bucket (64 rows) is built in the background
+        runtime = call(base, "GET", "/v1/models/ctr")[1]["runtime"]
+        built = [k for k, b in runtime["buckets"].items() if b["origin"] == "async" and k.startswith("64x")]
+        if built or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # (the merged batches of the test before may have had a bucket built too, e.g. 32x50)
+    assert runtime["eager_batches"] > eager_before and built, runtime
+    status, body = call(base, "POST", "/v1/models/ctr:predict", {"instances": rows})
+    np.testing.assert_allclose(body["scores"], want, rtol=0, atol=1e-6)
+    runtime = call(base, "GET", "/v1/models/ctr")[1]["runtime"]
+    assert runtime["buckets"][built[0]]["batches"] >= 1 and runtime["buckets"][built[0]]["padded_rows"] >= 24
 
 
 @pytest.mark.parametrize("path, body, raw, status, message", [

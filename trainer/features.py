@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +70,20 @@ class SampleBatch:
 
     def max_ts(self) -> int:
         return int(self.ts.max()) if len(self) else 0
+
+    def longest_history(self) -> int:
+        """Length of the longest behaviour sequence in the batch (entries are at ``j < length``)."""
+        return int((self.hist_index % self.history_len).max()) + 1 if len(self.hist_index) else 0
+
+    def with_history_len(self, length: int) -> "SampleBatch":
+        """The same batch laid out for sequences of ``length`` (>= longest_history()): serving
+        runs short sequences in a shorter bucket."""
+        if length == self.history_len:
+            return self
+        if length < self.longest_history():
+            raise ValueError(f"history length {length} is shorter than the batch's longest sequence ({self.longest_history()})")
+        rows, positions = self.hist_index // self.history_len, self.hist_index % self.history_len
+        return replace(self, hist_index=rows * length + positions, history_len=length)
 
 
 def dense_feature_names(spec: SampleSpec) -> list[str]:

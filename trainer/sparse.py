@@ -9,10 +9,12 @@ never creates rows: unknown ids read as zeros.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from ps.locks import RWLock
 from ps.store import EmbeddingStore
 from ps.table import EmbeddingTable, Pulled
 from trainer.features import SampleBatch
@@ -68,9 +70,35 @@ class SparseFeatures:
             if h.rows.grad is not None:
                 h.table.push(h.pulled, h.rows.grad)
 
-    def lookup(self, batch: SampleBatch, now_ms: int) -> ModelInputs:
-        """Inference lookup: never creates rows; ids without a row embed as zeros."""
-        embeddings = {name: self.store[name].lookup(ids, now_ms) for name, ids in self.table_ids(batch).items()}
+    def lookup(self, batch: SampleBatch, now_ms: int, guard: RWLock | None = None) -> ModelInputs:
+        """Inference lookup: never creates rows; ids without a row embed as zeros.
+
+        On CUDA every table's fused probe is launched first and their pending counts come
+        back in one host sync (not one per table). Tables that need the general path
+        (rows below the GPU cache) change their cache: with a ``guard`` (concurrent
+        serving workers) that part runs under its exclusive side, the probes under the
+        shared one, so no probe reads a cache that is being changed."""
+        ids = self.table_ids(batch)
+        embeddings: dict[str, torch.Tensor] = {}
+        with guard.read() if guard is not None else nullcontext():
+            started = {name: self.store[name].lookup_start(t, now_ms) for name, t in ids.items()}
+            slow = [name for name, s in started.items() if s is None]
+            fused = {name: s for name, s in started.items() if s is not None}
+            if fused:
+                pending = torch.cat([s[1] for s in fused.values()]).tolist()  # the one host sync
+                for (name, (rows, _)), p in zip(fused.items(), pending):
+                    if p:
+                        slow.append(name)
+                    else:
+                        embeddings[name] = self.store[name].lookup_hit(rows, len(rows))
+            cpu_only = [name for name in slow if self.store[name].cache is None]
+            for name in cpu_only:  # no cache to change: shared side is enough
+                embeddings[name] = self.store[name].lookup_slow(ids[name], now_ms)
+        cached = [name for name in slow if name not in embeddings]
+        if cached:
+            with guard.write() if guard is not None else nullcontext():
+                for name in cached:
+                    embeddings[name] = self.store[name].lookup_slow(ids[name], now_ms)
         return self._assemble(batch, embeddings)
 
     @staticmethod
