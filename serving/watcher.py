@@ -74,9 +74,8 @@ class UpdateListener:
             if self._consumer is not None or time.monotonic() < self._retry_at:
                 continue
             try:
-                consumer = make_consumer(self.bootstrap, self.topic, group_id=None, timeout_s=self.connect_timeout_s,
-                                         auto_offset_reset="latest")
-            except BusUnavailable as exc:
+                consumer = self._open(make_consumer)
+            except (BusUnavailable, LookupError) as exc:
                 if not self._warned:
                     log.warning("%s; new versions are found by polling LATEST (retrying every %.0f s)", exc, self.retry_s)
                     self._warned = True
@@ -87,6 +86,23 @@ class UpdateListener:
                 return
             self._consumer = consumer
             log.info("following announcements on %s", self.topic)
+
+    def _open(self, make_consumer):
+        """A consumer positioned at the end of every partition *now* (a lazily resolved
+        "latest" would skip an announcement made before the first poll)."""
+        from kafka import TopicPartition
+
+        consumer = make_consumer(self.bootstrap, group_id=None, timeout_s=self.connect_timeout_s)
+        partitions = consumer.partitions_for_topic(self.topic)
+        if not partitions:
+            consumer.close()
+            raise LookupError(f"topic {self.topic} does not exist on {self.bootstrap} (yet)")
+        assigned = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        consumer.assign(assigned)
+        consumer.seek_to_end()
+        for tp in assigned:
+            consumer.position(tp)
+        return consumer
 
     def _drop(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -123,8 +139,8 @@ class VersionWatcher:
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             if self.listener.wait(min(left, 0.5)):  # short slices: stop() is noticed quickly
                 return
-            if not self.listener.connected:  # plain polling until it connects
-                self._stop.wait(max(0.0, deadline - time.monotonic()))
+            if not self.listener.connected:  # not (yet) connected: look again in a second
+                self._stop.wait(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def _run(self) -> None:
         while True:

@@ -236,3 +236,50 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
     status, metrics = 200, urllib.request.urlopen(base + "/metrics").read().decode()
     assert "streamrec_serving_requests_total" in metrics and f"streamrec_serving_model_version {float(versions[-1])}" in metrics
     assert json.loads(urllib.request.urlopen(base + "/openapi.json").read())["info"]["title"] == "streamrec serving"
+
+
+def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
+    """With a 60 s LATEST poll, a version announced on the model-updates topic is still
+    applied within seconds: the server follows the topic."""
+    from streamrec.bus.clients import make_producer
+    from streamrec.bus.topics import ensure_topics
+
+    root, versions = published_model
+    store_root = tmp_path / "models"
+    shutil.copytree(root, store_root)
+    shutil.rmtree(store_root / "ctr" / "versions" / f"{versions[-1]:012d}")
+    (store_root / "ctr" / "LATEST").write_text(f"{versions[-2]}\n")
+    topic = f"updates-{time.time_ns()}"
+    ensure_topics(broker, [topic], partitions=1)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
+         "--poll-interval", "60"],
+        cwd=REPO, env={**__import__("os").environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__MODEL_UPDATES": topic},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if call(base, "GET", "/readyz")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
+            time.sleep(0.2)
+        time.sleep(3)  # the listener connects on its own thread
+        v = versions[-1]
+        shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
+        (store_root / "ctr" / "LATEST").write_text(f"{v}\n")
+        producer = make_producer(broker)
+        producer.send(topic, key=b"ctr", value=orjson.dumps({"model": "ctr", "version": v}))
+        producer.flush(timeout=10)
+        producer.close()
+        announced = time.monotonic()
+        while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != v:
+            assert time.monotonic() - announced < 15, "the announced version was not applied (the poll is 60 s)"
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        print(proc.communicate(timeout=30)[0])  # the server's log, shown when the test fails
