@@ -20,6 +20,7 @@ import orjson
 from serving.state import ServedModel
 
 log = logging.getLogger("streamrec.serving")
+POLL_EVERY_S = 0.1  # how often the listener looks for an announcement
 
 
 class UpdateListener:
@@ -47,25 +48,34 @@ class UpdateListener:
 
     def wait(self, timeout_s: float) -> bool:
         """True when an announcement for our model arrived within ``timeout_s``."""
-        consumer = self._consumer
-        if consumer is None:
-            return False
-        try:
-            records = consumer.poll(timeout_ms=int(timeout_s * 1000))
-        except Exception as exc:  # broker gone: fall back to polling, reconnect later
-            log.warning("model-updates topic %s: %s; polling LATEST only until it is back", self.topic, exc)
-            self._drop()
-            return False
-        hits = 0
-        for batch in records.values():
-            for record in batch:
-                try:
-                    if orjson.loads(record.value).get("model") == self.model:
-                        hits += 1
-                except (orjson.JSONDecodeError, AttributeError):
-                    log.warning("ignoring a malformed message on %s at offset %d", self.topic, record.offset)
-        self.announcements += hits
-        return hits > 0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            consumer = self._consumer
+            if consumer is None:
+                return False
+            try:
+                # non-blocking polls a few times a second: a blocking poll on an idle topic
+                # spins at full CPU against a broker that answers fetches at once (noida)
+                records = consumer.poll(timeout_ms=0)
+            except Exception as exc:  # broker gone: fall back to polling, reconnect later
+                log.warning("model-updates topic %s: %s; polling LATEST only until it is back", self.topic, exc)
+                self._drop()
+                return False
+            hits = 0
+            for batch in records.values():
+                for record in batch:
+                    try:
+                        if orjson.loads(record.value).get("model") == self.model:
+                            hits += 1
+                    except (orjson.JSONDecodeError, AttributeError):
+                        log.warning("ignoring a malformed message on %s at offset %d", self.topic, record.offset)
+            self.announcements += hits
+            if hits:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(POLL_EVERY_S, left))
 
     def _connect_loop(self) -> None:
         from streamrec.bus.clients import BusUnavailable, make_consumer

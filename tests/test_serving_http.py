@@ -255,7 +255,8 @@ def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
          "--poll-interval", "60"],
-        cwd=REPO, env={**__import__("os").environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__MODEL_UPDATES": topic},
+        cwd=REPO, env={**__import__("os").environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__MODEL_UPDATES": topic,
+                       "STREAMREC_SERVING__FOLLOW_UPDATES": "true"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
