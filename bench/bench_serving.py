@@ -70,6 +70,17 @@ def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, wo
     raise RuntimeError("server did not become ready")
 
 
+def run_clients(client, n: int) -> float:
+    """Run ``client(k)`` on ``n`` threads at once; seconds until the last one returns."""
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def load(port: int, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     latencies: list[float] = []
     errors = [0]
@@ -93,13 +104,7 @@ def load(port: int, bodies: list[bytes], concurrency: int, seconds: float) -> di
         with lock:
             latencies.extend(mine)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+    elapsed = run_clients(client, concurrency)
     lat = np.array(latencies) * 1000
     return {"concurrency": concurrency, "requests": len(lat), "errors": errors[0], "qps": len(lat) / elapsed,
             "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None, "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None}

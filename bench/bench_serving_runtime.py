@@ -30,7 +30,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from bench_serving import run_clients
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
 from pipelines.samples import SampleSpec
@@ -70,16 +70,17 @@ def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:
 
 
 def device_ms(model: InferenceModel, before: dict) -> dict:
-    """Mean forward device time per batch since ``before`` (a stats snapshot), by bucket."""
-    after = model.runner.stats.as_json()["buckets"]
+    """Mean forward device time per batch since ``before`` ({bucket: (batches, device_s)}), by bucket."""
     out = {}
-    for bucket, s in after.items():
-        b0 = before.get(bucket, {"batches": 0, "device_ms_per_batch": 0})
-        n = s["batches"] - b0["batches"]
-        if n > 0:
-            total = s["batches"] * (s["device_ms_per_batch"] or 0) - b0["batches"] * (b0["device_ms_per_batch"] or 0)
-            out[bucket] = round(total / n, 4)
+    for bucket, s in model.runner.stats.buckets.items():
+        batches, device_s = before.get(bucket, (0, 0.0))
+        if s.batches > batches:
+            out[str(bucket)] = round(1000 * (s.device_s - device_s) / (s.batches - batches), 4)
     return out
+
+
+def bucket_counters(model: InferenceModel) -> dict:
+    return {b: (s.batches, s.device_s) for b, s in model.runner.stats.buckets.items()} if model.runner is not None else {}
 
 
 def measure_mode(store: ModelStore, mode: str | None, device: str, data: dict[int, SampleBatch], reference: dict[int, np.ndarray],
@@ -98,7 +99,7 @@ def measure_mode(store: ModelStore, mode: str | None, device: str, data: dict[in
     for n, b in data.items():
         if n == OUT_OF_BUCKET:
             continue
-        before = model.runner.stats.as_json()["buckets"] if model.runner is not None else {}
+        before = bucket_counters(model)
         ms = timed(lambda: model.predict(b, 1), seconds)
         entry = {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
                  "instances_per_s": round(n / (float(np.mean(ms)) / 1000))}
@@ -138,13 +139,7 @@ def measure_streams(store: ModelStore, mode: str, device: str, table, seconds: f
     for k in range(workers):  # warm-up
         for b in data[k].values():
             model.predict(b, 1)
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(workers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
+    elapsed = run_clients(client, workers)
     model.close()
     return {"workers": workers, "batch_sizes": list(sizes), "instances_per_s": round(sum(counts) / elapsed)}
 

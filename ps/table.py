@@ -156,7 +156,7 @@ class EmbeddingTable:
         probe+gather kernel (ps/kernels.py); otherwise the general path brings rows up."""
         started = self.lookup_start(ids, now_ms)
         if started is not None and int(started[1].item()) == 0:  # the one host sync of the hit path
-            return self.lookup_hit(started[0], len(started[0]))
+            return self.lookup_hit(started[0])
         return self.lookup_slow(ids, now_ms)
 
     @property
@@ -173,14 +173,16 @@ class EmbeddingTable:
         if self.cache is None or not kernels.available(self.device):
             return None
         ids = ids.to(self.top.device, torch.int64).flatten()
+        resident = self.resident
         rows, slots, misses = kernels.probe_gather(ids, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms,
-                                                   count_misses=not self.resident)
-        if self.resident:
+                                                   count_misses=not resident)
+        if resident:
             misses = (slots == -2).sum().view(1).to(torch.int32)
         return rows, misses
 
-    def lookup_hit(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        self.stats["fused_hits"] += n
+    def lookup_hit(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` of a fused lookup that needed no slow path (counted as fused hits)."""
+        self.stats["fused_hits"] += len(rows)
         return rows
 
     def lookup_slow(self, ids: torch.Tensor, now_ms: int) -> torch.Tensor:

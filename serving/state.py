@@ -198,7 +198,6 @@ class ServedModel:
         t0 = time.perf_counter()
         # verified; its buckets are compiled here, before it serves (batches keep running meanwhile)
         fresh = InferenceModel.load(self.model_store, version, self.device, self.gpu_cache_rows, self.runtime)
-        self._settle()
         prepared = time.perf_counter()
         with self.lock.write():
             previous = self.current

@@ -80,9 +80,10 @@ class SampleBatch:
         runs short sequences in a shorter bucket."""
         if length == self.history_len:
             return self
-        if length < self.longest_history():
-            raise ValueError(f"history length {length} is shorter than the batch's longest sequence ({self.longest_history()})")
         rows, positions = self.hist_index // self.history_len, self.hist_index % self.history_len
+        longest = int(positions.max()) + 1 if len(positions) else 0
+        if length < longest:
+            raise ValueError(f"history length {length} is shorter than the batch's longest sequence ({longest})")
         return replace(self, hist_index=rows * length + positions, history_len=length)
 
 

@@ -90,7 +90,7 @@ class SparseFeatures:
                     if p:
                         slow.append(name)
                     else:
-                        embeddings[name] = self.store[name].lookup_hit(rows, len(rows))
+                        embeddings[name] = self.store[name].lookup_hit(rows)
             cpu_only = [name for name in slow if self.store[name].cache is None]
             for name in cpu_only:  # no cache to change: shared side is enough
                 embeddings[name] = self.store[name].lookup_slow(ids[name], now_ms)
