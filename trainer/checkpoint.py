@@ -52,9 +52,15 @@ class Checkpointer:
             (tmp / "dense.pt").write_bytes(buf.getvalue())
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             final = self.dir / name
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            if final.exists():  # same step again (e.g. a stop right after a checkpoint): swap by two
+                # renames, so the name LATEST may point at is missing for microseconds, not
+                # for the whole delete of the old tree
+                replaced = self.dir / f".old-{name}-{uuid.uuid4().hex[:8]}"
+                final.rename(replaced)
+                tmp.rename(final)
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                tmp.rename(final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -75,5 +81,5 @@ class Checkpointer:
         for old in done[: -self.keep]:
             if old.name != keep_name:
                 shutil.rmtree(old, ignore_errors=True)
-        for tmp in self.dir.glob(".tmp-ckpt-*"):  # left by a crashed writer (we hold the trainer lock)
+        for tmp in [*self.dir.glob(".tmp-ckpt-*"), *self.dir.glob(".old-ckpt-*")]:  # left by a crashed writer (we hold the trainer lock)
             shutil.rmtree(tmp, ignore_errors=True)
