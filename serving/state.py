@@ -18,9 +18,12 @@ refused (``CorruptVersion``) and the served state is untouched.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -60,6 +63,14 @@ class ApplyReport:
     locked_s: float  # time batches were held off
 
 
+def _one_change_at_a_time(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self: "ServedModel", *args, **kwargs):
+        with self._changing:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class ServedModel:
     def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
                  undo_depth: int = 8, runtime: RuntimeConfig | None = None) -> None:
@@ -70,6 +81,10 @@ class ServedModel:
         self.gpu_cache_rows = gpu_cache_rows
         self.undo_depth = undo_depth
         self.lock = RWLock()
+        # One version change at a time (watcher, :reload, :rollback): a change decides what
+        # to apply and applies it without another change in between (a rollback's pin is
+        # never overtaken by a catch-up that began before it; no delta is applied twice).
+        self._changing = threading.RLock()
         self.current: InferenceModel | None = None
         self.undo: list[UndoRecord] = []
         self.pinned = False  # set by rollback: automatic applies stop until reload releases it
@@ -89,6 +104,7 @@ class ServedModel:
             return self.current.version, self.current.predict(batch, now_ms)
 
     # ------------------------------------------------------------------ changing versions
+    @_one_change_at_a_time
     def load(self, version: int | None = None) -> ApplyReport:
         """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a swap."""
         target = self.model_store.latest() if version is None else version
@@ -100,6 +116,7 @@ class ServedModel:
             return self._apply_delta(target)
         return self._swap(target)
 
+    @_one_change_at_a_time
     def catch_up(self) -> list[ApplyReport]:
         """Apply every version after the current one up to LATEST, in order (the watcher's job).
 
@@ -132,6 +149,7 @@ class ServedModel:
         self.refused[version] = str(exc)
         log.error("version %d refused, still serving %s: %s", version, self.version, exc)
 
+    @_one_change_at_a_time
     def rollback(self, version: int | None = None) -> ApplyReport:
         """Back to ``version`` (default: the previous one) from the undo records, and pin."""
         if not self.undo:
@@ -149,6 +167,7 @@ class ServedModel:
         self.pinned = True
         return ApplyReport(target, previous, "rollback", 0, 0.0, time.perf_counter() - t0)
 
+    @_one_change_at_a_time
     def release(self) -> None:
         """Un-pin after a rollback (``:reload``)."""
         self.pinned = False
