@@ -6,6 +6,9 @@
    ~10-15 s of JVM and job start-up are not counted. Per core = that / the machine's cores.
    Baseline, same run, same events: a kafka-python consumer feeding the exact reference
    builder (pipelines/samples.py: the same validation, join and point-in-time features).
+   Also per CPU-second: events / the CPU time the Flink process (JVM: tasks, JIT, GC) used
+   while processing, because on a small machine the job shares its cores with the broker
+   (whose CPU time is reported too).
 2. Live latency: the generator paced at ``--live-rate`` events/s while the job runs; a
    read_committed consumer notes when each positive sample becomes visible. Latency =
    that wall time - the impression's event time (and - the click's), p50/p99.
@@ -34,6 +37,7 @@ from pipelines.flink_rest import FlinkRest, FlinkUnreachable  # noqa: E402
 from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
 from streamrec.bus.clients import make_consumer  # noqa: E402
+from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
 
 
 def _env(args, name: str, tmp: Path, backend: str) -> dict:
@@ -49,6 +53,48 @@ def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], cwd=REPO, env=env, **kw)
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system, all threads) the processes have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / _TICKS
+
+
+def _descendants(root: int) -> list[int]:
+    """root and every process below it (the PyFlink client starts the JVM as its child)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+def _broker_pids() -> list[int]:
+    """The embedded broker's pid, if one runs here (its CPU is part of the job's cost on this box)."""
+    from streamrec.config import load_config
+    from streamrec.bus.broker import EmbeddedBroker
+
+    k = load_config().kafka
+    state = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port).status() if k.embedded else None
+    return [state.pid] if state else []
+
+
 def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
     name = events_env["STREAMREC_FLINK__JOB_NAME"] + "-" + backend
     env = {**events_env, **{k: v for k, v in _env(args, name, tmp, backend).items() if k.startswith("STREAMREC_FLINK")}}
@@ -57,23 +103,33 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
     job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = last = None
     records = 0
+    cpu_at_first: tuple[float, float] | None = None
+    flink_pids: list[int] = []
+    cpu_now = (0.0, 0.0)
     while job.poll() is None:
         try:
             for info in rest.jobs():
                 if info.records_in > 0:
+                    if first is None:
+                        flink_pids = _descendants(job.pid)
+                        cpu_at_first = (_cpu_s(flink_pids), _cpu_s(args.broker_pids))
                     first = first or time.monotonic()
                     if info.records_in > records:
                         records, last = info.records_in, time.monotonic()
         except FlinkUnreachable:
             pass
+        # the processes' figures vanish when they exit: keep the last (largest) reading
+        cpu_now = tuple(max(a, b) for a, b in zip(cpu_now, (_cpu_s(flink_pids), _cpu_s(args.broker_pids))))
         time.sleep(0.25)
     output = job.stdout.read()
     if job.returncode != 0:
         raise SystemExit(f"the pipeline job failed:\n{output[-3000:]}")
     end = time.monotonic()
     busy = end - (first or started)
+    flink_cpu, broker_cpu = ((cpu_now[0] - cpu_at_first[0]), (cpu_now[1] - cpu_at_first[1])) if cpu_at_first else (0.0, 0.0)
     return {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(busy, 2),
-            "startup_s": round((first or end) - started, 2)}
+            "startup_s": round((first or end) - started, 2), "flink_cpu_s": round(flink_cpu, 2),
+            "broker_cpu_s": round(broker_cpu, 2)}
 
 
 def python_baseline(args, topic: str) -> dict:
@@ -93,7 +149,7 @@ def python_baseline(args, topic: str) -> dict:
 
 
 def live_latency(args, tmp: Path) -> dict:
-    name = f"bench-live-{uuid.uuid4().hex[:6]}"
+    name = f"{args.name}-live"
     env = _env(args, name, tmp, args.backend)
     job = _cli(env, "pipeline", "submit", "--fresh", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 120)
@@ -145,7 +201,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
     tmp = REPO / "var" / "bench-pipeline"
-    name = f"bench-{uuid.uuid4().hex[:6]}"
+    name = args.name = f"bench-{uuid.uuid4().hex[:6]}"
     env = _env(args, name, tmp, "rocksdb")
     gen = subprocess.run([sys.executable, "-m", "streamrec.cli", "generate", "--duration", str(args.seconds), "--rate",
                           str(args.rate), "--fast", "--no-truth", "--json"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -153,17 +209,25 @@ def main() -> None:
         raise SystemExit(gen.stderr)
     events = orjson.loads(gen.stdout)["events"]
     cores = os.cpu_count() or 1
-    result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
-    print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
-    for backend in args.backends.split(","):
-        run = flink_backlog(args, env, backend, tmp)
-        run["events_per_s"] = round(events / run["processing_s"])
-        run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
-        run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
-        result["flink"].append(run)
-        print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
-              f"{run['vs_python']}x python), start-up {run['startup_s']} s", flush=True)
-    result["live"] = live_latency(args, tmp)
+    args.broker_pids = _broker_pids()
+    try:
+        result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
+        print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
+        for backend in args.backends.split(","):
+            run = flink_backlog(args, env, backend, tmp)
+            run["events_per_s"] = round(events / run["processing_s"])
+            run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
+            run["events_per_flink_cpu_s"] = round(events / run["flink_cpu_s"]) if run["flink_cpu_s"] else None
+            run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
+            result["flink"].append(run)
+            print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
+                  f"{run['vs_python']}x python), {run['events_per_flink_cpu_s'] or 0:,} events per CPU-second of the "
+                  f"Flink process (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s", flush=True)
+        result["live"] = live_latency(args, tmp)
+    finally:
+        # the embedded broker re-saves all it holds on every change: leave nothing behind
+        deleted = delete_topics(args.bootstrap, [t for t in list_topics(args.bootstrap) if t.startswith(name)])
+        print(f"deleted the bench's {len(deleted)} topics", flush=True)
     print(f"live at {args.live_rate:g} events/s: {result['live']}", flush=True)
     write_result(args.out, "pipeline", result)
 

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--partitions", type=int, help="partitions per topic (kafka.partitions)")
     up.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
     up.add_argument("--data-dir", help="embedded broker data/PID/log directory (kafka.data_dir)")
+    prune = ksub.add_parser("prune", help="delete the topics of finished demo and bench runs",
+                            description="Delete topics whose names start with one of the prefixes (default: the "
+                                        "per-run topics of `demo` and `bench`: demo-, bench-). The configured topics "
+                                        "are never deleted. The embedded broker re-saves everything it holds on every "
+                                        "change, so old runs' data costs CPU (docs/kafka.md).")
+    _common(prune)
+    prune.add_argument("--prefix", action="append", help="topic name prefix to delete (repeatable; default demo- and bench-)")
+    prune.add_argument("--data-dir", help="embedded broker data directory (kafka.data_dir)")
     for action, text in (("down", "stop the embedded broker"), ("status", "broker and topic status")):
         p = ksub.add_parser(action, help=text, description=text)
         _common(p)
@@ -200,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--report-dir", default="var/reports", help="where the run's report goes (default var/reports)")
     demo.add_argument("--work-dir", default="var/demo", help="model store, checkpoints of the run (default var/demo)")
     demo.add_argument("--keep-broker", action="store_true", help="leave the embedded broker running afterwards")
+    demo.add_argument("--keep-topics", action="store_true",
+                      help="keep the run's topics afterwards (default: deleted; the report has every figure)")
     demo.add_argument("--data-dir", help="embedded broker data directory (kafka.data_dir)")
     demo.add_argument("--port", type=int, help="embedded broker port (kafka.embedded_port)")
 
@@ -252,7 +262,7 @@ def _config_from(args: argparse.Namespace) -> Config:
 # ---------------------------------------------------------------- kafka
 def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
     from streamrec.bus.broker import EmbeddedBroker
-    from streamrec.bus.topics import describe_topics, ensure_topics
+    from streamrec.bus.topics import delete_topics, describe_topics, ensure_topics, list_topics
 
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
@@ -261,6 +271,10 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
             state, started = broker.up(k.connect_timeout_s)
             verb = "started" if started else "already running"
             print(f"embedded broker {verb}: {state.bootstrap} (pid {state.pid}, data {state.data_dir})")
+            held = broker.store_bytes()
+            if held > broker.LARGE_STORE_BYTES:
+                print(f"warning: the embedded broker holds {held / 2**20:,.0f} MB and re-saves all of it on every change, "
+                      f"which costs CPU; `streamrec kafka prune` deletes old demo/bench topics", file=sys.stderr)
         else:
             print(f"using external Kafka at {k.bootstrap_servers} (nothing to start)")
         created = ensure_topics(k.bootstrap_servers, cfg.topics.all(), k.partitions, k.replication_factor, k.connect_timeout_s)
@@ -274,12 +288,25 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
         stopped = broker.down()
         print("embedded broker stopped" if stopped else "embedded broker was not running")
         return 0
+    if args.kafka_command == "prune":
+        prefixes = tuple(args.prefix or ("demo-", "bench-"))
+        keep = set(cfg.topics.all())
+        doomed = [t for t in list_topics(k.bootstrap_servers, k.connect_timeout_s) if t.startswith(prefixes) and t not in keep]
+        deleted = delete_topics(k.bootstrap_servers, doomed, k.connect_timeout_s)
+        print(f"deleted {len(deleted)} topics starting with {', '.join(prefixes)}")
+        for name in deleted:
+            print(f"  {name}")
+        if k.embedded:
+            time.sleep(1.0)  # the broker re-saves its store shortly after a change
+            print(f"embedded broker store: {broker.store_bytes() / 2**20:,.1f} MB")
+        return 0
     # status
     state = broker.status() if k.embedded else None
     report: dict = {"bootstrap": k.bootstrap_servers, "embedded": k.embedded}
     if k.embedded:
         report["pid"] = state.pid if state else None
         report["running"] = state is not None
+        report["store_mb"] = round(broker.store_bytes() / 2**20, 1)
     if k.embedded and state is None:
         report["topics"] = []
         rc = 1
@@ -295,7 +322,7 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
         if k.embedded and state is None:
             print(f"embedded broker: not running (expected at {k.bootstrap_servers}; start it with `streamrec kafka up`)")
         else:
-            running = f"running, pid {state.pid}" if state else "reachable"
+            running = f"running, pid {state.pid}, store {report['store_mb']:,} MB" if state else "reachable"
             print(f"{where} broker at {k.bootstrap_servers}: {running}")
             for t in report["topics"]:
                 print(f"  {t['name']}: {t['partitions']} partitions, {t['messages']} messages")

@@ -12,6 +12,7 @@ import pytest
 
 from pipelines.generator.world import WorldConfig
 from streamrec.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
+from streamrec.bus.topics import delete_topics, list_topics
 from streamrec.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,36 @@ def broker(tmp_path_factory) -> str:
     assert started
     yield state.bootstrap
     embedded.down()
+
+
+def _uses_broker(items) -> bool:
+    return any("broker" in getattr(item, "fixturenames", ()) for item in items)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _delete_module_topics(request):
+    """Topics a module created (in its module fixtures too) are deleted after it: the
+    embedded broker re-saves everything it holds on every change, so a suite that kept
+    every test's data made the broker, and every test after, slower (docs/kafka.md)."""
+    if not _uses_broker([i for i in request.session.items if i.module is request.module]):
+        yield
+        return
+    bootstrap = request.getfixturevalue("broker")
+    before = set(list_topics(bootstrap))
+    yield
+    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
+
+
+@pytest.fixture(autouse=True)
+def _delete_test_topics(request):
+    """The same per test, for topics a test itself created."""
+    if not _uses_broker([request.node]):
+        yield
+        return
+    bootstrap = request.getfixturevalue("broker")
+    before = set(list_topics(bootstrap))
+    yield
+    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,31 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication
         admin.close()
 
 
+def delete_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> list[str]:
+    """Delete the topics that exist among ``names``; return the names deleted.
+
+    Why it matters here: the embedded broker keeps everything in memory and re-saves all of
+    it on every change, so its CPU grows with what it holds (docs/kafka.md); finished runs
+    delete their topics.
+    """
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        doomed = sorted(set(names) & set(admin.list_topics()))
+        if doomed:
+            admin.delete_topics(doomed)
+        return doomed
+    finally:
+        admin.close()
+
+
+def list_topics(bootstrap: str, timeout_s: float = 20.0) -> list[str]:
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        return sorted(admin.list_topics())
+    finally:
+        admin.close()
+
+
 def describe_topics(bootstrap: str, names: list[str] | None = None, timeout_s: float = 20.0) -> list[TopicInfo]:
     """Partition counts and message counts of the given (or all non-internal) topics."""
     consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, timeout_s=timeout_s)

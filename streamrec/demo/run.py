@@ -21,7 +21,7 @@ from pathlib import Path
 from pipelines.flink_rest import FlinkRest
 from ps.model_store import ModelStore
 from streamrec.bus.broker import EmbeddedBroker, free_port
-from streamrec.bus.topics import describe_topics, ensure_topics
+from streamrec.bus.topics import delete_topics, describe_topics, ensure_topics
 from streamrec.config import Config
 from streamrec.demo.analysis import freshness, quality
 from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
@@ -86,7 +86,7 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
     started_broker = False
     processes: dict[str, ManagedProcess] = {}
-    probe = timeline = None
+    probe = timeline = run = None
     try:
         if k.embedded:
             state, started_broker = broker.up(k.connect_timeout_s)
@@ -146,9 +146,22 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         if timeline is not None:
             timeline.stop()
         _stop_all(processes)
+        if run is not None and not args.keep_topics:
+            _delete_run_topics(k.bootstrap_servers, run)
         if started_broker and not args.keep_broker:
             broker.down()
             print("embedded broker stopped (use --keep-broker to leave it running)", flush=True)
+
+
+def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
+    """The embedded broker re-saves all it holds on every change (docs/kafka.md): a run's
+    ~100 MB left behind would slow every later run."""
+    try:
+        deleted = delete_topics(bootstrap, list(run.topics.values()))
+        print(f"deleted the run's {len(deleted)} topics (use --keep-topics to keep them)", flush=True)
+    except Exception as exc:  # the report is written; say what is left behind
+        print(f"could not delete the run's topics {run.prefix}.* ({exc}); "
+              f"delete them with `streamrec kafka prune`", flush=True)
 
 
 def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: ServingProbe, timeline: VersionTimeline,

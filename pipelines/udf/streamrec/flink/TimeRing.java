@@ -5,7 +5,7 @@ package streamrec.flink;
  *
  * <p>Events arrive in event-time order (the OVER window sorts them), so appends go to the
  * end and expired times leave from the front: amortised O(1) per event, O(log n) per count.
- * Public fields so Flink stores it as a structured type in the accumulator state.
+ * Stored in the accumulators' state by {@link StateCodec#writeTimes}.
  */
 public class TimeRing {
     public long[] times = new long[8];

@@ -1,7 +1,12 @@
 package streamrec.flink;
 
+import java.io.IOException;
 import java.util.Arrays;
 
+import org.apache.flink.api.common.typeutils.SimpleTypeSerializerSnapshot;
+import org.apache.flink.api.common.typeutils.TypeSerializerSnapshot;
+import org.apache.flink.core.memory.DataInputView;
+import org.apache.flink.core.memory.DataOutputView;
 import org.apache.flink.table.annotation.DataTypeHint;
 import org.apache.flink.table.annotation.FunctionHint;
 import org.apache.flink.table.functions.AggregateFunction;
@@ -26,7 +31,10 @@ import org.apache.flink.types.Row;
  * it here instead of in an interval join avoids holding every feature back by the
  * attribution window (the interval join delays its watermark by that much).
  */
-@FunctionHint(output = @DataTypeHint(
+@FunctionHint(
+        accumulator = @DataTypeHint(value = "RAW", bridgedTo = UserFeatures.Acc.class,
+                rawSerializer = UserFeatures.AccSerializer.class),
+        output = @DataTypeHint(
         "ROW<dup BOOLEAN, joined BOOLEAN, first_click BOOLEAN, category_id BIGINT, counts ARRAY<INT>,"
                 + " hist_item_ids ARRAY<BIGINT>, hist_category_ids ARRAY<BIGINT>>"))
 public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
@@ -63,6 +71,76 @@ public class UserFeatures extends AggregateFunction<Row, UserFeatures.Acc> {
         public long lastCategory;
 
         public Acc() {}
+    }
+
+    /** The state's encoding (a RAW type: see {@link StateSerializer}). */
+    public static final class AccSerializer extends StateSerializer<Acc> {
+        @Override
+        public Acc createInstance() {
+            return new Acc();
+        }
+
+        @Override
+        public void serialize(Acc acc, DataOutputView out) throws IOException {
+            StateCodec.writeLongs(out, acc.windowsMs);
+            out.writeLong(acc.attributionMs);
+            out.writeInt(acc.historyLen);
+            out.writeLong(acc.lastTs);
+            StateCodec.writeStrings(out, acc.idsAtLastTs);
+            StateCodec.writeTimes(out, acc.imps);
+            StateCodec.writeTimes(out, acc.clicks);
+            StateCodec.writeLongs(out, acc.histItem);
+            StateCodec.writeLongs(out, acc.histCat);
+            StateCodec.writeLongs(out, acc.histTs);
+            StateCodec.writeStrings(out, acc.histHeadIds);
+            StateCodec.writeStrings(out, acc.openKey);
+            StateCodec.writeLongs(out, acc.openTs);
+            StateCodec.writeLongs(out, acc.openCat);
+            StateCodec.writeBooleans(out, acc.openClicked);
+            out.writeInt(acc.lastKind);
+            out.writeBoolean(acc.lastDup);
+            out.writeBoolean(acc.lastJoined);
+            out.writeBoolean(acc.lastFirstClick);
+            out.writeLong(acc.lastCategory);
+        }
+
+        @Override
+        public Acc deserialize(DataInputView in) throws IOException {
+            Acc acc = new Acc();
+            acc.windowsMs = StateCodec.readLongs(in);
+            acc.attributionMs = in.readLong();
+            acc.historyLen = in.readInt();
+            acc.lastTs = in.readLong();
+            acc.idsAtLastTs = StateCodec.readStrings(in);
+            acc.imps = StateCodec.readTimes(in);
+            acc.clicks = StateCodec.readTimes(in);
+            acc.histItem = StateCodec.readLongs(in);
+            acc.histCat = StateCodec.readLongs(in);
+            acc.histTs = StateCodec.readLongs(in);
+            acc.histHeadIds = StateCodec.readStrings(in);
+            acc.openKey = StateCodec.readStrings(in);
+            acc.openTs = StateCodec.readLongs(in);
+            acc.openCat = StateCodec.readLongs(in);
+            acc.openClicked = StateCodec.readBooleans(in);
+            acc.lastKind = in.readInt();
+            acc.lastDup = in.readBoolean();
+            acc.lastJoined = in.readBoolean();
+            acc.lastFirstClick = in.readBoolean();
+            acc.lastCategory = in.readLong();
+            return acc;
+        }
+
+        @Override
+        public TypeSerializerSnapshot<Acc> snapshotConfiguration() {
+            return new Snapshot();
+        }
+
+        /** Restores the serializer from a checkpoint. */
+        public static final class Snapshot extends SimpleTypeSerializerSnapshot<Acc> {
+            public Snapshot() {
+                super(AccSerializer::new);
+            }
+        }
     }
 
     @Override

@@ -1,5 +1,11 @@
 package streamrec.flink;
 
+import java.io.IOException;
+
+import org.apache.flink.api.common.typeutils.SimpleTypeSerializerSnapshot;
+import org.apache.flink.api.common.typeutils.TypeSerializerSnapshot;
+import org.apache.flink.core.memory.DataInputView;
+import org.apache.flink.core.memory.DataOutputView;
 import org.apache.flink.table.annotation.DataTypeHint;
 import org.apache.flink.table.annotation.FunctionHint;
 import org.apache.flink.table.functions.AggregateFunction;
@@ -13,7 +19,10 @@ import org.apache.flink.table.functions.AggregateFunction;
  * W: events at the same millisecond are not visible (docs/samples.md). Result layout:
  * [imps W0, clicks W0, imps W1, clicks W1, ...].
  */
-@FunctionHint(output = @DataTypeHint("ARRAY<INT>"))
+@FunctionHint(
+        accumulator = @DataTypeHint(value = "RAW", bridgedTo = WindowCounts.Acc.class,
+                rawSerializer = WindowCounts.AccSerializer.class),
+        output = @DataTypeHint("ARRAY<INT>"))
 public class WindowCounts extends AggregateFunction<Integer[], WindowCounts.Acc> {
 
     /** The entity's recent event times and the time of the row being answered. */
@@ -24,6 +33,44 @@ public class WindowCounts extends AggregateFunction<Integer[], WindowCounts.Acc>
         public TimeRing clicks = new TimeRing();
 
         public Acc() {}
+    }
+
+    /** The state's encoding (a RAW type: see {@link StateSerializer}). */
+    public static final class AccSerializer extends StateSerializer<Acc> {
+        @Override
+        public Acc createInstance() {
+            return new Acc();
+        }
+
+        @Override
+        public void serialize(Acc acc, DataOutputView out) throws IOException {
+            StateCodec.writeLongs(out, acc.windowsMs);
+            out.writeLong(acc.lastTs);
+            StateCodec.writeTimes(out, acc.imps);
+            StateCodec.writeTimes(out, acc.clicks);
+        }
+
+        @Override
+        public Acc deserialize(DataInputView in) throws IOException {
+            Acc acc = new Acc();
+            acc.windowsMs = StateCodec.readLongs(in);
+            acc.lastTs = in.readLong();
+            acc.imps = StateCodec.readTimes(in);
+            acc.clicks = StateCodec.readTimes(in);
+            return acc;
+        }
+
+        @Override
+        public TypeSerializerSnapshot<Acc> snapshotConfiguration() {
+            return new Snapshot();
+        }
+
+        /** Restores the serializer from a checkpoint. */
+        public static final class Snapshot extends SimpleTypeSerializerSnapshot<Acc> {
+            public Snapshot() {
+                super(AccSerializer::new);
+            }
+        }
     }
 
     @Override
