@@ -12,9 +12,10 @@ Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hd
 Visibility: a version is written under ``versions/.tmp-*`` (manifest last), renamed into
 place, and only then is ``LATEST`` replaced (temp + rename). A reader trusts a version
 only when its manifest exists and every file's size and sha256 match, so a crash at any
-point leaves either the previous state or the complete new version. On object stores
-without atomic directory rename, the manifest-last rule and the checksums still keep
-torn versions unreadable.
+point leaves either the previous state or the complete new version. Object stores (S3,
+GCS) cannot rename a directory: there the files go straight into the version's directory
+with the manifest last (a version without a manifest is not listed) and ``LATEST`` is
+overwritten in one PUT (atomic per object).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class ModelStore:
         self.model = model
         self.base = f"{base.rstrip('/')}/{model}"
         self.versions_dir = f"{self.base}/versions"
+        # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
+        # refuses a "directory"); their single-object PUTs are atomic instead.
+        self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
 
     # ------------------------------------------------------------------ paths
     def _vdir(self, version: int) -> str:
@@ -171,7 +175,8 @@ class ModelStore:
             raise ValueError("a delta needs a parent: publish a full version first")
         existing = self.versions()
         version = max([parent or 0, *existing]) + 1
-        tmp = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}"
+        vdir = self._vdir(version)
+        tmp = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
         self.fs.create_dir(f"{tmp}/sparse", recursive=True)
         files: dict[str, dict] = {}
         table_info: dict[str, dict] = {}
@@ -197,7 +202,10 @@ class ModelStore:
             **dict(meta or {}),
         }
         self._write(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
-        self.fs.move(tmp, self._vdir(version))
+        if not self.renames_dirs:
+            self._write(f"{self.base}/LATEST", f"{version}\n".encode())
+            return version
+        self.fs.move(tmp, vdir)
         latest_tmp = f"{self.base}/.LATEST.tmp-{uuid.uuid4().hex[:8]}"
         self._write(latest_tmp, f"{version}\n".encode())
         self.fs.move(latest_tmp, f"{self.base}/LATEST")
@@ -276,6 +284,8 @@ class ModelStore:
         for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
+            elif info.base_name.isdigit() and int(info.base_name) < horizon and info.type == pafs.FileType.Directory:
+                self.fs.delete_dir(info.path)  # no manifest: a crashed writer's version on an object store
         return doomed
 
 

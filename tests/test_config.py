@@ -61,3 +61,13 @@ def test_bad_environment_value_is_an_error():
 def test_missing_config_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.toml", environ={})
+
+
+def test_the_production_example_is_a_valid_configuration():
+    """examples/production/streamrec.toml (docs/production.md) loads without unknown keys or wrong types."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "production" / "streamrec.toml", environ={})
+    assert not cfg.kafka.embedded and cfg.kafka.replication_factor == 3
+    assert cfg.flink.jobmanager and cfg.serving.follow_updates
+    assert cfg.trainer.model_store.startswith("s3://") and cfg.serving.model_store == cfg.trainer.model_store

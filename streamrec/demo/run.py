@@ -16,11 +16,13 @@ import os
 import secrets
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from pipelines.flink_rest import FlinkRest
 from ps.model_store import ModelStore
 from streamrec.bus.broker import EmbeddedBroker, free_port
+from streamrec.bus.clients import make_consumer
 from streamrec.bus.topics import delete_topics, describe_topics, ensure_topics
 from streamrec.config import Config
 from streamrec.demo.analysis import freshness, quality
@@ -238,8 +240,24 @@ def _stop_all(processes: dict[str, ManagedProcess]) -> dict:
 def _throughput(bootstrap: str, run: DemoRun, duration: float, snapshot: dict) -> dict:
     topics = {t.name: t.messages for t in describe_topics(bootstrap, list(run.topics.values()))}
     return {"events": topics.get(run.topics["events"], 0), "samples": topics.get(run.topics["samples"], 0),
-            "dlq": topics.get(run.topics["dlq"], 0), "scored_at_serving": int(len(snapshot["ts"])),
+            "dlq": topics.get(run.topics["dlq"], 0), "dlq_reasons": _dlq_reasons(bootstrap, run.topics["dlq"]),
+            "scored_at_serving": int(len(snapshot["ts"])),
             "events_per_s": round(topics.get(run.topics["events"], 0) / duration, 1)}
+
+
+def _dlq_reasons(bootstrap: str, topic: str) -> dict[str, int]:
+    """Rejected events by reason code (the `reason` header), most frequent first: a run
+    that sent many valid events to the DLQ as late_event was overloaded (docs/demo.md)."""
+    consumer = make_consumer(bootstrap, topic, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=2000,
+                             isolation_level="read_committed")
+    counts: Counter[str] = Counter()
+    try:
+        for record in consumer:
+            reason = dict(record.headers or []).get("reason", b"").decode(errors="replace")
+            counts[reason.split(":", 1)[0] or "?"] += 1
+    finally:
+        consumer.close()
+    return dict(counts.most_common())
 
 
 def _print_summary(result: dict, paths: dict) -> None:
@@ -248,6 +266,8 @@ def _print_summary(result: dict, paths: dict) -> None:
     t = result["throughput"]
     print(f"  events {t['events']:,} ({t['events_per_s']:,.0f}/s) -> samples {t['samples']:,} (+{t['dlq']:,} to the DLQ) "
           f"-> scored at the serving node {t['scored_at_serving']:,}")
+    if t.get("dlq_reasons"):
+        print("  DLQ by reason: " + ", ".join(f"{reason} {n:,}" for reason, n in t["dlq_reasons"].items()))
     v = result["versions"]
     print(f"  versions published {v['published']}, applied by the serving node {v['applied']}; "
           f"rollback {'ok' if result['rollback'].get('ok') else 'not done' if not result['rollback'].get('done') else 'FAILED'}")
