@@ -36,7 +36,7 @@ from output import write_result  # noqa: E402
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable  # noqa: E402
 from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
-from streamrec.bus.clients import make_consumer  # noqa: E402
+from streamrec.bus.clients import make_consumer, poll_records  # noqa: E402
 from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
 
 
@@ -160,7 +160,7 @@ def live_latency(args, tmp: Path) -> dict:
         consumer = make_consumer(args.bootstrap, f"{name}.samples", group_id=None, auto_offset_reset="earliest",
                                  isolation_level="read_committed")
         while not stop.is_set():
-            for records in consumer.poll(timeout_ms=200).values():
+            for records in poll_records(consumer, 200).values():
                 now_ms = time.time() * 1000
                 for r in records:
                     sample = orjson.loads(r.value)

@@ -18,7 +18,7 @@ from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
-from streamrec.bus.clients import make_consumer, make_producer
+from streamrec.bus.clients import make_consumer, make_producer, poll_records
 from streamrec.bus.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def _read(broker, topic, committed=True):
         out, deadline = [], time.monotonic() + 60
         while any(consumer.position(tp) < end[tp] for tp in parts):
             assert time.monotonic() < deadline, f"could not read {topic} to its end"
-            for records in consumer.poll(timeout_ms=500).values():
+            for records in poll_records(consumer, 500).values():
                 out.extend(records)
         return out
     finally:

@@ -16,7 +16,7 @@ from kafka import TopicPartition
 from conftest import REPO
 from pipelines.sample_wire import encode_samples
 from ps.model_store import ModelStore
-from streamrec.bus.clients import make_consumer, make_producer
+from streamrec.bus.clients import make_consumer, make_producer, poll_records
 from streamrec.bus.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     announced = []
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (not announced or announced[-1] != versions[-1]):
-        for records in reader.poll(timeout_ms=500).values():
+        for records in poll_records(reader, 500).values():
             announced += [orjson.loads(r.value)["version"] for r in records]
     reader.close()
     # (older ones may be garbage-collected by now: keep_fulls)

@@ -97,9 +97,11 @@ class TruthLookup:
     def _follow(self) -> None:
         import orjson
 
+        from streamrec.bus.clients import poll_records
+
         while not self._stop.is_set():
             try:
-                polled = self._consumer.poll(timeout_ms=200)
+                polled = poll_records(self._consumer, 200)
             except Exception as exc:  # the truth is optional: report and keep training
                 log.warning("truth topic: %s", exc)
                 self._stop.wait(1.0)

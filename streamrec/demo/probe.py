@@ -26,7 +26,7 @@ import orjson
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from ps.model_store import ModelStore
-from streamrec.bus.clients import make_consumer
+from streamrec.bus.clients import make_consumer, poll_records
 from trainer.features import batch_from_table
 from trainer.inference import InferenceModel
 
@@ -130,7 +130,7 @@ class ServingProbe:
                                      auto_offset_reset="earliest", max_poll_records=2000)
             try:
                 while not self._stop.is_set():
-                    for records in consumer.poll(timeout_ms=200).values():
+                    for records in poll_records(consumer, 200).values():
                         seen = time.time() * 1000
                         for i in range(0, len(records), CHUNK):
                             self._score(records[i:i + CHUNK], seen)
@@ -147,7 +147,7 @@ class ServingProbe:
             try:
                 rec = self.records
                 while not self._stop.is_set():
-                    for records in consumer.poll(timeout_ms=100).values():
+                    for records in poll_records(consumer, 100).values():
                         seen = time.time() * 1000
                         for r in records:
                             sample = orjson.loads(r.value)
@@ -167,7 +167,7 @@ class ServingProbe:
             consumer = make_consumer(self.bootstrap, self.truth_topic, group_id=None, auto_offset_reset="earliest")
             try:
                 while not self._stop.is_set():
-                    for records in consumer.poll(timeout_ms=500).values():
+                    for records in poll_records(consumer, 500).values():
                         rows = [row for r in records for row in decode_truth_message(r.value) if row["kind"] == "impression"]
                         with self._lock:
                             self.bayes.update((row["event_id"], row["p"]) for row in rows)
