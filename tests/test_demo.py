@@ -35,6 +35,9 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
 
     t = result["throughput"]
     assert t["events"] > 60 * 300 * 0.8 and t["samples"] > 0.5 * t["events"] and t["dlq"] > 0  # samples flow
+    # valid events behind the watermark are lost to training: a few at most (an overloaded
+    # machine - e.g. Kafka consumers spinning - lost 20-30% here, docs/demo.md)
+    assert t["dlq_reasons"].get("late_event", 0) < 0.02 * t["events"], t["dlq_reasons"]
     assert result["versions"]["published"] >= 4 and result["versions"]["applied"] >= 4  # >= 3 deltas over the first
     assert result["rollback"]["ok"], result["rollback"]
     assert result["serving"]["failed_requests"] == 0
@@ -44,10 +47,10 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
                                                      "published_to_applied"}
     q = result["quality"]["overall"]
     assert result["quality"]["samples"] > 2000 and {"online", "frozen", "bayes"} <= set(q)
-    # scores line up with their samples: the truth ranks them far better than either model. (Online
-    # vs frozen is reported, not asserted: on a 60 s stream the model has learned too little for the
-    # gap to be reliable - issue 7 stays open on that.)
+    # scores line up with their samples: the truth ranks them far better than either model
     assert q["bayes"]["auc"] > 0.7 and q["bayes"]["auc"] > max(q["online"]["auc"], q["frozen"]["auc"]) + 0.1
+    # online learning pays: the hot-swapped model ranks the same samples better than itself frozen
+    assert q["online"]["auc"] > q["frozen"]["auc"], q
     assert all(p["left"] == 0 for p in result["processes"].values()), result["processes"]
     assert _processes_with_env(f"demo-{result['run_id']}".encode()) == []  # no orphan: Flink's JVM, trainer, server
     assert (run_dir / "report.html").read_text().count("<svg") >= 2
