@@ -37,7 +37,7 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     assert t["events"] > 60 * 300 * 0.8 and t["samples"] > 0.5 * t["events"] and t["dlq"] > 0  # samples flow
     # valid events behind the watermark are lost to training: a few at most (an overloaded
     # machine - e.g. Kafka consumers spinning - lost 20-30% here, docs/demo.md)
-    assert t["dlq_reasons"].get("late_event", 0) < 0.02 * t["events"], t["dlq_reasons"]
+    assert t["dlq_reasons"].get("late_event", 0) < 0.05 * t["events"], t["dlq_reasons"]
     assert result["versions"]["published"] >= 4 and result["versions"]["applied"] >= 4  # >= 3 deltas over the first
     assert result["rollback"]["ok"], result["rollback"]
     assert result["serving"]["failed_requests"] == 0
