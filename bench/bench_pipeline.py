@@ -38,6 +38,7 @@ from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
 from streamrec.bus.clients import make_consumer, poll_records  # noqa: E402
 from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
+from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
 
 def _env(args, name: str, tmp: Path, backend: str) -> dict:
@@ -51,54 +52,6 @@ def _env(args, name: str, tmp: Path, backend: str) -> dict:
 
 def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], cwd=REPO, env=env, **kw)
-
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system, all threads) the processes have used so far."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / _TICKS
-
-
-def _descendants(root: int) -> list[int]:
-    """root and every process below it (the PyFlink client starts the JVM as its child)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(parents.get(pid, []))
-    return out
-
-
-def _threads_cpu_s(pids: list[int]) -> dict[str, float]:
-    """CPU seconds by thread name (Flink names task threads after their operators; the JIT
-    compiler threads show up too): where the job's CPU goes."""
-    out: dict[str, float] = {}
-    for pid in pids:
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                text = stat.read_text()
-                name = text[text.index("(") + 1:text.rindex(")")].split("(")[0].split("#")[0].strip()
-                fields = text.rsplit(")", 1)[1].split()
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
 
 
 def _broker_pids() -> list[int]:
@@ -117,7 +70,7 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
     rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}", timeout_s=2)
     started = time.monotonic()
     job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = last = None
+    first = None
     records = 0
     cpu_at_first: tuple[float, float] | None = None
     flink_pids: list[int] = []
@@ -128,17 +81,17 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
             for info in rest.jobs():
                 if info.records_in > 0:
                     if first is None:
-                        flink_pids = _descendants(job.pid)
-                        cpu_at_first = (_cpu_s(flink_pids), _cpu_s(args.broker_pids))
+                        flink_pids = process_tree(job.pid)
+                        cpu_at_first = (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))
                     first = first or time.monotonic()
                     if info.records_in > records:
-                        records, last = info.records_in, time.monotonic()
+                        records = info.records_in
         except FlinkUnreachable:
             pass
         # the processes' figures vanish when they exit: keep the last (largest) reading
-        cpu_now = tuple(max(a, b) for a, b in zip(cpu_now, (_cpu_s(flink_pids), _cpu_s(args.broker_pids))))
+        cpu_now = tuple(max(a, b) for a, b in zip(cpu_now, (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))))
         # task threads end with the job: keep each thread's last (largest) reading
-        threads = {name: max(cpu, threads.get(name, 0.0)) for name, cpu in {**threads, **_threads_cpu_s(flink_pids)}.items()}
+        threads = {name: max(cpu, threads.get(name, 0.0)) for name, cpu in {**threads, **threads_cpu_seconds(flink_pids)}.items()}
         time.sleep(0.25)
     output = job.stdout.read()
     if job.returncode != 0:

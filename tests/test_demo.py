@@ -52,6 +52,9 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     # online learning pays: the hot-swapped model ranks the same samples better than itself frozen
     assert q["online"]["auc"] > q["frozen"]["auc"], q
     assert all(p["left"] == 0 for p in result["processes"].values()), result["processes"]
+    res = result["resources"]  # each stage's CPU and memory, the Flink JVM counted with the pipeline
+    assert {"pipeline", "trainer", "serving", "generator", "demo (probe)"} <= set(res), res
+    assert res["pipeline"]["cpu_s"] > 5 and res["pipeline"]["peak_rss_mb"] > 200, res
     assert _processes_with_env(f"demo-{result['run_id']}".encode()) == []  # no orphan: Flink's JVM, trainer, server
     assert (run_dir / "report.html").read_text().count("<svg") >= 2
 

@@ -131,7 +131,12 @@ the same model <b>frozen</b> after warm-up (the first version trained on the war
 {_bars(f['stages_ms'])}
 <p>Dark: p50, light: p99. <i>sample_to_trained</i> includes waiting for the next publish tick.</p>
 <h2>Throughput</h2>
-{_table([(k, f"{val:,}" if isinstance(val, int) else val) for k, val in t.items()], ('what', 'value'))}
+{_table([(k, _value(val)) for k, val in t.items()], ('what', 'value'))}
+<h2>Resources</h2>
+<p>CPU used by each process (with its children: the pipeline includes the Flink JVM) while the traffic ran, and its peak
+resident memory. Everything shares the machine's cores.</p>
+{_table([(n, x['cpu_s'], x['avg_cores'], f"{x['peak_rss_mb']:,}") for n, x in r.get('resources', {}).items()],
+        ('process', 'CPU seconds', 'average cores', 'peak RSS (MB)'))}
 <h2>Versions</h2>
 <p>{v['published']} published, {v['applied']} applied by the serving node. Rollback:
 {'v%s → v%s in %s ms over HTTP, pinned, then released by :reload' % (rb.get('from_version'), rb.get('to_version'), rb.get('http_ms')) if rb.get('done') else 'not exercised'}
@@ -140,6 +145,12 @@ the same model <b>frozen</b> after warm-up (the first version trained on the war
 <h2>Processes</h2>
 {_table(procs, ('process', 'exit status', 'processes left'))}
 </body></html>"""
+
+
+def _value(val) -> str:
+    if isinstance(val, dict):
+        return ", ".join(f"{k} {v:,}" for k, v in val.items()) or "-"
+    return f"{val:,}" if isinstance(val, int) else str(val)
 
 
 def _clock(epoch_s) -> str:

@@ -11,7 +11,6 @@ the Flink JVM and the broker included) and the report is written.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import time
@@ -29,6 +28,7 @@ from streamrec.demo.analysis import freshness, quality
 from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
+from streamrec.demo.resources import ResourceMonitor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
     started_broker = False
     processes: dict[str, ManagedProcess] = {}
-    probe = timeline = run = None
+    probe = timeline = run = monitor = None
     try:
         if k.embedded:
             state, started_broker = broker.up(k.connect_timeout_s)
@@ -108,6 +108,10 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         wait_until(lambda: _healthy(run.serve_address), 120, "the serving node", list(processes.values()))
         FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
 
+        broker_pid = state.pid if k.embedded else None
+        monitor = ResourceMonitor(lambda: {**({"broker": broker_pid} if broker_pid else {}),
+                                           **{name: p.pid for name, p in processes.items() if p.alive()},
+                                           "demo (probe)": [os.getpid()]}).start()
         store = ModelStore(str(run.work_dir / "models"), cfg.model.name)
         client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
         probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
@@ -120,7 +124,8 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
               f"{args.publish_interval:g} s; the probe scores every sample at the serving node", flush=True)
         rollback = _drive(args, run, processes, probe, timeline, client, start_ms)
 
-        print(f"[5/6] traffic done; stopping every process", flush=True)
+        print("[5/6] traffic done; stopping every process", flush=True)
+        monitor.stop()
         probe.stop()
         timeline.stop()
         stopped = _stop_all(processes)
@@ -136,6 +141,7 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
             "rollback": rollback,
             "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"]},
             "throughput": _throughput(k.bootstrap_servers, run, args.duration, snapshot),
+            "resources": monitor.report(),
             "processes": stopped,
         }
         paths = write_report(run.report_dir, result)
@@ -143,6 +149,8 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         ok = result["versions"]["applied"] >= 1 and not snapshot["failed_requests"] and all(s["left"] == 0 for s in stopped.values())
         return 0 if ok else 1
     finally:
+        if monitor is not None:
+            monitor.stop()
         if probe is not None:
             probe.stop()
         if timeline is not None:
@@ -268,6 +276,9 @@ def _print_summary(result: dict, paths: dict) -> None:
           f"-> scored at the serving node {t['scored_at_serving']:,}")
     if t.get("dlq_reasons"):
         print("  DLQ by reason: " + ", ".join(f"{reason} {n:,}" for reason, n in t["dlq_reasons"].items()))
+    if result.get("resources"):
+        print("  CPU cores (average) / peak memory: " + ", ".join(
+            f"{name} {r['avg_cores']} / {r['peak_rss_mb']:,} MB" for name, r in result["resources"].items()))
     v = result["versions"]
     print(f"  versions published {v['published']}, applied by the serving node {v['applied']}; "
           f"rollback {'ok' if result['rollback'].get('ok') else 'not done' if not result['rollback'].get('done') else 'FAILED'}")
