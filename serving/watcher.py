@@ -20,7 +20,6 @@ import orjson
 from serving.state import ServedModel
 
 log = logging.getLogger("streamrec.serving")
-POLL_EVERY_S = 0.1  # how often the listener looks for an announcement
 
 
 class UpdateListener:
@@ -48,15 +47,15 @@ class UpdateListener:
 
     def wait(self, timeout_s: float) -> bool:
         """True when an announcement for our model arrived within ``timeout_s``."""
+        from streamrec.bus.clients import poll_records  # without spinning on an idle topic
+
         deadline = time.monotonic() + timeout_s
         while True:
             consumer = self._consumer
             if consumer is None:
                 return False
             try:
-                # non-blocking polls a few times a second: a blocking poll on an idle topic
-                # spins at full CPU against a broker that answers fetches at once (noida)
-                records = consumer.poll(timeout_ms=0)
+                records = poll_records(consumer, max(0, int((deadline - time.monotonic()) * 1000)))
             except Exception as exc:  # broker gone: fall back to polling, reconnect later
                 log.warning("model-updates topic %s: %s; polling LATEST only until it is back", self.topic, exc)
                 self._drop()
@@ -72,10 +71,8 @@ class UpdateListener:
             self.announcements += hits
             if hits:
                 return True
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if time.monotonic() >= deadline:
                 return False
-            time.sleep(min(POLL_EVERY_S, left))
 
     def _connect_loop(self) -> None:
         from streamrec.bus.clients import BusUnavailable, make_consumer

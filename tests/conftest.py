@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,34 +38,32 @@ def broker(tmp_path_factory) -> str:
     embedded.down()
 
 
-def _uses_broker(items) -> bool:
-    return any("broker" in getattr(item, "fixturenames", ()) for item in items)
+@contextmanager
+def _deleting_new_topics(request, items):
+    """Topics created inside the block are deleted after it, when ``items`` use the broker:
+    the embedded broker re-saves everything it holds on every change, so a suite that kept
+    every test's data made the broker, and every test after, slower (docs/kafka.md)."""
+    if not any("broker" in getattr(item, "fixturenames", ()) for item in items):
+        yield
+        return
+    bootstrap = request.getfixturevalue("broker")
+    before = set(list_topics(bootstrap))
+    yield
+    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _delete_module_topics(request):
-    """Topics a module created (in its module fixtures too) are deleted after it: the
-    embedded broker re-saves everything it holds on every change, so a suite that kept
-    every test's data made the broker, and every test after, slower (docs/kafka.md)."""
-    if not _uses_broker([i for i in request.session.items if i.module is request.module]):
+    """A module's topics (its module fixtures' too) go after the module."""
+    with _deleting_new_topics(request, [i for i in request.session.items if i.module is request.module]):
         yield
-        return
-    bootstrap = request.getfixturevalue("broker")
-    before = set(list_topics(bootstrap))
-    yield
-    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
 
 
 @pytest.fixture(autouse=True)
 def _delete_test_topics(request):
-    """The same per test, for topics a test itself created."""
-    if not _uses_broker([request.node]):
+    """A test's own topics go after the test."""
+    with _deleting_new_topics(request, [request.node]):
         yield
-        return
-    bootstrap = request.getfixturevalue("broker")
-    before = set(list_topics(bootstrap))
-    yield
-    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,7 @@ class EmbeddedBroker:
         self.store_dir = self.data_dir / "store"
 
     # Above this, say so: the broker re-saves its whole store on every change (a full core
-    # at ~150 MB under a demo's write rate, measured; docs/kafka.md).
+    # at ~170 MB under a demo's write rate, measured; docs/kafka.md).
     LARGE_STORE_BYTES = 100 * 2**20
 
     def store_bytes(self) -> int:
