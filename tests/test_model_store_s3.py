@@ -8,11 +8,6 @@ retention all work there, through the same pyarrow.fs URI a deployment would use
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pyarrow.fs as pafs
 import pytest
@@ -26,27 +21,18 @@ BUCKET = "streamrec-models"
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    server = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
+    from moto.server import ThreadedMotoServer
+
     port = free_port()
-    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("the S3 test server (moto_server) did not start")
-            time.sleep(0.2)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
     endpoint = f"127.0.0.1:{port}"
     pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
                       allow_bucket_creation=True).create_dir(BUCKET)
     yield endpoint
-    proc.terminate()
-    proc.wait(10)
+    server.stop()
 
 
 def _uri(endpoint: str, prefix: str) -> str:
