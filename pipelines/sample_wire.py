@@ -99,7 +99,7 @@ def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec(), instances: b
         flat = pc.list_flatten(col)
         bad_values = _np(pc.is_in(flat, pa.array(RESERVED_IDS, pa.int64()))) | _np(pc.is_null(flat))
         if bad_values.any():
-            parents = _np(pc.list_parent_indices(col))[bad_values]
+            parents = pc.list_parent_indices(col).to_numpy()[bad_values]
             mask = np.zeros(n, dtype=bool)
             mask[parents] = True
             flag(mask, f"reserved_id:{name}")

@@ -18,28 +18,23 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pyarrow as pa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipelines.sample_wire import decode_samples
+from pipelines.samples import SampleSpec
 from ps.model_store import CorruptVersion
 from serving.batcher import RequestBatcher
+from serving.errors import ApiError
+from serving.request import InstanceDecoder, invalid_instances
 from serving.state import ServedModel
 from streamrec import __version__
 from streamrec.config import ServingConfig
-from trainer.features import batch_from_table
+from trainer.features import batch_from_columns
 
 log = logging.getLogger("streamrec.serving")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -74,35 +69,45 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
     metrics = ServingMetrics()
     model_name = served.model_store.model
 
-    def run_batch(payloads: list[list[bytes]]) -> list:
-        """Decode, check and score every request of a batch in one pass (a worker thread).
+    decoders: dict[SampleSpec, InstanceDecoder] = {}
+
+    def decoder_for(spec: SampleSpec) -> InstanceDecoder:
+        if spec not in decoders:  # one per sample spec of the served versions (normally one)
+            decoders[spec] = InstanceDecoder(spec, settings.max_instances)
+        return decoders[spec]
+
+    def run_batch(payloads: list[list]) -> list:
+        """Check, convert and score every request of a batch in one pass (a worker thread).
         A request with an invalid instance gets a 400 naming them; the others are scored."""
         current = served.current
         if current is None:
             raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
-        flat = [value for payload in payloads for value in payload]
-        table, index, rejected = decode_samples(flat, current.sample_spec, instances=True)
-        owner = np.repeat(np.arange(len(payloads)), [len(p) for p in payloads])
-        starts = np.cumsum([0] + [len(p) for p in payloads])
-        bad: dict[int, list[str]] = {}
-        for i, reason in rejected:
-            bad.setdefault(int(owner[i]), []).append(f"instance {i - starts[owner[i]]}: {reason}")
-        keep = ~np.isin(owner[index], list(bad)) if bad else np.ones(len(index), dtype=bool)
-        scores = np.empty(0, np.float32)
-        version = current.version
-        if keep.any():
-            good = table.filter(pa.array(keep)) if not keep.all() else table
-            batch = batch_from_table(good, current.sample_spec, current.model.spec.history_len, with_labels=False)
+        decoder = decoder_for(current.sample_spec)
+        outcomes: list = [None] * len(payloads)
+        for r, payload in enumerate(payloads):
+            if type(payload[0]) is not decoder.instance:
+                outcomes[r] = ApiError(503, "the served model's sample schema changed while this request waited; send it again")
+        flat = [x for r, p in enumerate(payloads) if outcomes[r] is None for x in p]
+        columns, rejected = decoder.columns(flat)
+        if rejected:  # rare: name each bad instance to its request, score the other requests
+            where = [(r, j) for r, p in enumerate(payloads) if outcomes[r] is None for j in range(len(p))]
+            bad: dict[int, list[str]] = {}
+            for i, reason in rejected:
+                r, j = where[i]
+                bad.setdefault(r, []).append(f"instance {j}: {reason}")
+            for r, reasons in bad.items():
+                outcomes[r] = invalid_instances(reasons)
+            flat = [x for r, p in enumerate(payloads) if outcomes[r] is None for x in p]
+            columns, _ = decoder.columns(flat)
+        version, scores = current.version, np.empty(0, np.float32)
+        if flat:
+            batch = batch_from_columns(columns, current.sample_spec, current.model.spec.history_len)
             version, scores = served.predict(batch, now_ms=int(time.time() * 1000))
-        outcomes, taken = [], 0
-        for r in range(len(payloads)):
-            if r in bad:
-                shown = "; ".join(bad[r][:10])
-                outcomes.append(ApiError(400, f"{len(bad[r])} invalid instance(s): {shown} (schema: docs/samples.md, without label)"))
-            else:
-                n = len(payloads[r])
-                outcomes.append((version, scores[taken: taken + n]))
-                taken += n
+        taken = 0
+        for r, payload in enumerate(payloads):
+            if outcomes[r] is None:
+                outcomes[r] = (version, scores[taken: taken + len(payload)])
+                taken += len(payload)
         return outcomes
 
     batcher = RequestBatcher(run_batch, settings.max_batch, settings.max_delay_us, settings.workers)
@@ -145,13 +150,17 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
         if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), settings.admin_token.encode()):
             raise ApiError(401, "admin route: send 'Authorization: Bearer <serving.admin_token>'")
 
-    async def read_json(request: Request, optional: bool = False) -> dict:
+    async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             raise ApiError(413, f"request body of {int(length):,} bytes exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
         body = await request.body()
         if len(body) > settings.max_body_bytes:
             raise ApiError(413, f"request body exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
+        return body
+
+    async def read_json(request: Request, optional: bool = False) -> dict:
+        body = await read_body(request)
         if not body.strip() and optional:
             return {}
         try:
@@ -169,18 +178,12 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
         status = "error"
         try:
             check_model(model)
-            body = await read_json(request)
-            instances = body.get("instances")
-            if not isinstance(instances, list) or not instances:
-                raise ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
-            if len(instances) > settings.max_instances:
-                raise ApiError(413, f"{len(instances):,} instances in one request; the limit is serving.max_instances ({settings.max_instances:,})")
-            not_objects = [i for i, x in enumerate(instances) if not isinstance(x, dict)]
-            if not_objects:
-                raise ApiError(400, f"instances {not_objects[:10]} are not JSON objects")
-            if served.current is None:
+            body = await read_body(request)
+            current = served.current
+            if current is None:
                 raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
-            result = await batcher.submit([orjson.dumps(x) for x in instances])
+            instances = decoder_for(current.sample_spec).decode(body)
+            result = await batcher.submit(instances)
             metrics.queued.observe(result.queued_s)
             metrics.instances.inc(len(instances))
             status = "ok"

@@ -1,8 +1,8 @@
 """Request aggregation: concurrent predict requests become one batch (TensorBatch).
 
 Requests wait in a queue; a batch closes when it holds ``max_batch`` instances or its
-first request has waited ``max_delay_us``. Up to ``workers`` batches run at once on a
-thread pool (decoding and the model run outside the event loop, so the server keeps
+oldest request has waited ``max_delay_us`` (and a worker is free). Up to ``workers``
+batches run at once on a thread pool (decoding and the model run outside the event loop, so the server keeps
 accepting requests). ``run_batch`` gets every request's payload at once — so the batch
 is decoded, checked and scored in one pass, whatever the number of requests — and
 returns one outcome per request: its scores, or the exception that request gets.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,13 +43,16 @@ class RequestBatcher:
         self.run_batch = run_batch
         self.max_batch, self.max_delay_s, self.workers = max_batch, max_delay_us / 1e6, workers
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._pending: deque[_Request] = deque()
+        self._pending_rows = 0
+        self._waiting: asyncio.Event | None = None  # a request is pending
+        self._full: asyncio.Event | None = None  # max_batch instances are pending
         self._slots: asyncio.Semaphore | None = None
         self._task: asyncio.Task | None = None
         self.batches = 0
 
     async def start(self) -> None:
-        self._queue = asyncio.Queue()
+        self._waiting, self._full = asyncio.Event(), asyncio.Event()
         self._slots = asyncio.Semaphore(self.workers)
         self._task = asyncio.create_task(self._loop(), name="request-batcher")
 
@@ -62,28 +66,45 @@ class RequestBatcher:
         self._executor.shutdown(wait=True)
 
     async def submit(self, payload: list) -> BatchResult:
+        """Queue one request (cheap: no task or timer per request) and wait for its outcome."""
         request = _Request(payload, asyncio.get_running_loop().create_future())
-        self._queue.put_nowait(request)
+        self._pending.append(request)
+        self._pending_rows += len(payload)
+        self._waiting.set()
+        if self._pending_rows >= self.max_batch:
+            self._full.set()
         return await request.future
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Close a batch when a worker is free and the oldest pending request has waited
+        ``max_delay_us`` or ``max_batch`` instances are pending; while every worker is busy
+        the next batch keeps growing."""
         while True:
-            batch = [await self._queue.get()]
-            rows = len(batch[0].payload)
-            deadline = loop.time() + self.max_delay_s
-            while rows < self.max_batch:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    break
-                try:
-                    request = await asyncio.wait_for(self._queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    break
-                batch.append(request)
-                rows += len(request.payload)
+            await self._waiting.wait()
             await self._slots.acquire()
+            left = self._pending[0].enqueued + self.max_delay_s - time.perf_counter()
+            if left > 0 and self._pending_rows < self.max_batch:
+                try:
+                    await asyncio.wait_for(self._full.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+            batch, rows = self._take()
             asyncio.create_task(self._run(batch, rows))
+
+    def _take(self) -> tuple[list[_Request], int]:
+        """The oldest pending requests, up to ``max_batch`` instances (at least one request)."""
+        batch = [self._pending.popleft()]
+        rows = len(batch[0].payload)
+        while self._pending and rows + len(self._pending[0].payload) <= self.max_batch:
+            request = self._pending.popleft()
+            batch.append(request)
+            rows += len(request.payload)
+        self._pending_rows -= rows
+        if not self._pending:
+            self._waiting.clear()
+        if self._pending_rows < self.max_batch:
+            self._full.clear()
+        return batch, rows
 
     async def _run(self, batch: list[_Request], rows: int) -> None:
         started = time.perf_counter()

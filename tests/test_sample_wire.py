@@ -47,6 +47,7 @@ def test_every_bad_message_is_refused_with_its_reason_and_nothing_else_is_lost(t
         20: (messages[20] + messages[21], "malformed_json"),  # two objects in one message
         21: (b'{"ts":18446744073709551616,' + _edit(messages[21], ts=KeyError)[1:], "wrong_type"),  # beyond int64
         22: (b"", "malformed_json"),
+        23: (_edit(messages[23], hist_item_ids=[5, -(2**63) + 1], hist_category_ids=[1, 2]), "reserved_id:hist_item_ids"),
     }
     for i, (value, _) in bad.items():
         messages[i] = value

@@ -93,56 +93,102 @@ def dense_feature_names(spec: SampleSpec) -> list[str]:
     return names
 
 
-def context_keys(device: pa.Array, position: np.ndarray, local_hour: np.ndarray) -> np.ndarray:
-    """[B, 3] keys of the context table; device strings hash with crc32 (stable across runs)."""
+INT_COLUMNS = ("ts", "user_id", "item_id", "category_id", "advertiser_id", "position", "local_hour")
+
+
+@dataclass
+class FeatureColumns:
+    """Checked samples as numpy arrays: the one form that both a table of training samples
+    and a batch of decoded predict instances take on their way to the model, so training
+    and serving features come out of the same conversion (:func:`batch_from_columns`)."""
+
+    ints: dict[str, np.ndarray]  # INT_COLUMNS -> [B] int64
+    counters: np.ndarray  # [B, C] in SampleSpec.counter_columns() order
+    device_hash: np.ndarray  # [B] int64, crc32 of the device string
+    hist_items: np.ndarray  # flat int64, each row's sequence (most recent first)
+    hist_categories: np.ndarray
+    hist_lengths: np.ndarray  # [B] int64
+    label: np.ndarray | None = None
+    event_ids: pa.Array | None = None
+
+
+def device_hashes(device: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
+    """crc32 of each device string (stable across runs and processes), hashed once per distinct value."""
+    if isinstance(device, list):
+        codes = {s: zlib.crc32(s.encode()) for s in set(device)}
+        return np.fromiter(map(codes.__getitem__, device), np.int64, len(device))
     uniques = pc.unique(device)
     codes = np.array([zlib.crc32(s.encode()) for s in uniques.to_pylist()], dtype=np.int64)
-    device_hash = codes[pc.index_in(device, uniques).to_numpy()] if len(codes) else np.zeros(len(device), np.int64)
+    return codes[pc.index_in(device, uniques).to_numpy()] if len(codes) else np.zeros(len(device), np.int64)
+
+
+def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.ndarray) -> np.ndarray:
+    """[B, 3] keys of the context table."""
     out = np.empty((len(position), 3), dtype=np.int64)
     for j, values in enumerate((device_hash, position.astype(np.int64), local_hour.astype(np.int64))):
         out[:, j] = (j + 1) << 32 | (values & 0xFFFFFFFF)
     return out
 
 
+def columns_from_table(table: pa.Table, spec: SampleSpec, with_labels: bool = True) -> FeatureColumns:
+    """The columns of a table of checked samples (see pipelines.sample_wire.check_samples)."""
+    n = table.num_rows
+    counters = (np.stack([table[c].to_numpy() for c in spec.counter_columns()], axis=1) if n
+                else np.zeros((0, len(spec.counter_columns())), np.int64))
+    return FeatureColumns(
+        ints={name: table[name].to_numpy().astype(np.int64) for name in INT_COLUMNS},
+        counters=counters,
+        device_hash=device_hashes(table["device"]),
+        hist_items=pc.list_flatten(table["hist_item_ids"]).to_numpy().astype(np.int64),
+        hist_categories=pc.list_flatten(table["hist_category_ids"]).to_numpy().astype(np.int64),
+        hist_lengths=pc.list_value_length(table["hist_item_ids"]).to_numpy().astype(np.int64),
+        label=table["label"].to_numpy().astype(np.float32) if with_labels and "label" in table.column_names else None,
+        event_ids=table["event_id"].combine_chunks() if "event_id" in table.column_names else None,
+    )
+
+
 def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
     """Tensors of a table of checked samples (see pipelines.sample_wire.check_samples)."""
-    n = table.num_rows
+    return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
 
-    def ints(name: str) -> np.ndarray:
-        return table[name].to_numpy().astype(np.int64)  # a writable copy for torch
 
-    # most recent first: keep the head of each list
-    items, categories = (pc.list_slice(table[name], 0, history_len) for name in ("hist_item_ids", "hist_category_ids"))
-    hist = [pc.list_flatten(col).to_numpy().astype(np.int64) for col in (items, categories)]  # writable copies for torch
-    lengths = pc.list_value_length(items).to_numpy().astype(np.int64)
+def batch_from_columns(cols: FeatureColumns, spec: SampleSpec, history_len: int) -> SampleBatch:
+    """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
+    (first) ``history_len`` ids."""
+    n = len(cols.hist_lengths)
+    lengths = cols.hist_lengths
     rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    hist_index = rows * history_len + (np.arange(len(rows), dtype=np.int64) - starts)
+    position = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    kept = position < history_len
+    hist_items, hist_categories = cols.hist_items, cols.hist_categories
+    if not kept.all():
+        rows, position, hist_items, hist_categories = rows[kept], position[kept], hist_items[kept], hist_categories[kept]
+    hist_index = rows * history_len + position
 
-    counters = np.stack([table[c].to_numpy().astype(np.float32) for c in spec.counter_columns()], axis=1) if n else np.zeros((0, len(spec.counter_columns())), np.float32)
+    counters = cols.counters.astype(np.float32)
+    names = spec.counter_columns()
     rates = []
     for w in spec.windows_s:
         for entity in ("user", "item", "category"):
-            imps = table[f"{entity}_imps_{w}s"].to_numpy().astype(np.float32)
-            clicks = table[f"{entity}_clicks_{w}s"].to_numpy().astype(np.float32)
+            imps = counters[:, names.index(f"{entity}_imps_{w}s")]
+            clicks = counters[:, names.index(f"{entity}_clicks_{w}s")]
             rates.append(clicks / (imps + CTR_PRIOR_IMPS))
     dense = np.concatenate([np.log1p(counters), np.stack(rates, axis=1) if n else np.zeros((0, len(rates)), np.float32)], axis=1)
 
-    label = table["label"].to_numpy().astype(np.float32) if with_labels and "label" in table.column_names else np.zeros(n, np.float32)
-    ts = ints("ts")
-    event_ids = table["event_id"].combine_chunks() if "event_id" in table.column_names else None
+    ints = cols.ints
+    label = cols.label if cols.label is not None else np.zeros(n, np.float32)
     return SampleBatch(
-        user=torch.from_numpy(ints("user_id")),
-        item=torch.from_numpy(ints("item_id")),
-        category=torch.from_numpy(ints("category_id")),
-        advertiser=torch.from_numpy(ints("advertiser_id")),
-        context=torch.from_numpy(context_keys(table["device"], table["position"].to_numpy(), table["local_hour"].to_numpy())),
-        hist_items=torch.from_numpy(hist[0]),
-        hist_categories=torch.from_numpy(hist[1]),
+        user=torch.from_numpy(np.array(ints["user_id"], np.int64)),  # writable copies for torch
+        item=torch.from_numpy(np.array(ints["item_id"], np.int64)),
+        category=torch.from_numpy(np.array(ints["category_id"], np.int64)),
+        advertiser=torch.from_numpy(np.array(ints["advertiser_id"], np.int64)),
+        context=torch.from_numpy(context_keys(cols.device_hash, ints["position"], ints["local_hour"])),
+        hist_items=torch.from_numpy(np.array(hist_items, np.int64)),
+        hist_categories=torch.from_numpy(np.array(hist_categories, np.int64)),
         hist_index=torch.from_numpy(hist_index),
         dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-        label=torch.from_numpy(label),
-        ts=torch.from_numpy(ts.copy()),
+        label=torch.from_numpy(np.array(label, np.float32)),
+        ts=torch.from_numpy(np.array(ints["ts"], np.int64)),
         history_len=history_len,
-        event_ids=event_ids,
+        event_ids=cols.event_ids,
     )

@@ -1,0 +1,165 @@
+"""Predict request bodies, from bytes straight to checked feature columns.
+
+A body is ``{"instances": [instance, ...]}``, an instance being the sample schema without
+its label (docs/samples.md). msgspec decodes and type-checks the whole body in one C pass
+against a struct derived from the served version's :class:`SampleSpec`: an int field
+refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
+Only a body that fails is decoded again instance by instance, so the error names every
+bad instance and field. Why not ``pipelines.sample_wire.decode_samples`` (the Kafka
+path): re-encoding each instance for pyarrow's JSON reader cost ~3 ms per batch whatever
+its size, more than the model itself (bench/RESULTS.md, serving).
+
+Checks that need more than one field (reserved ids, history lengths, ``sample_version``)
+run in numpy over a whole batch in :meth:`InstanceDecoder.columns`; the rules are those
+of ``pipelines.sample_wire.check_samples``, and ``tests/test_serving_request.py`` checks
+that both give the same verdicts and the same features.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import chain
+from operator import attrgetter
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from pipelines.sample_wire import ID_COLUMNS, RESERVED_IDS
+from pipelines.samples import SAMPLE_VERSION, SampleSpec
+from serving.errors import ApiError
+from trainer.features import INT_COLUMNS, FeatureColumns, device_hashes
+
+INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+_FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
+
+
+def instance_struct(spec: SampleSpec) -> type[msgspec.Struct]:
+    """The typed predict instance of ``spec`` (field names and types of ``spec.schema()``)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        ("ts", INT64), ("user_id", INT64), ("item_id", INT64), ("position", INT32), ("device", str),
+        ("local_hour", INT32), ("category_id", INT64), ("advertiser_id", INT64),
+        ("hist_item_ids", list[INT64]), ("hist_category_ids", list[INT64]),
+        *[(name, COUNT) for name in spec.counter_columns()],
+        ("sample_version", int | None, None), ("event_id", str | None, None), ("request_id", str | None, None),
+    ]
+    return msgspec.defstruct("Instance", fields, kw_only=True)
+
+
+def reason_of(error: msgspec.ValidationError) -> str:
+    """A rejection reason in the vocabulary of the sample checks (``wrong_type:user_id``, ...)."""
+    message = str(error)
+    missing = re.match(r"Object missing required field `([A-Za-z0-9_]+)`", message)
+    if missing:
+        return f"missing_field:{missing.group(1)}"
+    field = _FIELD.search(message)
+    name = field.group(1) if field else "?"
+    if "got `null`" in message:
+        return f"missing_field:{name}"
+    if re.search(r"Expected `int` [<>]=", message):
+        return f"invalid_value:{name}"
+    return f"wrong_type:{name}"
+
+
+class InstanceDecoder:
+    """Decodes predict bodies and turns batches of instances into :class:`FeatureColumns`."""
+
+    def __init__(self, spec: SampleSpec, max_instances: int) -> None:
+        self.spec, self.max_instances = spec, max_instances
+        self.instance = instance_struct(spec)
+        self._body = msgspec.json.Decoder(msgspec.defstruct("PredictBody", [("instances", list[self.instance])]))
+        self._ints = attrgetter(*INT_COLUMNS, *spec.counter_columns())
+        self._n_ints = len(INT_COLUMNS)
+
+    def decode(self, body: bytes) -> list:
+        """The instances of a request body; ApiError (400/413) with a clear message otherwise."""
+        try:
+            instances = self._body.decode(body).instances
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise self._explain(body) from None
+        if not instances:
+            raise ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
+        if len(instances) > self.max_instances:
+            raise self._too_many(len(instances))
+        return instances
+
+    def _too_many(self, n: int) -> ApiError:
+        return ApiError(413, f"{n:,} instances in one request; the limit is serving.max_instances ({self.max_instances:,})")
+
+    def _explain(self, body: bytes) -> ApiError:
+        """Why a body failed the typed decode (the slow path: bad requests only)."""
+        try:
+            data = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            return ApiError(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(data, dict):
+            return ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        instances = data.get("instances")
+        if not isinstance(instances, list) or not instances:
+            return ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
+        if len(instances) > self.max_instances:
+            return self._too_many(len(instances))
+        not_objects = [i for i, x in enumerate(instances) if not isinstance(x, dict)]
+        if not_objects:
+            return ApiError(400, f"instances {not_objects[:10]} are not JSON objects")
+        reasons, typed, where = {}, [], []
+        for i, x in enumerate(instances):
+            try:
+                typed.append(msgspec.convert(x, self.instance))
+                where.append(i)
+            except msgspec.ValidationError as exc:
+                reasons[i] = reason_of(exc)
+        if typed:  # the cross-field checks too, so one answer names every bad instance
+            reasons.update((where[j], reason) for j, reason in self.columns(typed)[1])
+        return invalid_instances([f"instance {i}: {reasons[i]}" for i in sorted(reasons)])
+
+    def columns(self, instances: list) -> tuple[FeatureColumns, list[tuple[int, str]]]:
+        """Columns of decoded instances, and [(index, reason)] of those the batch checks refuse
+        (their rows are still in the columns: decode the others again without them)."""
+        n, k = len(instances), self._n_ints
+        ints = np.fromiter(chain.from_iterable(map(self._ints, instances)), np.int64, n * (k + len(self.spec.counter_columns())))
+        ints = ints.reshape(n, -1)
+        items = list(map(attrgetter("hist_item_ids"), instances))
+        categories = list(map(attrgetter("hist_category_ids"), instances))
+        lengths = np.fromiter(map(len, items), np.int64, n)
+        cols = FeatureColumns(
+            ints={name: ints[:, j] for j, name in enumerate(INT_COLUMNS)},
+            counters=ints[:, k:],
+            device_hash=device_hashes([x.device for x in instances]),
+            hist_items=np.fromiter(chain.from_iterable(items), np.int64, int(lengths.sum())),
+            hist_categories=np.fromiter(chain.from_iterable(categories), np.int64),
+            hist_lengths=lengths,
+        )
+        return cols, self._check(instances, cols, categories)
+
+    def _check(self, instances: list, cols: FeatureColumns, categories: list) -> list[tuple[int, str]]:
+        n = len(instances)
+        reason = np.full(n, None, dtype=object)
+
+        def flag(mask: np.ndarray, why: str) -> None:
+            reason[mask & (reason == None)] = why  # noqa: E711 -- elementwise on an object array
+
+        versions = [x.sample_version for x in instances]
+        if any(v is not None and v != SAMPLE_VERSION for v in versions):
+            flag(np.array([v is not None and v != SAMPLE_VERSION for v in versions]), "unknown_sample_version")
+        reserved = np.array(RESERVED_IDS, np.int64)
+        for name in ID_COLUMNS:
+            flag(np.isin(cols.ints[name], reserved), f"reserved_id:{name}")
+        category_lengths = np.fromiter(map(len, categories), np.int64, n)
+        flag(cols.hist_lengths > self.spec.history_len, "invalid_value:hist_item_ids")
+        flag(cols.hist_lengths != category_lengths, "invalid_value:hist_category_ids")
+        for name, flat, lengths in (("hist_item_ids", cols.hist_items, cols.hist_lengths),
+                                    ("hist_category_ids", cols.hist_categories, category_lengths)):
+            bad = np.isin(flat, reserved)
+            if bad.any():
+                mask = np.zeros(n, dtype=bool)
+                mask[np.repeat(np.arange(n), lengths)[bad]] = True
+                flag(mask, f"reserved_id:{name}")
+        return [(int(i), str(reason[i])) for i in np.flatnonzero(reason != None)]  # noqa: E711
+
+
+def invalid_instances(reasons: list[str]) -> ApiError:
+    shown = "; ".join(reasons[:10])
+    return ApiError(400, f"{len(reasons)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
