@@ -54,10 +54,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str) -> tuple[subprocess.Popen, int]:
+def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str,
+                 frontends: int = 0) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
+           "STREAMREC_SERVING__FRONTENDS": str(frontends),
            "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -130,6 +132,34 @@ def load(port: int, bodies: list[bytes], concurrency: int, seconds: float, proce
             "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None, "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None}
 
 
+def profile_server(pid: int, out: Path, seconds: float) -> subprocess.Popen | None:
+    """py-spy sampling the server (all threads, native frames off) while a level runs."""
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        print("--profile: py-spy is not installed; skipped", flush=True)
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "-p", str(pid), "-d", str(int(seconds + 1)), "-r", "250", "-f", "raw", "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def model_status(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/models/ctr")
+    return orjson.loads(conn.getresponse().read())
+
+
+def batching_delta(before: dict, after: dict) -> dict:
+    """The server's batching figures for one level: requests per batch, time waiting for a
+    batch per request, a batch's run time (decode + lookups + model + copy back)."""
+    batches, requests = after["batches"] - before["batches"], after["requests"] - before["requests"]
+    return {"batches": batches, "requests_per_batch": requests / max(batches, 1),
+            "rows_per_batch": (after["rows"] - before["rows"]) / max(batches, 1),
+            "queued_ms_per_request": (after["queued_s"] - before["queued_s"]) / max(requests, 1) * 1000,
+            "run_ms_per_batch": (after["run_s"] - before["run_s"]) / max(batches, 1) * 1000}
+
+
 def best_point(rows: list[dict], p99_limit_ms: float | None = None) -> dict | None:
     """The highest-throughput level (within ``p99_limit_ms`` when given)."""
     fits = [r for r in rows if r["requests"] and (p99_limit_ms is None or r["p99_ms"] <= p99_limit_ms)]
@@ -149,6 +179,12 @@ def main() -> None:
     parser.add_argument("--max-delay-us", type=int, default=2000, help="serving.max_delay_us of ours")
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                         help="load-generator processes (default: half the cores, at most 8)")
+    parser.add_argument("--frontends", type=int, default=0, help="serving.frontends of ours: HTTP front-end processes")
+    parser.add_argument("--baseline-frontends", type=int, default=0, help="serving.frontends of the baseline")
+    parser.add_argument("--model-store", help="serve this store (a version of model 'ctr') instead of training one")
+    parser.add_argument("--no-baseline", action="store_true", help="measure ours only (parameter sweeps)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample each server with py-spy during the highest concurrency level (raw stacks next to the JSON)")
     parser.add_argument("--p99-target-ms", type=float, default=10.0, help="report the best throughput within this p99")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
@@ -158,27 +194,46 @@ def main() -> None:
     rows = table.to_pylist()
     bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, len(rows), args.instances)]
     result = {"bench": "serving", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
-              "workers": args.workers, "compile": args.compile, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "workers": args.workers, "compile": args.compile, "frontends": args.frontends, "baseline_frontends": args.baseline_frontends,
+              "max_batch": args.max_batch, "max_delay_us": args.max_delay_us, "client_processes": args.client_processes, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    servers = {"ours": (args.max_batch, args.max_delay_us, args.compile, args.frontends),
+               "baseline": (1, 0, "eager", args.baseline_frontends)}
+    if args.no_baseline:
+        del servers["baseline"]
     with tempfile.TemporaryDirectory() as tmp:
-        # A real model trained on the same samples, so requests hit existing rows as in production.
-        subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", tmp,
-                        "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
-                       cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for name, (max_batch, delay, mode) in {"ours": (args.max_batch, args.max_delay_us, args.compile), "baseline": (1, 0, "eager")}.items():
-            proc, port = start_server(Path(tmp), args.device, max_batch, delay, args.workers, mode)
+        store = Path(args.model_store or tmp)
+        if not args.model_store or not (store / "ctr" / "LATEST").exists():
+            # A real model trained on the same samples, so requests hit existing rows as in production.
+            subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", str(store),
+                            "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
+                           cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name, (max_batch, delay, mode, frontends) in servers.items():
+            proc, port = start_server(store, args.device, max_batch, delay, args.workers, mode, frontends)
             try:
                 load(port, bodies, 4, 1.0, args.client_processes)  # warm-up
-                result[name] = [load(port, bodies, c, args.seconds, args.client_processes) for c in args.concurrency]
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-                conn.request("GET", "/v1/models/ctr")
-                result[f"{name}_runtime"] = orjson.loads(conn.getresponse().read()).get("runtime")
+                result[name] = []
+                for c in args.concurrency:
+                    spy = profile_server(proc.pid, Path(args.out) / f"serving-profile-{name}-c{c}.txt", args.seconds) \
+                        if args.profile and c == max(args.concurrency) else None
+                    before = model_status(port)["batching"]
+                    row = load(port, bodies, c, args.seconds, args.client_processes)
+                    row["server"] = batching_delta(before, model_status(port)["batching"])
+                    result[name].append(row)
+                    if spy is not None:
+                        spy.wait(timeout=60)
+                result[f"{name}_runtime"] = model_status(port).get("runtime")
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
             for row in result[name]:
+                srv = row["server"]
                 print(f"{name:9s} concurrency {row['concurrency']:3d}: {row['qps']:8.1f} req/s "
                       f"({row['qps'] * args.instances:9.0f} instances/s)  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
-                      f"errors {row['errors']}", flush=True)
+                      f"errors {row['errors']}  | server: {srv['requests_per_batch']:.1f} req/batch, queued "
+                      f"{srv['queued_ms_per_request']:.2f} ms/req, run {srv['run_ms_per_batch']:.2f} ms/batch", flush=True)
+    if args.no_baseline:
+        write_result(args.out, f"serving-{args.device.split(':')[0]}", result)
+        return
     best = {name: best_point(result[name]) for name in ("ours", "baseline")}
     result["best_qps_ratio"] = best["ours"]["qps"] / best["baseline"]["qps"]
     print(f"best throughput: ours {best['ours']['qps']:.1f} req/s (p99 {best['ours']['p99_ms']:.1f} ms) vs baseline "

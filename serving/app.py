@@ -28,11 +28,13 @@ from pipelines.samples import SampleSpec
 from ps.model_store import CorruptVersion
 from serving.batcher import RequestBatcher
 from serving.errors import ApiError
+from serving.frontend import FrontendPlan, FrontendPool
+from serving.ipc import EngineLink
 from serving.request import InstanceDecoder, invalid_instances
 from serving.state import ServedModel
 from streamrec import __version__
 from streamrec.config import ServingConfig
-from trainer.features import batch_from_columns
+from trainer.features import FeatureColumns, batch_from_columns
 
 log = logging.getLogger("streamrec.serving")
 
@@ -65,7 +67,9 @@ class ServingMetrics:
                 self.device_ms.labels(bucket).set(s["device_ms_per_batch"])
 
 
-def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
+def create_app(served: ServedModel, settings: ServingConfig, frontends: FrontendPlan | None = None) -> FastAPI:
+    """The engine's API; with ``frontends`` it also starts those processes and answers the
+    predict requests they send over the Unix socket (serving/frontend.py)."""
     metrics = ServingMetrics()
     model_name = served.model_store.model
 
@@ -76,46 +80,88 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             decoders[spec] = InstanceDecoder(spec, settings.max_instances)
         return decoders[spec]
 
-    def run_batch(payloads: list[list]) -> list:
+    def run_batch(payloads: list) -> list:
         """Check, convert and score every request of a batch in one pass (a worker thread).
-        A request with an invalid instance gets a 400 naming them; the others are scored."""
+
+        A payload is a request's decoded instances (this process's HTTP) or its checked
+        :class:`FeatureColumns` (from a front-end process, serving/frontend.py). A request with
+        an invalid instance gets a 400 naming them; the others are scored."""
         current = served.current
         if current is None:
             raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
         decoder = decoder_for(current.sample_spec)
         outcomes: list = [None] * len(payloads)
+        width = len(current.sample_spec.counter_columns())
         for r, payload in enumerate(payloads):
-            if type(payload[0]) is not decoder.instance:
+            mine = payload.counters.shape[1] == width if isinstance(payload, FeatureColumns) else type(payload[0]) is decoder.instance
+            if not mine:
                 outcomes[r] = ApiError(503, "the served model's sample schema changed while this request waited; send it again")
-        flat = [x for r, p in enumerate(payloads) if outcomes[r] is None for x in p]
-        columns, rejected = decoder.columns(flat)
-        if rejected:  # rare: name each bad instance to its request, score the other requests
-            where = [(r, j) for r, p in enumerate(payloads) if outcomes[r] is None for j in range(len(p))]
-            bad: dict[int, list[str]] = {}
-            for i, reason in rejected:
-                r, j = where[i]
-                bad.setdefault(r, []).append(f"instance {j}: {reason}")
-            for r, reasons in bad.items():
-                outcomes[r] = invalid_instances(reasons)
-            flat = [x for r, p in enumerate(payloads) if outcomes[r] is None for x in p]
-            columns, _ = decoder.columns(flat)
+        listed = [r for r, p in enumerate(payloads) if outcomes[r] is None and not isinstance(p, FeatureColumns)]
+        parts, order = [], []
+        if listed:
+            flat = [x for r in listed for x in payloads[r]]
+            columns, rejected = decoder.columns(flat)
+            if rejected:  # rare: name each bad instance to its request, score the other requests
+                where = [(r, j) for r in listed for j in range(len(payloads[r]))]
+                bad: dict[int, list[str]] = {}
+                for i, reason in rejected:
+                    r, j = where[i]
+                    bad.setdefault(r, []).append(f"instance {j}: {reason}")
+                for r, reasons in bad.items():
+                    outcomes[r] = invalid_instances(reasons)
+                listed = [r for r in listed if r not in bad]
+                columns = decoder.columns([x for r in listed for x in payloads[r]])[0] if listed else None
+            if listed:
+                parts.append(columns)
+                order.extend(listed)
+        for r, payload in enumerate(payloads):
+            if outcomes[r] is None and isinstance(payload, FeatureColumns):
+                parts.append(payload)
+                order.append(r)
         version, scores = current.version, np.empty(0, np.float32)
-        if flat:
-            batch = batch_from_columns(columns, current.sample_spec, current.model.spec.history_len)
+        if parts:
+            batch = batch_from_columns(FeatureColumns.concat(parts), current.sample_spec, current.model.spec.history_len)
             version, scores = served.predict(batch, now_ms=int(time.time() * 1000))
         taken = 0
-        for r, payload in enumerate(payloads):
-            if outcomes[r] is None:
-                outcomes[r] = (version, scores[taken: taken + len(payload)])
-                taken += len(payload)
+        for r in order:
+            n = len(payloads[r])
+            outcomes[r] = (version, scores[taken: taken + n])
+            taken += n
         return outcomes
 
     batcher = RequestBatcher(run_batch, settings.max_batch, settings.max_delay_us, settings.workers)
 
+    async def score(payload) -> tuple[int, np.ndarray]:
+        """One request's (version, scores) through the batcher, counted in the metrics."""
+        t0 = time.perf_counter()
+        status = "error"
+        try:
+            result = await batcher.submit(payload)
+            metrics.queued.observe(result.queued_s)
+            metrics.instances.inc(len(payload))
+            status = "ok"
+            return result.version, result.scores
+        finally:
+            metrics.requests.labels(status).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+
+    def hello() -> tuple:
+        current = served.current
+        return ("hello", model_name, current.sample_spec.to_json() if current is not None else None)
+
+    link = EngineLink(frontends.socket_path, hello, score) if frontends else None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await batcher.start()
+        pool = None
+        if link is not None:
+            await link.start()
+            pool = FrontendPool(frontends).start()
         yield
+        if pool is not None:  # front-ends drain their in-flight requests through the engine first
+            await asyncio.get_running_loop().run_in_executor(None, pool.stop)
+            await link.stop()
         await batcher.stop()
 
     app = FastAPI(title="streamrec serving", version=__version__, lifespan=lifespan,
@@ -171,27 +217,24 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
         return data
 
+    async def predict_body(model: str, body: bytes) -> bytes:
+        """The predict route's work, shared by the FastAPI route and the PredictShortcut."""
+        check_model(model)
+        if len(body) > settings.max_body_bytes:
+            raise ApiError(413, f"request body exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
+        current = served.current
+        if current is None:
+            raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+        version, scores = await score(decoder_for(current.sample_spec).decode(body))
+        return orjson.dumps({"model_version": version, "scores": scores.tolist()})
+
+    app.state.predict_body = predict_body
+
     @app.post("/v1/models/{model}:predict")
     async def predict(model: str, request: Request) -> Response:
-        """Scores for ``{"instances": [sample without label, ...]}``."""
-        t0 = time.perf_counter()
-        status = "error"
-        try:
-            check_model(model)
-            body = await read_body(request)
-            current = served.current
-            if current is None:
-                raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
-            instances = decoder_for(current.sample_spec).decode(body)
-            result = await batcher.submit(instances)
-            metrics.queued.observe(result.queued_s)
-            metrics.instances.inc(len(instances))
-            status = "ok"
-            return Response(orjson.dumps({"model_version": result.version, "scores": result.scores.tolist()}),
-                            media_type="application/json")
-        finally:
-            metrics.requests.labels(status).inc()
-            metrics.latency.observe(time.perf_counter() - t0)
+        """Scores for ``{"instances": [sample without label, ...]}``. (`streamrec serve` answers
+        this route through :class:`PredictShortcut`, with the same code and errors.)"""
+        return Response(await predict_body(model, await read_body(request)), media_type="application/json")
 
     @app.get("/v1/models/{model}")
     async def model_status(model: str) -> dict[str, Any]:
@@ -211,6 +254,7 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
             "refused": {str(v): why for v, why in served.refused.items()},
             "latest_in_store": served.model_store.latest(),
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
+            "batching": batcher.stats.as_json(),
         }
 
     async def admin_call(fn, *args):
@@ -252,6 +296,8 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
     async def readyz() -> Response:
         if served.version is None:
             return _error(503, "no model version loaded yet")
+        if link is not None and link.connected < frontends.count:
+            return _error(503, f"{link.connected} of {frontends.count} HTTP front-ends connected")
         return JSONResponse({"status": "ready", "model_version": served.version})
 
     @app.get("/metrics")
@@ -266,3 +312,4 @@ def create_app(served: ServedModel, settings: ServingConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+

@@ -35,6 +35,35 @@ class BatchResult:
     batch_rows: int  # instances in the batch this request rode in
 
 
+@dataclass
+class BatchingStats:
+    """Cumulative figures of the batcher, so where a request's time goes is visible from
+    outside (``GET /v1/models/<model>``): waiting for its batch vs the batch's run."""
+
+    batches: int = 0
+    requests: int = 0
+    rows: int = 0
+    queued_s: float = 0.0  # summed over requests
+    run_s: float = 0.0  # summed over batches: decode, lookups, model, copy back (worker thread)
+    longest_run_s: float = 0.0
+
+    def add(self, batch: list[_Request], rows: int, started: float, ended: float) -> None:
+        self.batches += 1
+        self.requests += len(batch)
+        self.rows += rows
+        self.queued_s += sum(started - r.enqueued for r in batch)
+        self.run_s += ended - started
+        self.longest_run_s = max(self.longest_run_s, ended - started)
+
+    def as_json(self) -> dict:
+        b = max(self.batches, 1)
+        return {"batches": self.batches, "requests": self.requests, "rows": self.rows,
+                "queued_s": round(self.queued_s, 6), "run_s": round(self.run_s, 6),
+                "requests_per_batch": round(self.requests / b, 2), "rows_per_batch": round(self.rows / b, 1),
+                "queued_ms_per_request": round(self.queued_s / max(self.requests, 1) * 1000, 3),
+                "run_ms_per_batch": round(self.run_s / b * 1000, 3), "longest_run_ms": round(self.longest_run_s * 1000, 3)}
+
+
 class RequestBatcher:
     def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
                  workers: int) -> None:
@@ -49,7 +78,7 @@ class RequestBatcher:
         self._full: asyncio.Event | None = None  # max_batch instances are pending
         self._slots: asyncio.Semaphore | None = None
         self._task: asyncio.Task | None = None
-        self.batches = 0
+        self.stats = BatchingStats()
 
     async def start(self) -> None:
         self._waiting, self._full = asyncio.Event(), asyncio.Event()
@@ -110,7 +139,7 @@ class RequestBatcher:
         started = time.perf_counter()
         try:
             outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, [r.payload for r in batch])
-            self.batches += 1
+            self.stats.add(batch, rows, started, time.perf_counter())
             for r, outcome in zip(batch, outcomes):
                 if r.future.done():
                     continue

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
+import socket
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
 from ps.model_store import ModelStore
 from serving.app import create_app
+from serving.frontend import FrontendPlan
+from serving.shortcut import PredictShortcut
 from serving.runner import RuntimeConfig
 from serving.state import ServedModel
 from serving.watcher import UpdateListener, VersionWatcher
@@ -46,9 +52,30 @@ def serve(cfg: Config) -> None:
         log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", cfg.model.name, s.model_store)
     listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
     watcher = VersionWatcher(served, s.poll_interval_s, listener).start()
-    app = create_app(served, s)
+    if s.frontends < 0:
+        raise ValueError(f"serving.frontends must be >= 0, got {s.frontends}")
+    private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
+    plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
+                        s.max_instances) if private else None
+    api = create_app(served, s, plan)
+    app = PredictShortcut(api, api.state.predict_body, s.max_body_bytes)
+    if plan is not None:
+        log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
     try:
-        _Server(uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=10)).run()
+        # lifespan "on": FastAPI's lifespan starts the batcher (uvicorn's "auto" would too, but
+        # only after probing the wrapper); no proxy headers: nothing here reads the client address.
+        # With front-ends they own the public port and this process listens on the loopback only.
+        host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
+        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                               lifespan="on", proxy_headers=False)).run()
     finally:
         watcher.stop()
         served.close()
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

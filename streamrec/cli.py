@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"how the model runs: shape buckets as CUDA graphs and/or torch.compile (serving.compile: {sv['compile']})")
     serve.add_argument("--workers", type=int, dest="serving_workers",
                        help=f"batches in flight at once, each on its own CUDA stream (serving.workers: {sv['workers']})")
+    serve.add_argument("--frontends", type=int, dest="serving_frontends",
+                       help=f"HTTP front-end processes feeding this one (serving.frontends: {sv['frontends']}; 0 = none)")
 
     add("config", "print the effective configuration as JSON")
 
@@ -255,6 +257,7 @@ def _config_from(args: argparse.Namespace) -> Config:
         "serving.poll_interval_s": getattr(args, "poll_interval", None),
         "serving.compile": getattr(args, "serving_compile", None),
         "serving.workers": getattr(args, "serving_workers", None),
+        "serving.frontends": getattr(args, "serving_frontends", None),
     }
     return load_config(getattr(args, "config", None), overrides)
 

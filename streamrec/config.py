@@ -152,6 +152,7 @@ class ServingConfig:
     max_batch: int
     max_delay_us: int
     workers: int
+    frontends: int
     max_instances: int
     max_body_bytes: int
     poll_interval_s: float

@@ -111,6 +111,23 @@ class FeatureColumns:
     label: np.ndarray | None = None
     event_ids: pa.Array | None = None
 
+    def __len__(self) -> int:
+        return len(self.hist_lengths)
+
+    @staticmethod
+    def concat(parts: list["FeatureColumns"]) -> "FeatureColumns":
+        """Rows of several parts (e.g. the requests of one serving batch), in order; labels and ids dropped."""
+        if len(parts) == 1:
+            return parts[0]
+        return FeatureColumns(
+            ints={name: np.concatenate([p.ints[name] for p in parts]) for name in parts[0].ints},
+            counters=np.concatenate([p.counters for p in parts]),
+            device_hash=np.concatenate([p.device_hash for p in parts]),
+            hist_items=np.concatenate([p.hist_items for p in parts]),
+            hist_categories=np.concatenate([p.hist_categories for p in parts]),
+            hist_lengths=np.concatenate([p.hist_lengths for p in parts]),
+        )
+
 
 def device_hashes(device: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
     """crc32 of each device string (stable across runs and processes), hashed once per distinct value."""

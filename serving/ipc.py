@@ -1,0 +1,88 @@
+"""The link between HTTP front-end processes (serving/frontend.py) and the engine (the
+`streamrec serve` process that owns the model, the batcher and the GPU).
+
+One Unix-socket connection per front-end, multiplexed: frames of a 4-byte big-endian length
+and a pickle (protocol 5: numpy arrays travel as raw buffers). Messages:
+
+- front-end -> engine ``("hello",)``; engine -> ``("hello", model name, sample spec as JSON)``
+- front-end -> engine ``("predict", id, FeatureColumns)``; engine -> ``("ok", id, version, scores)``
+  or ``("error", id, http status, message)``; answers come in completion order, matched by id.
+
+Only the engine's own front-ends connect (the socket file is created 0600 in a private dir).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import struct
+from typing import Any, Awaitable, Callable
+
+from serving.errors import ApiError
+
+log = logging.getLogger("streamrec.serving")
+_LENGTH = struct.Struct(">I")
+MAX_FRAME = 1 << 30
+
+
+def frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=5)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next message; IncompleteReadError at end of stream."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > MAX_FRAME:
+        raise ValueError(f"frame of {length:,} bytes: not a streamrec front-end")
+    return pickle.loads(await reader.readexactly(length))
+
+
+class EngineLink:
+    """Engine side: answers the front-ends' predict messages through ``score(columns)``."""
+
+    def __init__(self, path: str, hello: Callable[[], tuple], score: Callable[[Any], Awaitable[tuple[int, Any]]]) -> None:
+        self.path, self.hello, self.score = path, hello, score
+        self.connected = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connected += 1
+        try:
+            while True:
+                message = await read_frame(reader)
+                if message[0] == "hello":
+                    writer.write(frame(self.hello()))
+                elif message[0] == "predict":
+                    task = asyncio.create_task(self._answer(writer, message[1], message[2]))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the front-end went away; its in-flight answers are dropped with it
+        except Exception:  # noqa: BLE001 -- a broken front-end must not take the engine down
+            log.exception("front-end link failed")
+        finally:
+            self.connected -= 1
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, columns: Any) -> None:
+        try:
+            version, scores = await self.score(columns)
+            answer = ("ok", request_id, version, scores)
+        except ApiError as exc:
+            answer = ("error", request_id, exc.status, exc.message)
+        except Exception as exc:  # noqa: BLE001 -- every request gets an answer
+            log.exception("unexpected error")
+            answer = ("error", request_id, 500, f"internal error: {type(exc).__name__}: {exc}")
+        if not writer.is_closing():
+            writer.write(frame(answer))
