@@ -30,12 +30,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import orjson
 import uvicorn
 
 from pipelines.samples import SampleSpec
 from serving.errors import ApiError
-from serving.ipc import frame, read_frame
+from serving.ipc import frame, pack_columns, read_frame
 from serving.request import InstanceDecoder, invalid_instances
 from serving.shortcut import PredictShortcut
 
@@ -105,13 +106,13 @@ class EngineClient:
             raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        self._writer.write(frame(("predict", request_id, columns)))
+        self._writer.write(frame(("predict", request_id, *pack_columns(columns))))
         answer = await future
         if answer[0] == "error":
             if answer[2] == 503:
                 await self.hello()  # maybe a new sample schema
             raise ApiError(answer[2], answer[3])
-        return orjson.dumps({"model_version": answer[2], "scores": answer[3].tolist()})
+        return orjson.dumps({"model_version": answer[2], "scores": np.frombuffer(answer[3], np.float32).tolist()})
 
 
 class EngineRelay:
