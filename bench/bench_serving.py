@@ -60,7 +60,8 @@ def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, wo
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
-           "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false"}
+           "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
+           "STREAMREC_SERVING__POLL_INTERVAL_S": "0.2"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # buckets are compiled before the server is ready
@@ -144,6 +145,40 @@ def profile_server(pid: int, out: Path, seconds: float) -> subprocess.Popen | No
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def set_latest(latest: Path, version: int) -> None:
+    """Move LATEST as a trainer does (write aside, rename)."""
+    tmp = latest.with_name(".LATEST.bench")
+    tmp.write_text(f"{version}\n")
+    tmp.replace(latest)
+
+
+def measure_swaps(port: int, bodies: list[bytes], args, latest: Path, versions: list[int]) -> dict:
+    """p50/p99 at ``--swap-concurrency`` without swaps, then while LATEST moves through the
+    store's versions (one every 0.5 s; the server polls LATEST every 0.2 s)."""
+    c = args.swap_concurrency
+    steady = load(port, bodies, c, args.seconds, args.client_processes)
+    stop = threading.Event()
+    start_version = model_status(port)["model_version"]
+
+    def publish() -> None:
+        for v in versions[1:]:
+            if stop.wait(0.5):
+                return
+            set_latest(latest, v)
+
+    mover = threading.Thread(target=publish)
+    mover.start()
+    swapping = load(port, bodies, c, min(args.seconds * 2, 0.5 * len(versions)), args.client_processes)
+    stop.set()
+    mover.join()
+    applied = model_status(port)["model_version"]
+    print(f"hot-swap at concurrency {c}: steady p50 {steady['p50_ms']:.2f} / p99 {steady['p99_ms']:.2f} ms, "
+          f"while swapping v{start_version} -> v{applied}: p50 {swapping['p50_ms']:.2f} / p99 {swapping['p99_ms']:.2f} ms, "
+          f"errors {swapping['errors']}", flush=True)
+    return {"concurrency": c, "steady": steady, "swapping": swapping, "from_version": start_version, "to_version": applied,
+            "versions_in_store": len(versions)}
+
+
 def model_status(port: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/v1/models/ctr")
@@ -181,6 +216,8 @@ def main() -> None:
                         help="load-generator processes (default: half the cores, at most 8)")
     parser.add_argument("--frontends", type=int, default=0, help="serving.frontends of ours: HTTP front-end processes")
     parser.add_argument("--baseline-frontends", type=int, default=0, help="serving.frontends of the baseline")
+    parser.add_argument("--swap-concurrency", type=int, default=0,
+                        help="also measure ours at this concurrency twice: steady, then while new versions are applied (hot-swap)")
     parser.add_argument("--model-store", help="serve this store (a version of model 'ctr') instead of training one")
     parser.add_argument("--no-baseline", action="store_true", help="measure ours only (parameter sweeps)")
     parser.add_argument("--profile", action="store_true",
@@ -204,10 +241,16 @@ def main() -> None:
         store = Path(args.model_store or tmp)
         if not args.model_store or not (store / "ctr" / "LATEST").exists():
             # A real model trained on the same samples, so requests hit existing rows as in production.
+            # a delta every 0.2 s: versions to hot-swap through (--swap-concurrency)
             subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", str(store),
-                            "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
+                            "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device,
+                            "--publish-interval", "0.2", "--full-every", "1000"],
                            cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        versions = sorted(int(p.name) for p in (store / "ctr" / "versions").iterdir() if p.name.isdigit())
+        latest = store / "ctr" / "LATEST"
         for name, (max_batch, delay, mode, frontends) in servers.items():
+            if args.swap_concurrency and name == "ours":
+                set_latest(latest, versions[0])  # the server starts on the first version; the swap level moves it on
             proc, port = start_server(store, args.device, max_batch, delay, args.workers, mode, frontends)
             try:
                 load(port, bodies, 4, 1.0, args.client_processes)  # warm-up
@@ -221,6 +264,8 @@ def main() -> None:
                     result[name].append(row)
                     if spy is not None:
                         spy.wait(timeout=60)
+                if args.swap_concurrency and name == "ours":
+                    result["swap"] = measure_swaps(port, bodies, args, latest, versions)
                 result[f"{name}_runtime"] = model_status(port).get("runtime")
             finally:
                 proc.terminate()
