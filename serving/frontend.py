@@ -183,11 +183,12 @@ class FrontendPlan:
     port: int
     max_body_bytes: int
     max_instances: int
+    switch_interval_us: int = 500
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "serving.frontend", "--socket", self.socket_path, "--engine-port", str(self.engine_port),
                 "--host", self.host, "--port", str(self.port), "--max-body-bytes", str(self.max_body_bytes),
-                "--max-instances", str(self.max_instances)]
+                "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us)]
 
 
 class FrontendPool:
@@ -240,7 +241,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--max-instances", type=int, required=True)
+    parser.add_argument("--switch-interval-us", type=int, default=500)
     args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval_us / 1e6)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s frontend %(process)d %(levelname)s %(message)s")
     engine = EngineClient(args.socket, args.max_instances)
     app = PredictShortcut(EngineRelay(engine, args.engine_port), engine.predict_body, args.max_body_bytes)

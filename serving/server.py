@@ -6,6 +6,7 @@ import logging
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,9 @@ class _Server(uvicorn.Server):
 def serve(cfg: Config) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn then stops accepting and drains in-flight requests."""
     s = cfg.serving
+    if s.switch_interval_us <= 0:
+        raise ValueError(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
+    sys.setswitchinterval(s.switch_interval_us / 1e6)
     device = pick_device(s.device)
     runtime = RuntimeConfig.from_serving(s)
     runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
@@ -56,7 +60,7 @@ def serve(cfg: Config) -> None:
         raise ValueError(f"serving.frontends must be >= 0, got {s.frontends}")
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
-                        s.max_instances) if private else None
+                        s.max_instances, s.switch_interval_us) if private else None
     api = create_app(served, s, plan)
     app = PredictShortcut(api, api.state.predict_body, s.max_body_bytes)
     if plan is not None:

@@ -153,6 +153,7 @@ class ServingConfig:
     max_delay_us: int
     workers: int
     frontends: int
+    switch_interval_us: int
     max_instances: int
     max_body_bytes: int
     poll_interval_s: float
