@@ -55,13 +55,13 @@ def free_port() -> int:
 
 
 def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str,
-                 frontends: int = 0, switch_interval_us: int = 500) -> tuple[subprocess.Popen, int]:
+                 frontends: int = 0, switch_interval_us: int = 500, poll_interval_s: float = 1.0) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
            "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
-           "STREAMREC_SERVING__POLL_INTERVAL_S": "0.2", "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us)}
+           "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us)}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # buckets are compiled before the server is ready
@@ -154,7 +154,7 @@ def set_latest(latest: Path, version: int) -> None:
 
 def measure_swaps(port: int, bodies: list[bytes], args, latest: Path, versions: list[int]) -> dict:
     """p50/p99 at ``--swap-concurrency`` without swaps, then while LATEST moves through the
-    store's versions (one every 0.5 s; the server polls LATEST every 0.2 s)."""
+    store's versions (one every 0.5 s; the server polls LATEST every ``--poll-interval``)."""
     c = args.swap_concurrency
     steady = load(port, bodies, c, args.seconds, args.client_processes)
     stop = threading.Event()
@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--frontends", type=int, default=0, help="serving.frontends of ours: HTTP front-end processes")
     parser.add_argument("--baseline-frontends", type=int, default=0, help="serving.frontends of the baseline")
     parser.add_argument("--switch-interval-us", type=int, default=500, help="serving.switch_interval_us of both servers")
+    parser.add_argument("--poll-interval", type=float, default=1.0, help="serving.poll_interval_s (LATEST checks) of both servers")
     parser.add_argument("--swap-concurrency", type=int, default=0,
                         help="also measure ours at this concurrency twice: steady, then while new versions are applied (hot-swap)")
     parser.add_argument("--model-store", help="serve this store (a version of model 'ctr') instead of training one")
@@ -252,7 +253,8 @@ def main() -> None:
         for name, (max_batch, delay, mode, frontends) in servers.items():
             if args.swap_concurrency and name == "ours":
                 set_latest(latest, versions[0])  # the server starts on the first version; the swap level moves it on
-            proc, port = start_server(store, args.device, max_batch, delay, args.workers, mode, frontends, args.switch_interval_us)
+            proc, port = start_server(store, args.device, max_batch, delay, args.workers, mode, frontends, args.switch_interval_us,
+                                      args.poll_interval)
             try:
                 load(port, bodies, 4, 1.0, args.client_processes)  # warm-up
                 result[name] = []
