@@ -261,9 +261,11 @@ def main() -> None:
                 for c in args.concurrency:
                     spy = profile_server(proc.pid, Path(args.out) / f"serving-profile-{name}-c{c}.txt", args.seconds) \
                         if args.profile and c == max(args.concurrency) else None
-                    before = model_status(port)["batching"]
+                    before = model_status(port)
                     row = load(port, bodies, c, args.seconds, args.client_processes)
-                    row["server"] = batching_delta(before, model_status(port)["batching"])
+                    after = model_status(port)
+                    row["server"] = batching_delta(before["batching"], after["batching"])
+                    row["server"]["gc"] = after.get("gc")
                     result[name].append(row)
                     if spy is not None:
                         spy.wait(timeout=60)
@@ -278,7 +280,9 @@ def main() -> None:
                 print(f"{name:9s} concurrency {row['concurrency']:3d}: {row['qps']:8.1f} req/s "
                       f"({row['qps'] * args.instances:9.0f} instances/s)  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
                       f"errors {row['errors']}  | server: {srv['requests_per_batch']:.1f} req/batch, queued "
-                      f"{srv['queued_ms_per_request']:.2f} ms/req, run {srv['run_ms_per_batch']:.2f} ms/batch", flush=True)
+                      f"{srv['queued_ms_per_request']:.2f} ms/req, run {srv['run_ms_per_batch']:.2f} ms/batch"
+                      + (f", engine gc collections {srv['gc']['collections']} longest {srv['gc']['longest_pause_ms']:.1f} ms" if srv.get("gc") else ""),
+                      flush=True)
     if args.no_baseline:
         write_result(args.out, f"serving-{args.device.split(':')[0]}", result)
         return

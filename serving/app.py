@@ -30,6 +30,7 @@ from serving.batcher import RequestBatcher
 from serving.errors import ApiError
 from serving.frontend import FrontendPlan, FrontendPool
 from serving.ipc import EngineLink
+from serving.pauses import GcPauses
 from serving.request import InstanceDecoder, invalid_instances
 from serving.state import ServedModel
 from streamrec import __version__
@@ -67,7 +68,8 @@ class ServingMetrics:
                 self.device_ms.labels(bucket).set(s["device_ms_per_batch"])
 
 
-def create_app(served: ServedModel, settings: ServingConfig, frontends: FrontendPlan | None = None) -> FastAPI:
+def create_app(served: ServedModel, settings: ServingConfig, frontends: FrontendPlan | None = None,
+               gc_pauses: GcPauses | None = None) -> FastAPI:
     """The engine's API; with ``frontends`` it also starts those processes and answers the
     predict requests they send over the Unix socket (serving/frontend.py)."""
     metrics = ServingMetrics()
@@ -255,6 +257,7 @@ def create_app(served: ServedModel, settings: ServingConfig, frontends: Frontend
             "latest_in_store": served.model_store.latest(),
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
             "batching": batcher.stats.as_json(),
+            "gc": gc_pauses.as_json() if gc_pauses is not None else None,
         }
 
     async def admin_call(fn, *args):

@@ -37,6 +37,7 @@ import uvicorn
 from pipelines.samples import SampleSpec
 from serving.errors import ApiError
 from serving.ipc import frame, pack_columns, read_frame
+from serving.pauses import freeze_heap
 from serving.request import InstanceDecoder, invalid_instances
 from serving.shortcut import PredictShortcut
 
@@ -166,6 +167,7 @@ class EngineRelay:
                 except Exception as exc:  # noqa: BLE001 -- reported to uvicorn, which exits
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                freeze_heap()  # imports done, engine connected: later collections skip all of that
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})

@@ -16,6 +16,7 @@ import uvicorn
 from ps.model_store import ModelStore
 from serving.app import create_app
 from serving.frontend import FrontendPlan
+from serving.pauses import GcPauses, freeze_heap
 from serving.shortcut import PredictShortcut
 from serving.runner import RuntimeConfig
 from serving.state import ServedModel
@@ -52,6 +53,7 @@ def serve(cfg: Config) -> None:
     served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, cfg.model.gpu_cache_rows, s.undo_depth, runtime)
     for report in served.catch_up():
         log.info("loaded version %d of %s (%d rows)", report.version, cfg.model.name, report.rows)
+    freeze_heap()  # the loaded model's objects: full collections no longer walk them (serving/pauses.py)
     if served.version is None:
         log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", cfg.model.name, s.model_store)
     listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
@@ -61,7 +63,7 @@ def serve(cfg: Config) -> None:
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
                         s.max_instances, s.switch_interval_us) if private else None
-    api = create_app(served, s, plan)
+    api = create_app(served, s, plan, GcPauses().install())
     app = PredictShortcut(api, api.state.predict_body, s.max_body_bytes)
     if plan is not None:
         log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
