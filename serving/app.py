@@ -35,7 +35,8 @@ from serving.request import InstanceDecoder, invalid_instances
 from serving.state import ServedModel
 from streamrec import __version__
 from streamrec.config import ServingConfig
-from trainer.features import FeatureColumns, batch_from_columns
+from trainer.columns import FeatureColumns
+from trainer.features import batch_from_columns
 
 log = logging.getLogger("streamrec.serving")
 

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from serving.errors import ApiError
-from trainer.features import INT_COLUMNS, FeatureColumns
+from trainer.columns import INT_COLUMNS, FeatureColumns
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")

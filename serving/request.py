@@ -28,7 +28,7 @@ import numpy as np
 from pipelines.sample_wire import ID_COLUMNS, RESERVED_IDS
 from pipelines.samples import SAMPLE_VERSION, SampleSpec
 from serving.errors import ApiError
-from trainer.features import INT_COLUMNS, FeatureColumns, device_hashes
+from trainer.columns import INT_COLUMNS, FeatureColumns, device_hashes
 
 INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
