@@ -74,6 +74,8 @@ class RequestBatcher:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
         self._pending: deque[_Request] = deque()
         self._pending_rows = 0
+        self._last_arrival = 0.0
+        self._gap_s = 0.0  # moving average of the time between requests
         self._waiting: asyncio.Event | None = None  # a request is pending
         self._full: asyncio.Event | None = None  # max_batch instances are pending
         self._slots: asyncio.Semaphore | None = None
@@ -97,6 +99,9 @@ class RequestBatcher:
     async def submit(self, payload: list) -> BatchResult:
         """Queue one request (cheap: no task or timer per request) and wait for its outcome."""
         request = _Request(payload, asyncio.get_running_loop().create_future())
+        if self._last_arrival:
+            self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
+        self._last_arrival = request.enqueued
         self._pending.append(request)
         self._pending_rows += len(payload)
         self._waiting.set()
@@ -107,12 +112,14 @@ class RequestBatcher:
     async def _loop(self) -> None:
         """Close a batch when a worker is free and the oldest pending request has waited
         ``max_delay_us`` or ``max_batch`` instances are pending; while every worker is busy
-        the next batch keeps growing."""
+        the next batch keeps growing. When requests come further apart than ``max_delay_us``
+        on average, waiting would only add latency (the next one is not expected within the
+        window): the batch closes as soon as a worker is free."""
         while True:
             await self._waiting.wait()
             await self._slots.acquire()
             left = self._pending[0].enqueued + self.max_delay_s - time.perf_counter()
-            if left > 0 and self._pending_rows < self.max_batch:
+            if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s:
                 try:
                     await asyncio.wait_for(self._full.wait(), left)
                 except asyncio.TimeoutError:

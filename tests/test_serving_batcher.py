@@ -87,6 +87,26 @@ def test_no_more_than_workers_batches_run_at_once_and_waiting_batches_grow():
     assert recorder.batches == [[1], [1], [1, 1, 1, 1], [1, 1]]
 
 
+def test_sparse_requests_do_not_wait_for_the_window():
+    recorder = Recorder()
+
+    async def main():
+        batcher = RequestBatcher(recorder, max_batch=1024, max_delay_us=30_000, workers=1)
+        await batcher.start()
+        waits = []
+        for i in range(12):  # one request every 80 ms: far apart compared with the 30 ms window
+            t0 = time.perf_counter()
+            await batcher.submit([i])
+            waits.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.08)
+        await batcher.stop()
+        return waits
+
+    waits = run(main())
+    assert waits[0] > 0.025  # no history yet: the first request waits out the window
+    assert max(waits[-4:]) < 0.02, waits  # once the gaps are known, each is dispatched at once
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_batch"):
         RequestBatcher(Recorder(), max_batch=0, max_delay_us=0, workers=1)
