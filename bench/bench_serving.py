@@ -266,6 +266,7 @@ def main() -> None:
                     after = model_status(port)
                     row["server"] = batching_delta(before["batching"], after["batching"])
                     row["server"]["gc"] = after.get("gc")
+                    row["server"]["recent"] = after["batching"].get("recent")  # the last batches: this level's
                     result[name].append(row)
                     if spy is not None:
                         spy.wait(timeout=60)
@@ -280,7 +281,8 @@ def main() -> None:
                 print(f"{name:9s} concurrency {row['concurrency']:3d}: {row['qps']:8.1f} req/s "
                       f"({row['qps'] * args.instances:9.0f} instances/s)  p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
                       f"errors {row['errors']}  | server: {srv['requests_per_batch']:.1f} req/batch, queued "
-                      f"{srv['queued_ms_per_request']:.2f} ms/req, run {srv['run_ms_per_batch']:.2f} ms/batch"
+                      f"{srv['queued_ms_per_request']:.2f} ms/req (p99 {srv['recent']['queued_ms_p99']}), run {srv['run_ms_per_batch']:.2f} "
+                      f"ms/batch (p99 {srv['recent']['run_ms_p99']})"
                       + (f", engine gc collections {srv['gc']['collections']} longest {srv['gc']['longest_pause_ms']:.1f} ms" if srv.get("gc") else ""),
                       flush=True)
     if args.no_baseline:

@@ -40,6 +40,8 @@ class BatchingStats:
     """Cumulative figures of the batcher, so where a request's time goes is visible from
     outside (``GET /v1/models/<model>``): waiting for its batch vs the batch's run."""
 
+    recent_runs: deque = field(default_factory=lambda: deque(maxlen=4096))  # seconds, the last batches
+    recent_waits: deque = field(default_factory=lambda: deque(maxlen=16384))  # seconds, the last requests
     batches: int = 0
     requests: int = 0
     rows: int = 0
@@ -51,7 +53,10 @@ class BatchingStats:
         self.batches += 1
         self.requests += len(batch)
         self.rows += rows
-        self.queued_s += sum(started - r.enqueued for r in batch)
+        waits = [started - r.enqueued for r in batch]
+        self.queued_s += sum(waits)
+        self.recent_waits.extend(waits)
+        self.recent_runs.append(ended - started)
         self.run_s += ended - started
         self.longest_run_s = max(self.longest_run_s, ended - started)
 
@@ -61,7 +66,13 @@ class BatchingStats:
                 "queued_s": round(self.queued_s, 6), "run_s": round(self.run_s, 6),
                 "requests_per_batch": round(self.requests / b, 2), "rows_per_batch": round(self.rows / b, 1),
                 "queued_ms_per_request": round(self.queued_s / max(self.requests, 1) * 1000, 3),
-                "run_ms_per_batch": round(self.run_s / b * 1000, 3), "longest_run_ms": round(self.longest_run_s * 1000, 3)}
+                "run_ms_per_batch": round(self.run_s / b * 1000, 3), "longest_run_ms": round(self.longest_run_s * 1000, 3),
+                "recent": {"batches": len(self.recent_runs), "run_ms_p50": _percentile_ms(self.recent_runs, 50),
+                           "run_ms_p99": _percentile_ms(self.recent_runs, 99), "queued_ms_p99": _percentile_ms(self.recent_waits, 99)}}
+
+
+def _percentile_ms(values: deque, q: float) -> float | None:
+    return round(float(np.percentile(np.fromiter(values, float), q)) * 1000, 3) if values else None
 
 
 class RequestBatcher:
