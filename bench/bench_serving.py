@@ -145,6 +145,35 @@ def profile_server(pid: int, out: Path, seconds: float) -> subprocess.Popen | No
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+async def _noop_app(scope, receive, send) -> None:
+    """A server that does nothing: what the host, uvicorn and the load generator cost alone."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b'{"model_version":1,"scores":[0.5]}'})
+
+
+def noise_floor(bodies: list[bytes], seconds: float, processes: int) -> dict:
+    """p50/p99 of a no-op uvicorn server (own process) at concurrency 1 with the same client."""
+    import uvicorn
+
+    port = free_port()
+    proc = mp.get_context("fork").Process(target=uvicorn.run, args=(_noop_app,), kwargs={"host": "127.0.0.1", "port": port, "log_level": "warning"},
+                                          daemon=True)
+    proc.start()
+    try:
+        time.sleep(1.5)
+        row = load(port, bodies, 1, seconds, processes)
+    finally:
+        proc.terminate()
+        proc.join(timeout=10)
+    print(f"noise floor (no-op server, concurrency 1): {row['qps']:.0f} req/s  p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms",
+          flush=True)
+    return row
+
+
 def set_latest(latest: Path, version: int) -> None:
     """Move LATEST as a trainer does (write aside, rename)."""
     tmp = latest.with_name(".LATEST.bench")
@@ -218,6 +247,7 @@ def main() -> None:
     parser.add_argument("--baseline-frontends", type=int, default=0, help="serving.frontends of the baseline")
     parser.add_argument("--switch-interval-us", type=int, default=500, help="serving.switch_interval_us of both servers")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="serving.poll_interval_s (LATEST checks) of both servers")
+    parser.add_argument("--noise-floor", action="store_true", help="first measure a no-op HTTP server with the same client")
     parser.add_argument("--swap-concurrency", type=int, default=0,
                         help="also measure ours at this concurrency twice: steady, then while new versions are applied (hot-swap)")
     parser.add_argument("--model-store", help="serve this store (a version of model 'ctr') instead of training one")
@@ -235,6 +265,8 @@ def main() -> None:
     result = {"bench": "serving", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
               "workers": args.workers, "compile": args.compile, "frontends": args.frontends, "baseline_frontends": args.baseline_frontends,
               "max_batch": args.max_batch, "max_delay_us": args.max_delay_us, "switch_interval_us": args.switch_interval_us, "client_processes": args.client_processes, "host": platform.node(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if args.noise_floor:
+        result["noise_floor"] = noise_floor(bodies, args.seconds, args.client_processes)
     servers = {"ours": (args.max_batch, args.max_delay_us, args.compile, args.frontends),
                "baseline": (1, 0, "eager", args.baseline_frontends)}
     if args.no_baseline:
