@@ -41,17 +41,10 @@ import pyarrow.parquet as pq
 
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
+from streamrec.bus.broker import free_port
 from trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str,

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipelines.samples import SampleSpec
 from ps.model_store import CorruptVersion
 from serving.batcher import RequestBatcher
-from serving.errors import ApiError
+from serving.errors import ApiError, not_loaded, unknown_model
 from serving.frontend import FrontendPlan, FrontendPool
 from serving.ipc import EngineLink
 from serving.pauses import GcPauses
@@ -91,7 +91,7 @@ def create_app(served: ServedModel, settings: ServingConfig, frontends: Frontend
         an invalid instance gets a 400 naming them; the others are scored."""
         current = served.current
         if current is None:
-            raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+            raise not_loaded()
         decoder = decoder_for(current.sample_spec)
         outcomes: list = [None] * len(payloads)
         width = len(current.sample_spec.counter_columns())
@@ -190,7 +190,7 @@ def create_app(served: ServedModel, settings: ServingConfig, frontends: Frontend
 
     def check_model(model: str) -> None:
         if model != model_name:
-            raise ApiError(404, f"unknown model {model!r}; this server serves {model_name!r}")
+            raise unknown_model(model, model_name)
 
     def check_admin(request: Request) -> None:
         if not settings.admin_token:
@@ -222,12 +222,10 @@ def create_app(served: ServedModel, settings: ServingConfig, frontends: Frontend
 
     async def predict_body(model: str, body: bytes) -> bytes:
         """The predict route's work, shared by the FastAPI route and the PredictShortcut."""
-        check_model(model)
-        if len(body) > settings.max_body_bytes:
-            raise ApiError(413, f"request body exceeds serving.max_body_bytes ({settings.max_body_bytes:,})")
+        check_model(model)  # the body's size was checked as it was read (read_body, PredictShortcut)
         current = served.current
         if current is None:
-            raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+            raise not_loaded()
         version, scores = await score(decoder_for(current.sample_spec).decode(body))
         return orjson.dumps({"model_version": version, "scores": scores.tolist()})
 

@@ -1,4 +1,9 @@
-"""The one exception an HTTP route raises to answer with a JSON error (serving/app.py)."""
+"""The one exception an HTTP route raises to answer with a JSON error, and the errors that
+both the engine (serving/app.py) and a front-end process (serving/frontend.py) raise."""
+
+from __future__ import annotations
+
+import orjson
 
 
 class ApiError(Exception):
@@ -7,3 +12,14 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"code": self.status, "message": self.message}})
+
+
+def unknown_model(asked: str, served: str | None) -> ApiError:
+    return ApiError(404, f"unknown model {asked!r}; this server serves {served!r}")
+
+
+def not_loaded() -> ApiError:
+    return ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")

@@ -35,14 +35,14 @@ import orjson
 import uvicorn
 
 from pipelines.samples import SampleSpec
-from serving.errors import ApiError
+from serving.errors import ApiError, not_loaded, unknown_model
 from serving.ipc import frame, pack_columns, read_frame
 from serving.pauses import freeze_heap
 from serving.request import InstanceDecoder, invalid_instances
-from serving.shortcut import PredictShortcut
+from serving.shortcut import PredictShortcut, read_body, send_answer
 
 log = logging.getLogger("streamrec.serving.frontend")
-HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length"}
+HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length"}  # send_answer sets the length
 
 
 class EngineClient:
@@ -96,11 +96,11 @@ class EngineClient:
 
     async def predict_body(self, model: str, body: bytes) -> bytes:
         if model != self.model:
-            raise ApiError(404, f"unknown model {model!r}; this server serves {self.model!r}")
+            raise unknown_model(model, self.model)
         if self.decoder is None:
             await self.hello()
             if self.decoder is None:
-                raise ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+                raise not_loaded()
         instances = self.decoder.decode(body)
         columns, rejected = self.decoder.columns(instances)
         if rejected:
@@ -121,31 +121,26 @@ class EngineRelay:
     port (rare, admin-speed traffic: a blocking client on a thread is enough), and runs the
     front-end's lifespan (connect to the engine at start-up)."""
 
-    def __init__(self, engine: EngineClient, engine_port: int) -> None:
-        self.engine, self.engine_port = engine, engine_port
+    def __init__(self, engine: EngineClient, engine_port: int, max_body_bytes: int) -> None:
+        self.engine, self.engine_port, self.max_body_bytes = engine, engine_port, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except ApiError as exc:
+            return await send_answer(send, exc.status, exc.body())
         target = scope["path"] + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else "")
         headers = {k.decode(): v.decode() for k, v in scope["headers"] if k not in HOP_HEADERS}
         try:
-            status, reply_headers, body = await asyncio.get_running_loop().run_in_executor(
-                None, self._forward, scope["method"], target, headers, b"".join(chunks))
+            status, reply_headers, answer = await asyncio.get_running_loop().run_in_executor(
+                None, self._forward, scope["method"], target, headers, body)
         except OSError as exc:
-            status, body = 503, orjson.dumps({"error": {"code": 503, "message": f"the serving engine is not reachable: {exc}"}})
-            reply_headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": status,
-                    "headers": reply_headers + [(b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+            return await send_answer(send, 503, ApiError(503, f"the serving engine is not reachable: {exc}").body())
+        await send_answer(send, status, answer, reply_headers)
 
     def _forward(self, method: str, target: str, headers: dict, body: bytes) -> tuple[int, list, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.engine_port, timeout=120)
@@ -248,7 +243,7 @@ def main() -> None:
     sys.setswitchinterval(args.switch_interval_us / 1e6)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s frontend %(process)d %(levelname)s %(message)s")
     engine = EngineClient(args.socket, args.max_instances)
-    app = PredictShortcut(EngineRelay(engine, args.engine_port), engine.predict_body, args.max_body_bytes)
+    app = PredictShortcut(EngineRelay(engine, args.engine_port, args.max_body_bytes), engine.predict_body, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # every front-end binds the public port

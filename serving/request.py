@@ -71,7 +71,7 @@ class InstanceDecoder:
         self.instance = instance_struct(spec)
         self._body = msgspec.json.Decoder(msgspec.defstruct("PredictBody", [("instances", list[self.instance])]))
         self._ints = attrgetter(*INT_COLUMNS, *spec.counter_columns())
-        self._n_ints = len(INT_COLUMNS)
+        self._n_ints, self._width = len(INT_COLUMNS), len(INT_COLUMNS) + len(spec.counter_columns())
 
     def decode(self, body: bytes) -> list:
         """The instances of a request body; ApiError (400/413) with a clear message otherwise."""
@@ -119,8 +119,7 @@ class InstanceDecoder:
         """Columns of decoded instances, and [(index, reason)] of those the batch checks refuse
         (their rows are still in the columns: decode the others again without them)."""
         n, k = len(instances), self._n_ints
-        ints = np.fromiter(chain.from_iterable(map(self._ints, instances)), np.int64, n * (k + len(self.spec.counter_columns())))
-        ints = ints.reshape(n, -1)
+        ints = np.fromiter(chain.from_iterable(map(self._ints, instances)), np.int64, n * self._width).reshape(n, self._width)
         items = list(map(attrgetter("hist_item_ids"), instances))
         categories = list(map(attrgetter("hist_category_ids"), instances))
         lengths = np.fromiter(map(len, items), np.int64, n)

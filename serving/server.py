@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -17,10 +16,11 @@ from ps.model_store import ModelStore
 from serving.app import create_app
 from serving.frontend import FrontendPlan
 from serving.pauses import GcPauses, freeze_heap
-from serving.shortcut import PredictShortcut
 from serving.runner import RuntimeConfig
+from serving.shortcut import PredictShortcut
 from serving.state import ServedModel
 from serving.watcher import UpdateListener, VersionWatcher
+from streamrec.bus.broker import free_port
 from streamrec.config import Config
 from trainer.engine import pick_device
 
@@ -46,6 +46,8 @@ def serve(cfg: Config) -> None:
     s = cfg.serving
     if s.switch_interval_us <= 0:
         raise ValueError(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
+    if s.frontends < 0:
+        raise ValueError(f"serving.frontends must be >= 0, got {s.frontends}")
     sys.setswitchinterval(s.switch_interval_us / 1e6)
     device = pick_device(s.device)
     runtime = RuntimeConfig.from_serving(s)
@@ -58,8 +60,6 @@ def serve(cfg: Config) -> None:
         log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", cfg.model.name, s.model_store)
     listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
     watcher = VersionWatcher(served, s.poll_interval_s, listener).start()
-    if s.frontends < 0:
-        raise ValueError(f"serving.frontends must be >= 0, got {s.frontends}")
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
                         s.max_instances, s.switch_interval_us) if private else None
@@ -79,9 +79,3 @@ def serve(cfg: Config) -> None:
         served.close()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

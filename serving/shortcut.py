@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Awaitable, Callable
 
-import orjson
-
 from serving.errors import ApiError
 
 log = logging.getLogger("streamrec.serving")
@@ -33,31 +31,36 @@ class PredictShortcut:
             return await self.app(scope, receive, send)
         status = 200
         try:
-            answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await self._read(scope, receive))
+            answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await read_body(scope, receive, self.max_body_bytes))
         except ApiError as exc:
-            status, answer = exc.status, orjson.dumps({"error": {"code": exc.status, "message": exc.message}})
+            status, answer = exc.status, exc.body()
         except Exception as exc:  # noqa: BLE001 -- every failure is answered, as the FastAPI handler does
             log.exception("unexpected error")
-            status = 500
-            answer = orjson.dumps({"error": {"code": 500, "message": f"internal error: {type(exc).__name__}: {exc}"}})
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
-        await send({"type": "http.response.body", "body": answer})
+            status, answer = 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body()
+        await send_answer(send, status, answer)
 
-    async def _read(self, scope, receive) -> bytes:
-        """The request body; 413 before reading when the announced length is over the limit."""
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
-                raise ApiError(413, f"request body of {int(value):,} bytes exceeds serving.max_body_bytes ({self.max_body_bytes:,})")
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(499, "client disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(413, f"request body exceeds serving.max_body_bytes ({self.max_body_bytes:,})")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+
+async def read_body(scope, receive, max_bytes: int) -> bytes:
+    """A request's body; 413 before reading when the announced length is over ``max_bytes``."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+            raise ApiError(413, f"request body of {int(value):,} bytes exceeds serving.max_body_bytes ({max_bytes:,})")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "client disconnected")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"request body exceeds serving.max_body_bytes ({max_bytes:,})")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_answer(send, status: int, body: bytes, headers: list | None = None) -> None:
+    """A complete response (JSON unless ``headers`` say otherwise)."""
+    headers = headers if headers is not None else [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": status, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -105,6 +105,13 @@ def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_l
     return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
 
 
+def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
+    """A tensor over ``values``, copied only when it must be (another dtype, a strided view,
+    a read-only buffer such as Arrow's or a received frame's): columns_from_table's arrays
+    are already fresh int64 copies."""
+    return torch.from_numpy(np.require(values, dtype, ["C", "W"]))
+
+
 def batch_from_columns(cols: FeatureColumns, spec: SampleSpec, history_len: int) -> SampleBatch:
     """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
     (first) ``history_len`` ids."""
@@ -131,17 +138,17 @@ def batch_from_columns(cols: FeatureColumns, spec: SampleSpec, history_len: int)
     ints = cols.ints
     label = cols.label if cols.label is not None else np.zeros(n, np.float32)
     return SampleBatch(
-        user=torch.from_numpy(np.array(ints["user_id"], np.int64)),  # writable copies for torch
-        item=torch.from_numpy(np.array(ints["item_id"], np.int64)),
-        category=torch.from_numpy(np.array(ints["category_id"], np.int64)),
-        advertiser=torch.from_numpy(np.array(ints["advertiser_id"], np.int64)),
+        user=_tensor(ints["user_id"], np.int64),
+        item=_tensor(ints["item_id"], np.int64),
+        category=_tensor(ints["category_id"], np.int64),
+        advertiser=_tensor(ints["advertiser_id"], np.int64),
         context=torch.from_numpy(context_keys(cols.device_hash, ints["position"], ints["local_hour"])),
-        hist_items=torch.from_numpy(np.array(hist_items, np.int64)),
-        hist_categories=torch.from_numpy(np.array(hist_categories, np.int64)),
+        hist_items=_tensor(hist_items, np.int64),
+        hist_categories=_tensor(hist_categories, np.int64),
         hist_index=torch.from_numpy(hist_index),
         dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
-        label=torch.from_numpy(np.array(label, np.float32)),
-        ts=torch.from_numpy(np.array(ints["ts"], np.int64)),
+        label=_tensor(label, np.float32),
+        ts=_tensor(ints["ts"], np.int64),
         history_len=history_len,
         event_ids=cols.event_ids,
     )
