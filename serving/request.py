@@ -6,8 +6,8 @@ against a struct derived from the served version's :class:`SampleSpec`: an int f
 refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
 Only a body that fails is decoded again instance by instance, so the error names every
 bad instance and field. Why not ``pipelines.sample_wire.decode_samples`` (the Kafka
-path): re-encoding each instance for pyarrow's JSON reader cost ~3 ms per batch whatever
-its size, more than the model itself (bench/RESULTS.md, serving).
+path): re-encoding each instance for pyarrow's JSON reader cost several ms per batch
+whatever its size, more than the model itself (`streamrec bench serving_decode`).
 
 Checks that need more than one field (reserved ids, history lengths, ``sample_version``)
 run in numpy over a whole batch in :meth:`InstanceDecoder.columns`; the rules are those

@@ -1,0 +1,101 @@
+"""The host side of a predict request, without HTTP: body bytes to model tensors.
+
+- ours: ``serving.request.InstanceDecoder`` (msgspec typed decode per request, columns and
+  cross-field checks per batch) + ``trainer.features.batch_from_columns``;
+- baseline (the path until session 7): parse each body with orjson, re-encode each instance,
+  ``pipelines.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
+  ``batch_from_table``, per batch;
+- the front-end link: one request's columns as the one int64 buffer of ``serving.ipc`` vs the
+  pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the engine).
+
+Usage: python bench/bench_serving_decode.py [--samples RUN] [--instances 16] [--requests 1 8 64]
+Writes bench/out/serving-decode-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+
+from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
+from output import write_result
+from pipelines.sample_wire import decode_samples
+from pipelines.samples import SampleSpec
+from serving.ipc import frame, pack_columns, unpack_columns
+from serving.request import InstanceDecoder
+from trainer.features import batch_from_columns, batch_from_table
+from trainer.sources import sample_files
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def per_call_us(fn, seconds: float) -> float:
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate one)")
+    parser.add_argument("--instances", type=int, default=16, help="instances per request")
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64], help="requests per batch")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    args = parser.parse_args()
+    if args.samples is None:
+        args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
+    spec = SampleSpec()
+    most = max(args.requests) * args.instances
+    rows = pq.read_table(sample_files([args.samples])[0]).slice(0, most).drop(["label", "click_ts"]).to_pylist()
+    bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, most, args.instances)]
+    decoder = InstanceDecoder(spec, max_instances=100_000)
+
+    def ours(batch: list[bytes]) -> None:
+        instances = [x for body in batch for x in decoder.decode(body)]
+        columns, _ = decoder.columns(instances)
+        batch_from_columns(columns, spec, spec.history_len)
+
+    def baseline(batch: list[bytes]) -> None:
+        values = [orjson.dumps(x) for body in batch for x in orjson.loads(body)["instances"]]
+        table, _, _ = decode_samples(values, spec, instances=True)
+        batch_from_table(table, spec, spec.history_len, with_labels=False)
+
+    result = {"bench": "serving_decode", "instances_per_request": args.instances, "host": platform.node(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "batches": []}
+    for n in args.requests:
+        batch = bodies[:n]
+        row = {"requests": n, "ours_us": per_call_us(lambda: ours(batch), args.seconds),
+               "baseline_us": per_call_us(lambda: baseline(batch), args.seconds)}
+        row["ratio"] = row["baseline_us"] / row["ours_us"]
+        result["batches"].append(row)
+        print(f"{n:4d} requests x {args.instances} instances: ours {row['ours_us']:9.1f} us, baseline {row['baseline_us']:9.1f} us "
+              f"({row['ratio']:.1f}x)", flush=True)
+
+    columns, _ = decoder.columns(decoder.decode(bodies[0]))
+    packed = pickle.dumps(("predict", 1, *pack_columns(columns)), protocol=5)
+    pickled = pickle.dumps(("predict", 1, columns), protocol=5)
+    link = {"packed_encode_us": per_call_us(lambda: frame(("predict", 1, *pack_columns(columns))), args.seconds),
+            "packed_decode_us": per_call_us(lambda: unpack_columns(*pickle.loads(packed)[2:]), args.seconds),
+            "pickled_encode_us": per_call_us(lambda: frame(("predict", 1, columns)), args.seconds),
+            "pickled_decode_us": per_call_us(lambda: pickle.loads(pickled), args.seconds)}
+    link["engine_decode_ratio"] = link["pickled_decode_us"] / link["packed_decode_us"]
+    result["link"] = link
+    print(f"front-end link, one request: packed buffer encode {link['packed_encode_us']:.1f} / decode {link['packed_decode_us']:.1f} us; "
+          f"pickled dataclass {link['pickled_encode_us']:.1f} / {link['pickled_decode_us']:.1f} us "
+          f"(engine side {link['engine_decode_ratio']:.1f}x)", flush=True)
+    write_result(args.out, "serving-decode", result)
+
+
+if __name__ == "__main__":
+    main()
