@@ -64,7 +64,20 @@ def _broker_pids() -> list[int]:
     return [state.pid] if state else []
 
 
-def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
+def _steady(trace: list[tuple[float, int, float]], events: int) -> dict:
+    """Rate and CPU per event between 30% and the last reading before the end: JIT warm-up
+    (C2 compiles for ~15 s here) and the last partial metrics interval left out."""
+    start = next((t for t in trace if t[1] >= 0.3 * events), None)
+    end = max((t for t in trace if t[1] > (start[1] if start else 0)), default=None, key=lambda t: t[1])
+    if not start or not end or end[0] <= start[0]:
+        return {}
+    n = end[1] - start[1]
+    cpu = end[2] - start[2]
+    return {"steady_events": n, "steady_events_per_s": round(n / (end[0] - start[0])),
+            "steady_events_per_flink_cpu_s": round(n / cpu) if cpu > 0 else None}
+
+
+def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int) -> dict:
     name = events_env["STREAMREC_FLINK__JOB_NAME"] + "-" + backend
     env = {**events_env, **{k: v for k, v in _env(args, name, tmp, backend).items() if k.startswith("STREAMREC_FLINK")}}
     rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}", timeout_s=2)
@@ -76,6 +89,7 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
     flink_pids: list[int] = []
     cpu_now = (0.0, 0.0)
     threads: dict[str, float] = {}
+    trace: list[tuple[float, int, float]] = []  # (when, events read, Flink CPU-s)
     while job.poll() is None:
         try:
             for info in rest.jobs():
@@ -90,6 +104,8 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
             pass
         # the processes' figures vanish when they exit: keep the last (largest) reading
         cpu_now = tuple(max(a, b) for a, b in zip(cpu_now, (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))))
+        if first is not None and (not trace or records > trace[-1][1]):
+            trace.append((time.monotonic(), records, cpu_now[0]))
         # task threads end with the job: keep each thread's last (largest) reading
         threads = {name: max(cpu, threads.get(name, 0.0)) for name, cpu in {**threads, **threads_cpu_seconds(flink_pids)}.items()}
         time.sleep(0.25)
@@ -101,23 +117,32 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path) -> dict:
     flink_cpu, broker_cpu = ((cpu_now[0] - cpu_at_first[0]), (cpu_now[1] - cpu_at_first[1])) if cpu_at_first else (0.0, 0.0)
     return {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(busy, 2),
             "startup_s": round((first or end) - started, 2), "flink_cpu_s": round(flink_cpu, 2),
-            "broker_cpu_s": round(broker_cpu, 2),
+            "broker_cpu_s": round(broker_cpu, 2), **_steady(trace, events),
             # whole life of the JVM (start-up and job planning included), largest first
             "flink_threads_cpu_s": {k: round(v, 1) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:12]}}
 
 
 def python_baseline(args, topic: str) -> dict:
     """kafka-python consumer + the exact reference builder over the same events."""
+    from kafka import TopicPartition
+
     started = time.monotonic()
-    consumer = make_consumer(args.bootstrap, topic, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=3000,
-                             max_poll_records=5000)
+    consumer = make_consumer(args.bootstrap, group_id=None, auto_offset_reset="earliest", max_poll_records=5000)
+    parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(parts)
+    end = consumer.end_offsets(parts)
     builder = SampleBuilder(SampleSpec())
     n = 0
-    for record in consumer:
-        builder.add(record.value, record.timestamp)
-        n += 1
+    deadline = time.monotonic() + 600
+    while any(consumer.position(tp) < end[tp] for tp in parts):  # to the end offsets, however slow the first fetch
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the baseline consumer could not read {topic} to its end within 600 s")
+        for records in poll_records(consumer, 500).values():
+            for record in records:
+                builder.add(record.value, record.timestamp)
+            n += len(records)
     table = builder.build()
-    elapsed = time.monotonic() - started - 3.0  # the consumer's idle timeout at the end
+    elapsed = time.monotonic() - started
     consumer.close()
     return {"events": n, "samples": table.num_rows, "elapsed_s": round(elapsed, 2), "events_per_s": round(n / elapsed)}
 
@@ -188,7 +213,7 @@ def main() -> None:
         result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
         print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
         for backend in args.backends.split(","):
-            run = flink_backlog(args, env, backend, tmp)
+            run = flink_backlog(args, env, backend, tmp, events)
             run["events_per_s"] = round(events / run["processing_s"])
             run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
             run["events_per_flink_cpu_s"] = round(events / run["flink_cpu_s"]) if run["flink_cpu_s"] else None
@@ -196,7 +221,9 @@ def main() -> None:
             result["flink"].append(run)
             print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
                   f"{run['vs_python']}x python), {run['events_per_flink_cpu_s'] or 0:,} events per CPU-second of the "
-                  f"Flink process (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s", flush=True)
+                  f"Flink process (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s; steady state: "
+                  f"{run.get('steady_events_per_s', 0):,} events/s, {run.get('steady_events_per_flink_cpu_s') or 0:,} per "
+                  "Flink CPU-second", flush=True)
         result["live"] = live_latency(args, tmp)
     finally:
         # the embedded broker re-saves all it holds on every change: leave nothing behind

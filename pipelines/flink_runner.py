@@ -1,8 +1,9 @@
-"""Runs the SQL job (pipelines/job_sql.py) on the embedded mini-cluster or a Flink cluster.
+"""Runs the streaming job (pipelines/java/, settings from pipelines/job.py) on the embedded
+mini-cluster or a Flink cluster.
 
-The job is pure SQL plus a Java function jar, so the client compiles it here and a real
+The job is Java: the client builds its graph here through PyFlink's gateway and a real
 cluster needs no Python at all: ``--jobmanager host:port`` ships the same JobGraph with
-the connector and function jars. The embedded mini-cluster lives in this process's
+the connector jars and the job's jar. The embedded mini-cluster lives in this process's
 PyFlink JVM and serves Flink's REST API on ``127.0.0.1:<rest_port>``, so `status` and
 `cancel` talk to both the same way (pipelines/flink_rest.py).
 
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.flink_jars import jar_urls, verify_jars
-from pipelines.job_sql import JobSpec, statements
-from pipelines.udf_jar import ensure_udf_jar
+from pipelines.job import JobSpec
+from pipelines.job_jar import ensure_job_jar
 
 log = logging.getLogger("streamrec.pipeline")
 
@@ -49,21 +50,18 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
         raise ValueError(f"state backend must be rocksdb or hashmap, got {opts.state_backend!r}")
     if opts.parallelism < 1:
         raise ValueError(f"parallelism must be >= 1, got {opts.parallelism}")
-    verify_jars(opts.jars_dir)
-    jars = [*jar_urls(opts.jars_dir), ensure_udf_jar(opts.jars_dir).resolve().as_uri()]
     conf = {
         "execution.runtime-mode": "streaming",
         "pipeline.name": opts.job_name,
-        "pipeline.jars": ";".join(jars),
+        "pipeline.jars": ";".join(job_jars(opts)),
         "parallelism.default": str(opts.parallelism),
-        "table.local-time-zone": "UTC",
         "pipeline.auto-watermark-interval": f"{opts.watermark_interval_ms} ms",
         "pipeline.object-reuse": "true",
         "state.backend.type": opts.state_backend,
         "state.backend.incremental": "true",
-        # timers on the heap (they are checkpointed all the same): the OVER and interval-join
-        # operators register one per key and timestamp, and RocksDB timers cost a write each
-        "state.backend.rocksdb.timer-service.factory": "HEAP",
+        # no operator uses Flink timers (each stage keeps its deadlines in memory and
+        # checkpoints them as raw keyed state, which heap timers on RocksDB would claim)
+        "state.backend.rocksdb.timer-service.factory": "ROCKSDB",
         "state.backend.rocksdb.predefined-options": "FLASH_SSD_OPTIMIZED",
         "taskmanager.memory.managed.size": "512m",
         "execution.checkpointing.interval": f"{opts.checkpoint_interval_ms} ms",
@@ -84,27 +82,32 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
     return conf
 
 
+def job_jars(opts: RunOptions) -> list[str]:
+    """URLs of the connector jars and the job's jar (compiled here if its sources changed)."""
+    verify_jars(opts.jars_dir)
+    return [*jar_urls(opts.jars_dir), ensure_job_jar(opts.jars_dir).resolve().as_uri()]
+
+
 def submit(spec: JobSpec, opts: RunOptions):
-    """Submit the job; returns (TableResult, the checkpoint it resumed from or None).
+    """Submit the job; returns (PyFlink JobClient, the checkpoint it resumed from or None).
 
     On the embedded mini-cluster the job runs inside this process: keep it alive (wait on
-    the result) for as long as the job should run.
+    the client's execution result) for as long as the job should run.
     """
-    from pyflink.table import EnvironmentSettings, TableEnvironment
+    from pyflink.common import Configuration
+    from pyflink.datastream import StreamExecutionEnvironment
+    from pyflink.java_gateway import get_gateway
+    from pyflink.util.java_utils import add_jars_to_context_class_loader
 
     restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
     Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    settings = EnvironmentSettings.in_streaming_mode()
-    env = TableEnvironment.create(settings)
-    config = env.get_config()
+    settings = spec.properties()  # validates the spec before the JVM starts
+    conf = Configuration()
     for key, value in flink_config(opts, restore).items():
-        config.set(key, value)
-    setup, inserts = statements(spec)
-    for statement in setup:
-        env.execute_sql(statement)
-    statement_set = env.create_statement_set()
-    for statement in inserts:
-        statement_set.add_insert_sql(statement)
+        conf.set_string(key, value)
+    env = StreamExecutionEnvironment.get_execution_environment(conf)
+    add_jars_to_context_class_loader(job_jars(opts))  # the job's classes, for the gateway
+    get_gateway().jvm.streamrec.flink.SampleJob.build(env._j_stream_execution_environment, settings)
     log.info("submitting %s (parallelism %d, %s state, resume from %s)", opts.job_name, opts.parallelism,
              opts.state_backend, restore or "nothing")
-    return statement_set.execute(), restore
+    return env.execute_async(opts.job_name), restore

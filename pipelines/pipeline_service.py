@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
 from pipelines.flink_runner import RunOptions, submit
-from pipelines.job_sql import JobSpec
+from pipelines.job import JobSpec
 from pipelines.samples import SampleSpec
 
 log = logging.getLogger("streamrec.pipeline")
@@ -83,9 +83,8 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
     if _embedded_alive(cfg):
         raise PipelineError(f"a Flink REST endpoint already answers at {rest_address(cfg)}: is a pipeline running? "
                            "(`streamrec pipeline status`, `streamrec pipeline cancel`)")
-    result, restored = submit(spec, opts)
+    client, restored = submit(spec, opts)
     _warn_if_bounded_restore(spec, restored)
-    client = result.get_job_client()
     job_id = str(client.get_job_id())
     print(f"pipeline job {job_id} submitted to the embedded mini-cluster "
           f"(REST http://{rest_address(cfg)}; {'resumed from ' + str(restored) if restored else 'fresh start'})", flush=True)
@@ -93,7 +92,7 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
 
     def wait_for_job() -> None:
         try:
-            result.wait()  # returns when the job finished, raises when it failed or was cancelled
+            client.get_job_execution_result().result()  # returns when the job finished, raises when it failed or was cancelled
         except Exception as exc:  # noqa: BLE001 - reported below, with the job's own message
             outcome["error"] = exc
         finally:
@@ -165,9 +164,9 @@ def detach(argv: list[str], cfg, timeout_s: float = 120.0) -> int:
 
 
 def submit_remote(spec: JobSpec, opts: RunOptions) -> int:
-    result, restored = submit(spec, opts)
+    client, restored = submit(spec, opts)
     _warn_if_bounded_restore(spec, restored)
-    job_id = result.get_job_client().get_job_id()
+    job_id = client.get_job_id()
     print(f"pipeline job {job_id} submitted to {opts.jobmanager}"
           f"{' (resumed from ' + str(restored) + ')' if restored else ''}")
     return 0

@@ -335,7 +335,7 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
 # ---------------------------------------------------------------- setup
 def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
     from pipelines.flink_jars import ensure_jars, verify_jars
-    from pipelines.udf_jar import ensure_udf_jar
+    from pipelines.job_jar import ensure_job_jar
 
     jars_dir = cfg.flink.resolved_jars_dir()
     if args.verify:
@@ -345,7 +345,7 @@ def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
     paths = ensure_jars(jars_dir, Path(args.wheel) if args.wheel else None)
     for path in paths:
         print(f"{path} (sha256 verified)")
-    print(f"{ensure_udf_jar(jars_dir)} (the pipeline job's functions, compiled from pipelines/udf/)")
+    print(f"{ensure_job_jar(jars_dir)} (the pipeline job, compiled from pipelines/java/)")
     return 0
 
 
@@ -547,10 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as exc:
         from pipelines.pipeline_service import PipelineError
-        from pipelines.udf_jar import UdfBuildError
+        from pipelines.job_jar import JobJarError
         from trainer.engine import TrainingError
 
-        if not isinstance(exc, (TrainingError, PipelineError, UdfBuildError)):
+        if not isinstance(exc, (TrainingError, PipelineError, JobJarError)):
             raise
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 3

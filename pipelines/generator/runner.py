@@ -14,6 +14,7 @@ from pipelines.generator.sinks import Sink
 from pipelines.generator.traffic import TickBatch, Traffic
 
 PACE_SLICE_MS = 20  # pacing granularity: events are sent in slices of this much event time
+MAX_CATCH_UP_S = 60.0  # a live start at most this far in the past is caught up (generate())
 
 
 @dataclass
@@ -51,19 +52,24 @@ def generate(
 ) -> GenerateSummary:
     """Run ``duration_s`` simulated seconds of traffic into ``sink``.
 
-    ``pace``: send each event when the wall clock reaches its emit time (live mode; the
-    stream's event time is then real time if ``traffic.start_ms`` is now). Otherwise as
-    fast as possible. The sink is closed with a manifest on success and aborted on error.
+    ``pace``: send each event when the wall clock reaches its emit time (live mode). A
+    start up to ``MAX_CATCH_UP_S`` in the past (the time this process took to start, build
+    the world and connect) is caught up at once, so that event time is real time: a stream
+    that ran behind the clock would look late to every consumer that also sees the clock
+    (Kafka timestamps, freshness measurements). Without ``pace``: as fast as possible. The
+    sink is closed with a manifest on success and aborted on error.
     """
     summary = GenerateSummary(traffic.config.seed, traffic.run, traffic.start_ms, traffic.start_ms)
     wall_start = time.monotonic()
+    behind_s = time.time() - traffic.start_ms / 1000.0
+    pace_origin = wall_start - behind_s if 0 < behind_s <= MAX_CATCH_UP_S else wall_start  # monotonic time of start_ms
     p_parts: list[np.ndarray] = []
     y_parts: list[np.ndarray] = []
     bad = Counter()
     try:
         for batch in traffic.ticks(duration_s):
             if pace:
-                _paced_write(sink, batch.events, traffic.start_ms, wall_start)
+                _paced_write(sink, batch.events, traffic.start_ms, pace_origin)
             else:
                 sink.write_events(batch.events)
             sink.write_truth(batch)
@@ -95,14 +101,14 @@ def generate(
         raise
 
 
-def _paced_write(sink: Sink, events: list[tuple[int, bytes, bytes]], start_ms: int, wall_start: float) -> None:
+def _paced_write(sink: Sink, events: list[tuple[int, bytes, bytes]], start_ms: int, origin: float) -> None:
     i = 0
     while i < len(events):
         slice_end = events[i][0] + PACE_SLICE_MS
         j = i
         while j < len(events) and events[j][0] < slice_end:
             j += 1
-        wait = wall_start + (events[i][0] - start_ms) / 1000.0 - time.monotonic()
+        wait = origin + (events[i][0] - start_ms) / 1000.0 - time.monotonic()
         if wait > 0:
             time.sleep(wait)
         sink.write_events(events[i:j])

@@ -3,8 +3,8 @@ package streamrec.flink;
 /**
  * Ascending event times in a growable ring (one entity's impressions or clicks).
  *
- * <p>Events arrive in event-time order (the OVER window sorts them), so appends go to the
- * end and expired times leave from the front: amortised O(1) per event, O(log n) per count.
+ * <p>Events arrive in event-time order (the stages sort them), so appends go to the end and
+ * expired times leave from the front: amortised O(1) per event, O(log n) per count.
  * Stored in the accumulators' state by {@link StateCodec#writeTimes}.
  */
 public class TimeRing {
@@ -23,7 +23,12 @@ public class TimeRing {
             start = 0;
             end = size;
         }
-        times[end++] = ts;
+        int at = end++;
+        while (at > start && times[at - 1] > ts) { // only a late event (EventTimeStage.late) moves any
+            times[at] = times[at - 1];
+            at--;
+        }
+        times[at] = ts;
     }
 
     /** Forget times at or before {@code cutoff}: no future window can contain them. */

@@ -1,13 +1,13 @@
-"""The job's validator (the ParseEvent Java function driven by the spec generated from
-pipelines/events.py) agrees with the Python contract on every event kind the generator can
-produce and on hand-made edge cases, run on a real PyFlink mini-cluster."""
+"""The job's validator (the EventParser Java class its source readers run, driven by the spec
+generated from pipelines/events.py) agrees with the Python contract on every event kind the
+generator can produce and on hand-made edge cases, run in PyFlink's JVM."""
 
 import pyarrow.parquet as pq
 import pytest
 
 from pipelines import events as ev
-from pipelines.udf_jar import ensure_udf_jar
-from pipelines.validation_sql import parse_call, reason_key
+from pipelines.flink_runner import RunOptions, job_jars
+from pipelines.validation_spec import reason_key, validation_spec
 from streamrec.config import load_config
 from tests.conftest import run_cli
 
@@ -51,8 +51,9 @@ def python_key(raw: bytes, arrival_ms: int) -> str | None:
 
 
 @pytest.mark.slow
-def test_sql_and_python_validators_agree(tmp_path):
-    from pyflink.table import DataTypes, EnvironmentSettings, TableEnvironment
+def test_job_and_python_validators_agree(tmp_path):
+    from pyflink.java_gateway import get_gateway
+    from pyflink.util.java_utils import add_jars_to_context_class_loader
 
     run = tmp_path / "run"
     assert run_cli("generate", "--out", str(run), "--duration", "2", "--rate", "1500", "--bad-fraction", "0.3",
@@ -63,16 +64,8 @@ def test_sql_and_python_validators_agree(tmp_path):
     expected = [python_key(raw, arrival) for raw, arrival in rows]
     assert sum(e is not None for e in expected) > 200  # the bad events are really there
 
-    env = TableEnvironment.create(EnvironmentSettings.in_batch_mode())
-    env.get_config().set("parallelism.default", "1")
-    env.get_config().set("pipeline.jars", ensure_udf_jar(load_config().flink.resolved_jars_dir()).as_uri())
-    env.execute_sql("CREATE TEMPORARY SYSTEM FUNCTION ParseEvent AS 'streamrec.flink.ParseEvent' LANGUAGE JAVA")
-    schema = DataTypes.ROW([DataTypes.FIELD("n", DataTypes.BIGINT()), DataTypes.FIELD("payload", DataTypes.BYTES()),
-                            DataTypes.FIELD("arrival_ms", DataTypes.BIGINT())])
-    source = env.from_elements([(i, bytearray(raw), arrival) for i, (raw, arrival) in enumerate(rows)], schema)
-    env.create_temporary_view("raw_events", source)
-    result = env.execute_sql(f"SELECT n, {parse_call()}.reason AS reason FROM raw_events")
-    with result.collect() as it:
-        got = {row[0]: row[1] for row in it}
+    add_jars_to_context_class_loader(job_jars(RunOptions(jars_dir=load_config().flink.resolved_jars_dir(), checkpoint_dir=tmp_path)))
+    parser = get_gateway().jvm.streamrec.flink.EventParser(validation_spec(), ev.MAX_FUTURE_SKEW_MS)
+    got = [parser.check(bytearray(raw), arrival) for raw, arrival in rows]
     mismatches = [(rows[n][0][:120], expected[n], got[n]) for n in range(len(rows)) if got[n] != expected[n]]
     assert not mismatches, mismatches[:10]

@@ -1,5 +1,6 @@
 package streamrec.flink;
 
+import java.io.Serializable;
 import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -8,38 +9,45 @@ import java.util.Map;
 import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.DeserializationFeature;
 import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.JsonNode;
 import org.apache.flink.shaded.jackson2.com.fasterxml.jackson.databind.ObjectMapper;
-import org.apache.flink.table.annotation.DataTypeHint;
-import org.apache.flink.table.functions.ScalarFunction;
-import org.apache.flink.types.Row;
 
 /**
- * Parses and validates one raw event in a single pass: the reason it is rejected (null if
- * valid) and its fields.
+ * Parses and validates one raw event in a single pass: an {@link Event}, or null and the
+ * reason it is rejected ({@link #reason()}).
  *
- * <p>The rules are not written here: the field list comes in as a literal generated from
- * pipelines/events.py (validation_spec()), and the checks run in the order of
+ * <p>The rules are not written here: the field list comes from pipelines/events.py
+ * (validation_spec.validation_spec()), and the checks run in the order of
  * events.validate_event, so both give the same reason code for every input
- * (tests/test_validation.py). One JSON parse per event instead of one per JSON_VALUE call:
- * that was the job's bottleneck (measured in bench/RESULTS.md).
+ * (tests/test_validation_spec.py). Not thread-safe: one per source reader.
  */
-public class ParseEvent extends ScalarFunction {
+public final class EventParser implements Serializable {
+    private static final long serialVersionUID = 1L;
     private static final ObjectMapper JSON = new ObjectMapper().enable(DeserializationFeature.FAIL_ON_TRAILING_TOKENS);
 
-    private transient String parsedSpec;
+    private final String spec;
+    private final long maxFutureSkewMs;
     private transient Map<String, List<String[]>> groups; // group -> [name, kind(s|i|o), positive(+|-)]
+    private transient String reason;
 
-    @Override
-    public boolean isDeterministic() {
-        return false; // keeps the planner from copying the call into every field access
+    public EventParser(String spec, long maxFutureSkewMs) {
+        this.spec = spec;
+        this.maxFutureSkewMs = maxFutureSkewMs;
     }
 
-    public @DataTypeHint("ROW<reason STRING, kind INT, ts BIGINT, event_id STRING, request_id STRING, user_id BIGINT,"
-            + " item_id BIGINT, `position` INT, device STRING, local_hour INT, category_id BIGINT, advertiser_id BIGINT>")
-    Row eval(byte[] payload, Long arrivalMs, Long maxFutureSkewMs, String spec) {
-        if (!spec.equals(parsedSpec)) {
+    /** Why the last {@link #parse} returned null. */
+    public String reason() {
+        return reason;
+    }
+
+    /** The reason {@code payload} is rejected, or null if it is a valid event (for tests). */
+    public String check(byte[] payload, long arrivalMs) {
+        return parse(payload, arrivalMs) == null ? reason : null;
+    }
+
+    public Event parse(byte[] payload, long arrivalMs) {
+        if (groups == null) {
             groups = parseSpec(spec);
-            parsedSpec = spec;
         }
+        reason = null;
         JsonNode event;
         try {
             event = payload == null || payload.length == 0 ? null : JSON.readTree(payload);
@@ -57,36 +65,41 @@ public class ParseEvent extends ScalarFunction {
             return rejected("unknown_type");
         }
         boolean impression = type.asText().equals("impression");
-        String reason = check(event, type.asText(), "");
-        if (reason == null && impression) {
-            reason = check(event.get("context"), "context", "context.");
-            if (reason == null) reason = check(event.get("item"), "item", "item.");
-            if (reason == null) {
+        String why = check(event, type.asText(), "");
+        if (why == null && impression) {
+            why = check(event.get("context"), "context", "context.");
+            if (why == null) why = check(event.get("item"), "item", "item.");
+            if (why == null) {
                 long hour = event.get("context").get("local_hour").asLong();
-                if (hour < 0 || hour > 23) reason = "invalid_value:context.local_hour";
+                if (hour < 0 || hour > 23) why = "invalid_value:context.local_hour";
             }
         }
-        if (reason == null && event.get("ts").asLong() > arrivalMs + maxFutureSkewMs) {
-            reason = "future_timestamp";
+        if (why == null && event.get("ts").asLong() > arrivalMs + maxFutureSkewMs) {
+            why = "future_timestamp";
         }
-        if (reason != null) {
-            return rejected(reason);
+        if (why != null) {
+            return rejected(why);
         }
-        Row row = new Row(12); // field order of the ROW type above
-        row.setField(1, impression ? 0 : 1);
-        row.setField(2, event.get("ts").asLong());
-        row.setField(3, event.get("event_id").asText());
-        row.setField(4, event.get("request_id").asText());
-        row.setField(5, event.get("user_id").asLong());
-        row.setField(6, event.get("item_id").asLong());
+        Event e = new Event();
+        e.kind = impression ? Event.IMPRESSION : Event.CLICK;
+        e.ts = event.get("ts").asLong();
+        e.eventId = event.get("event_id").asText();
+        e.requestId = event.get("request_id").asText();
+        e.userId = event.get("user_id").asLong();
+        e.itemId = event.get("item_id").asLong();
         if (impression) {
-            row.setField(7, event.get("position").asInt());
-            row.setField(8, event.get("context").get("device").asText());
-            row.setField(9, event.get("context").get("local_hour").asInt());
-            row.setField(10, event.get("item").get("category_id").asLong());
-            row.setField(11, event.get("item").get("advertiser_id").asLong());
+            e.position = event.get("position").asInt();
+            e.device = event.get("context").get("device").asText();
+            e.localHour = event.get("context").get("local_hour").asInt();
+            e.categoryId = event.get("item").get("category_id").asLong();
+            e.advertiserId = event.get("item").get("advertiser_id").asLong();
         }
-        return row;
+        return e;
+    }
+
+    private Event rejected(String why) {
+        reason = why;
+        return null;
     }
 
     private String check(JsonNode obj, String group, String prefix) {
@@ -108,12 +121,6 @@ public class ParseEvent extends ScalarFunction {
             }
         }
         return null;
-    }
-
-    private static Row rejected(String reason) {
-        Row row = new Row(12);
-        row.setField(0, reason);
-        return row;
     }
 
     /** "impression=event_id:s-,ts:i+,...;context=device:s-,..." */

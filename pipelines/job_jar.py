@@ -1,10 +1,10 @@
-"""Builds the job's Java functions (``pipelines/udf/``) into a jar with the JDK's javac.
+"""Builds the streaming job (``pipelines/java/``) into a jar with the JDK's javac.
 
-The per-user and per-entity feature state (``UserFeatures``, ``WindowCounts``) runs in the
-JVM: Python functions would cost 3-40x the throughput (DESIGN.md's measurements). There is
-no Maven here, so the jar is compiled against the Flink jars that ship inside the PyFlink
-wheel and cached under the connector-jar directory, named by a hash of the sources: a
-changed source gives a new jar, an unchanged one is never rebuilt.
+The job runs in the JVM: Python functions would cost 3-40x the throughput (DESIGN.md's
+measurements). There is no Maven here, so the jar is compiled against the Flink jars that
+ship inside the PyFlink wheel plus the Kafka connector jars, and cached under the
+connector-jar directory, named by a hash of the sources: a changed source gives a new jar,
+an unchanged one is never rebuilt.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).parent / "udf"
+from pipelines.flink_jars import jar_paths, verify_jars
+
+SOURCE_DIR = Path(__file__).parent / "java"
 
 
-class UdfBuildError(RuntimeError):
+class JobJarError(RuntimeError):
     pass
 
 
@@ -46,33 +48,33 @@ def _tool(name: str) -> str:
         candidate = Path(os.environ["JAVA_HOME"]) / "bin" / name
         found = str(candidate) if candidate.exists() else None
     if not found:
-        raise UdfBuildError(f"`{name}` not found: the Flink job's functions are compiled with a JDK (17+); "
+        raise JobJarError(f"`{name}` not found: the Flink job is compiled with a JDK (17+); "
                             "install one (Debian: apt install openjdk-17-jdk-headless) or set JAVA_HOME")
     return found
 
 
-def ensure_udf_jar(jars_dir: Path) -> Path:
+def ensure_job_jar(jars_dir: Path) -> Path:
     """The jar of the current sources in ``jars_dir``, compiled if missing; idempotent."""
     jars_dir = Path(jars_dir)
-    jar = jars_dir / f"streamrec-udf-{source_hash()}.jar"
+    jar = jars_dir / f"streamrec-job-{source_hash()}.jar"
     if jar.is_file():
         return jar
-    jars_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=jars_dir, prefix=".udf-") as tmp:
+    verify_jars(jars_dir)  # compiled against the Kafka connector
+    with tempfile.TemporaryDirectory(dir=jars_dir, prefix=".job-") as tmp:
         classes = Path(tmp) / "classes"
         classes.mkdir()
-        cmd = [_tool("javac"), "--release", "17", "-nowarn", "-d", str(classes),
-               "-cp", str(_flink_lib() / "*"), *map(str, _sources())]
+        classpath = os.pathsep.join([str(_flink_lib() / "*"), *map(str, jar_paths(jars_dir))])
+        cmd = [_tool("javac"), "--release", "17", "-nowarn", "-d", str(classes), "-cp", classpath, *map(str, _sources())]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise UdfBuildError(f"compiling the Flink job's Java functions failed:\n{result.stderr.strip()}")
+            raise JobJarError(f"compiling the Flink job failed:\n{result.stderr.strip()}")
         staged = Path(tmp) / jar.name
         result = subprocess.run([_tool("jar"), "--create", "--file", str(staged), "-C", str(classes), "."],
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            raise UdfBuildError(f"packaging the Flink job's Java functions failed:\n{result.stderr.strip()}")
+            raise JobJarError(f"packaging the Flink job failed:\n{result.stderr.strip()}")
         os.replace(staged, jar)  # atomic: a half-written jar is never picked up
-    for old in jars_dir.glob("streamrec-udf-*.jar"):
+    for old in jars_dir.glob("streamrec-job-*.jar"):
         if old != jar:
             old.unlink(missing_ok=True)
     return jar

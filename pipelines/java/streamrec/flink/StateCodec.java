@@ -1,6 +1,7 @@
 package streamrec.flink;
 
 import java.io.IOException;
+import java.nio.charset.StandardCharsets;
 
 import org.apache.flink.core.memory.DataInputView;
 import org.apache.flink.core.memory.DataOutputView;
@@ -82,16 +83,41 @@ final class StateCodec {
     static void writeStrings(DataOutputView out, String[] values) throws IOException {
         out.writeInt(values.length);
         for (String v : values) {
-            out.writeUTF(v);
+            writeString(out, v);
         }
     }
 
     static String[] readStrings(DataInputView in) throws IOException {
         String[] values = new String[in.readInt()];
         for (int i = 0; i < values.length; i++) {
-            values[i] = in.readUTF();
+            values[i] = readString(in);
         }
         return values;
+    }
+
+    /**
+     * A string as UTF-8 bytes (null allowed). Not writeUTF or Flink's StringValue: both go
+     * char by char, and StringValue reads back two-byte (UTF-16) strings, which made every
+     * later use of an id several times slower (a profile's top entry).
+     */
+    static void writeString(DataOutputView out, String s) throws IOException {
+        if (s == null) {
+            out.writeInt(-1);
+            return;
+        }
+        byte[] bytes = s.getBytes(StandardCharsets.UTF_8);
+        out.writeInt(bytes.length);
+        out.write(bytes);
+    }
+
+    static String readString(DataInputView in) throws IOException {
+        int n = in.readInt();
+        if (n < 0) {
+            return null;
+        }
+        byte[] bytes = new byte[n];
+        in.readFully(bytes);
+        return new String(bytes, StandardCharsets.UTF_8);
     }
 
     static void writeBooleans(DataOutputView out, boolean[] values) throws IOException {

@@ -1,0 +1,55 @@
+package streamrec.flink;
+
+import org.apache.flink.api.common.typeinfo.TypeInfo;
+
+/**
+ * One valid raw event on its way through the job's stages, with the features the stages
+ * have attached so far (null until the stage that computes them has run).
+ *
+ * <p>Plain public fields and a hand-written serializer ({@link EventSerializer}): the
+ * record crosses three network hops and waits in each stage's event-time buffer, and
+ * Flink's POJO/Kryo serializers cost several times more per record.
+ */
+@TypeInfo(EventTypeInfoFactory.class)
+public final class Event {
+    public static final int IMPRESSION = 0;
+    public static final int CLICK = 1;
+    /** Made up by the category stage: the attribution window of impression {@code eventId} closes at ts. */
+    public static final int LABEL_DEADLINE = 2;
+
+    public byte[] key; // the Kafka key it came with (clicks keep it for the DLQ)
+    public byte[] raw; // the raw payload; kept for clicks only (an orphan click goes to the DLQ unchanged)
+    public String reason; // non-null: rejected by the parser (ts is then its arrival time; it never moves the watermark)
+
+    public int kind;
+    public long ts;
+    public String eventId;
+    public String requestId;
+    public long userId;
+    public long itemId;
+    // impressions only (a joined click gets its impression's category_id)
+    public int position;
+    public String device;
+    public int localHour;
+    public long categoryId;
+    public long advertiserId;
+
+    // set by the user stage
+    public String impressionId; // a joined click: the event id of the impression it labels
+    public boolean firstClick; // a joined click: the first to join its impression (carries the label)
+    public int[] userCounts;
+    public long[] histItems;
+    public long[] histCategories;
+    // set by the item stage (impressions)
+    public int[] itemCounts;
+
+    public Event() {}
+
+    /** Order inside one millisecond: impressions, clicks, deadlines, then by event id. */
+    static int compareInTime(Event a, Event b) {
+        int c = Long.compare(a.ts, b.ts);
+        if (c != 0) return c;
+        c = Integer.compare(a.kind, b.kind);
+        return c != 0 ? c : a.eventId.compareTo(b.eventId);
+    }
+}

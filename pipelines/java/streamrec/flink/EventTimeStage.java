@@ -1,0 +1,169 @@
+package streamrec.flink;
+
+import java.util.ArrayList;
+import java.util.List;
+import java.util.SortedMap;
+import java.util.TreeMap;
+
+import org.apache.flink.api.common.state.ValueState;
+import org.apache.flink.api.common.state.ValueStateDescriptor;
+import org.apache.flink.api.common.typeutils.TypeSerializer;
+import org.apache.flink.runtime.state.StateInitializationContext;
+import org.apache.flink.runtime.state.StateSnapshotContext;
+import org.apache.flink.runtime.state.VoidNamespace;
+import org.apache.flink.runtime.state.VoidNamespaceSerializer;
+import org.apache.flink.streaming.api.operators.AbstractStreamOperator;
+import org.apache.flink.streaming.api.operators.OneInputStreamOperator;
+import org.apache.flink.streaming.api.watermark.Watermark;
+import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
+
+/**
+ * A keyed stage that sees each key's events in event-time order, one state read and one
+ * state write per key and watermark instead of per event.
+ *
+ * <p>Why not a KeyedProcessFunction with a timer per event (what Flink SQL's OVER window
+ * does): that costs a state write to buffer each event and a read, a write and a timer to
+ * process it. Here events wait in an in-memory buffer (by time) until the watermark passes
+ * them (at most the out-of-orderness worth of input), then the ready ones are sorted by
+ * (key, time) and each key's run is applied to its state (RocksDB or heap) in one go. The buffer
+ * is checkpointed as raw keyed state ({@link KeyGroupSnapshot}).
+ *
+ * <p>The output order is by key, then time: the next stage sorts again.
+ */
+public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT> implements OneInputStreamOperator<Event, OUT> {
+    private static final long serialVersionUID = 1L;
+    private static final EventSerializer EVENTS = new EventSerializer();
+
+    private static final int BUCKET_BITS = 6; // the buffer's time buckets: 64 ms
+    private transient TreeMap<Long, List<Event>> buffer; // by event time, in buckets
+    private transient int buffered;
+    private transient long watermark = Long.MIN_VALUE;
+    private transient ValueState<S> state;
+    private transient StreamRecord<OUT> outRecord;
+
+    /** The key this stage partitions by (the same as the keyBy in front of it). */
+    protected abstract long keyOf(Event e);
+
+    protected abstract TypeSerializer<S> stateSerializer();
+
+    protected abstract S newState();
+
+    /** Apply one event to its key's state; emit whatever follows with {@link #emit}. */
+    protected abstract void apply(S state, Event e) throws Exception;
+
+    protected final void emit(OUT value, long timestamp) {
+        output.collect(outRecord.replace(value, timestamp));
+    }
+
+    @Override
+    protected boolean isUsingCustomRawKeyedState() {
+        return true;
+    }
+
+    @Override
+    public void initializeState(StateInitializationContext context) throws Exception {
+        super.initializeState(context);
+        buffer = new TreeMap<>();
+        KeyGroupSnapshot.read(context, in -> schedule(EVENTS.deserialize(in)));
+    }
+
+    @Override
+    public void open() throws Exception {
+        super.open();
+        state = getPartitionedState(VoidNamespace.INSTANCE, VoidNamespaceSerializer.INSTANCE,
+                new ValueStateDescriptor<>("state", stateSerializer()));
+        outRecord = new StreamRecord<>(null);
+    }
+
+    @Override
+    public void processElement(StreamRecord<Event> record) throws Exception {
+        Event e = record.getValue();
+        if (e.ts <= watermark) {
+            late(e);
+        } else {
+            schedule(e);
+        }
+    }
+
+    /**
+     * An event at or behind this stage's watermark: its key's later events may be applied
+     * already. Only the first stage can see one in a healthy job (idle partitions aside), and
+     * it sends it to the DLQ; later stages apply it late (its counts may include later events).
+     */
+    protected void late(Event e) throws Exception {
+        schedule(e);
+    }
+
+    /** Apply {@code e} to its key's state once the watermark reaches {@code e.ts} (for a
+     *  stage's own deadlines too: an event the stage makes up for a later time). */
+    protected final void schedule(Event e) {
+        buffer.computeIfAbsent(e.ts >> BUCKET_BITS, t -> new ArrayList<>()).add(e);
+        buffered++;
+    }
+
+    @Override
+    public void processWatermark(Watermark mark) throws Exception {
+        watermark = Math.max(watermark, mark.getTimestamp());
+        while (drain(mark.getTimestamp())) {
+            // again: applying events may schedule more at or before the watermark (the end of input's)
+        }
+        super.processWatermark(mark);
+    }
+
+    /** Apply every buffered event at or before {@code watermark}; false if there was none. */
+    private boolean drain(long watermark) throws Exception {
+        long edge = watermark >> BUCKET_BITS;
+        SortedMap<Long, List<Event>> due = buffer.headMap(edge, false);
+        List<Event> ready = new ArrayList<>();
+        due.values().forEach(ready::addAll);
+        due.clear();
+        List<Event> partly = buffer.get(edge);
+        if (partly != null) {
+            List<Event> waiting = new ArrayList<>();
+            for (Event e : partly) {
+                (e.ts <= watermark ? ready : waiting).add(e);
+            }
+            if (waiting.isEmpty()) {
+                buffer.remove(edge);
+            } else {
+                buffer.put(edge, waiting);
+            }
+        }
+        if (ready.isEmpty()) {
+            return false;
+        }
+        buffered -= ready.size();
+        ready.sort(this::compareKeyThenTime);
+        int i = 0;
+        while (i < ready.size()) {
+            long key = keyOf(ready.get(i));
+            setCurrentKey(key);
+            S s = state.value();
+            if (s == null) {
+                s = newState();
+            }
+            for (; i < ready.size() && keyOf(ready.get(i)) == key; i++) {
+                apply(s, ready.get(i));
+            }
+            state.update(s);
+        }
+        return true;
+    }
+
+    private int compareKeyThenTime(Event a, Event b) {
+        int c = Long.compare(keyOf(a), keyOf(b));
+        return c != 0 ? c : Event.compareInTime(a, b);
+    }
+
+    @Override
+    public void snapshotState(StateSnapshotContext context) throws Exception {
+        super.snapshotState(context);
+        KeyGroupSnapshot.write(context.getRawKeyedOperatorStateOutput(),
+                getRuntimeContext().getTaskInfo().getMaxNumberOfParallelSubtasks(), this::bufferedEvents, this::keyOf,
+                EVENTS::serialize);
+    }
+
+    private java.util.Iterator<Event> bufferedEvents() {
+        return buffer.values().stream().flatMap(List::stream).iterator();
+    }
+}

@@ -1,0 +1,63 @@
+"""The streaming job's settings: raw events in, labelled samples and rejected events out.
+
+The job itself is Java (``pipelines/java/streamrec/flink/SampleJob.java``; docs/pipeline.md
+has the graph, the state and the late-data policy): a DataStream program whose keyed
+stages see each key's events in event-time order and touch their state once per key and
+watermark. :class:`JobSpec` is everything it needs to know, handed over as
+``java.util.Properties`` text (:meth:`JobSpec.properties`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelines import events as ev
+from pipelines.samples import SAMPLE_VERSION, SampleSpec
+from pipelines.validation_spec import validation_spec
+
+LATE_EVENT = "late_event"  # reason code of valid events behind the watermark (docs/pipeline.md)
+ORPHAN_REASON = f"{ev.ORPHAN_CLICK}: no impression of its (request_id, item_id) within the attribution window"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    bootstrap: str
+    events_topic: str
+    samples_topic: str
+    dlq_topic: str
+    group_id: str
+    sample_spec: SampleSpec = SampleSpec()
+    out_of_orderness_ms: int = 1000
+    idle_timeout_ms: int = 5000
+    exactly_once: bool = True
+    transactional_prefix: str = "streamrec-pipeline"
+    bounded: bool = False  # stop at the topic's current end (tests, backfills)
+    # One source reader per partition: a reader's watermark only covers the partitions it
+    # has started reading, so a reader with several partitions of backlog would run its
+    # watermark ahead of the partitions it has not reached yet and drop them as late.
+    source_parallelism: int = 1
+
+    def properties(self) -> str:
+        """The settings as java.util.Properties text, for SampleJob.build."""
+        s = self.sample_spec
+        s.validate()
+        if any(int(w) != w for w in s.windows_s):
+            raise ValueError(f"counter windows must be whole seconds (they name the sample's columns), got {s.windows_s}")
+        values = {
+            "bootstrap": self.bootstrap, "events_topic": self.events_topic, "samples_topic": self.samples_topic,
+            "dlq_topic": self.dlq_topic, "group_id": self.group_id, "bounded": str(self.bounded).lower(),
+            "exactly_once": str(self.exactly_once).lower(), "transactional_prefix": self.transactional_prefix,
+            "source_parallelism": str(self.source_parallelism), "out_of_orderness_ms": str(self.out_of_orderness_ms),
+            "idle_timeout_ms": str(self.idle_timeout_ms), "max_future_skew_ms": str(ev.MAX_FUTURE_SKEW_MS),
+            "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
+            "sample_version": str(SAMPLE_VERSION), "windows_s": ",".join(str(int(w)) for w in s.windows_s),
+            "attribution_ms": str(int(s.attribution_window_s * 1000)), "history_len": str(s.history_len),
+        }
+        return "".join(f"{key}={_escape(value)}\n" for key, value in values.items())
+
+
+def _escape(value: str) -> str:
+    """java.util.Properties escaping of a value (backslash, line breaks, leading blanks, unicode)."""
+    out = value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    out = "".join(c if ord(c) < 128 else f"\\u{ord(c):04x}" for c in out)
+    return "\\" + out if out.startswith(" ") else out
