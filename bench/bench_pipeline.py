@@ -41,13 +41,22 @@ from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
 from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
 
+BACKENDS = {  # what --backends may name: (flink.state_backend, flink.state_cache_keys or None for the default)
+    "rocksdb": ("rocksdb", None), "rocksdb-nocache": ("rocksdb", 0), "hashmap": ("hashmap", None),
+}
+
+
 def _env(args, name: str, tmp: Path, backend: str) -> dict:
-    return {**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": args.bootstrap,
+    if backend not in BACKENDS:
+        raise SystemExit(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+    state_backend, cache_keys = BACKENDS[backend]
+    cache = {} if cache_keys is None else {"STREAMREC_FLINK__STATE_CACHE_KEYS": str(cache_keys)}
+    return {**os.environ, **cache, "STREAMREC_KAFKA__BOOTSTRAP": args.bootstrap,
             "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
             "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
             "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
             "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp / name), "STREAMREC_FLINK__REST_PORT": str(free_port()),
-            "STREAMREC_FLINK__STATE_BACKEND": backend}
+            "STREAMREC_FLINK__STATE_BACKEND": state_backend}
 
 
 def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
@@ -86,6 +95,7 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int) 
     first = None
     records = 0
     cpu_at_first: tuple[float, float] | None = None
+    jit_at_first = 0.0
     flink_pids: list[int] = []
     cpu_now = (0.0, 0.0)
     threads: dict[str, float] = {}
@@ -97,6 +107,7 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int) 
                     if first is None:
                         flink_pids = process_tree(job.pid)
                         cpu_at_first = (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))
+                        jit_at_first = _jit_cpu(threads_cpu_seconds(flink_pids))
                     first = first or time.monotonic()
                     if info.records_in > records:
                         records = info.records_in
@@ -115,11 +126,19 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int) 
     end = time.monotonic()
     busy = end - (first or started)
     flink_cpu, broker_cpu = ((cpu_now[0] - cpu_at_first[0]), (cpu_now[1] - cpu_at_first[1])) if cpu_at_first else (0.0, 0.0)
+    jit_cpu = _jit_cpu(threads) - jit_at_first
     return {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(busy, 2),
             "startup_s": round((first or end) - started, 2), "flink_cpu_s": round(flink_cpu, 2),
+            "jit_cpu_s": round(jit_cpu, 2),
             "broker_cpu_s": round(broker_cpu, 2), **_steady(trace, events),
             # whole life of the JVM (start-up and job planning included), largest first
             "flink_threads_cpu_s": {k: round(v, 1) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:12]}}
+
+
+def _jit_cpu(threads: dict[str, float]) -> float:
+    """CPU of the JVM's JIT compiler threads: a one-off cost that a run of a few hundred
+    thousand events cannot amortise (a long-running job pays it once)."""
+    return sum(cpu for name, cpu in threads.items() if name.startswith(("C1 Compiler", "C2 Compiler")))
 
 
 def python_baseline(args, topic: str) -> dict:
@@ -192,10 +211,11 @@ def main() -> None:
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--seconds", type=float, default=60, help="simulated seconds of backlog traffic")
     parser.add_argument("--rate", type=float, default=2000, help="events/s of the backlog traffic")
-    parser.add_argument("--backends", default="rocksdb,hashmap")
+    parser.add_argument("--backends", default="rocksdb,rocksdb-nocache,hashmap",
+                        help=f"comma-separated, each one of {', '.join(BACKENDS)} (rocksdb-nocache: without the stages' state cache)")
     parser.add_argument("--backend", default="rocksdb", help="state backend of the live phase")
     parser.add_argument("--live-rate", type=float, default=1000)
-    parser.add_argument("--live-seconds", type=float, default=40)
+    parser.add_argument("--live-seconds", type=float, default=40, help="0: skip the live-latency phase")
     parser.add_argument("--drain-seconds", type=float, default=15)
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
@@ -217,14 +237,17 @@ def main() -> None:
             run["events_per_s"] = round(events / run["processing_s"])
             run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
             run["events_per_flink_cpu_s"] = round(events / run["flink_cpu_s"]) if run["flink_cpu_s"] else None
+            warm_cpu = run["flink_cpu_s"] - run["jit_cpu_s"]
+            run["events_per_flink_cpu_s_without_jit"] = round(events / warm_cpu) if warm_cpu > 0 else None
             run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
             result["flink"].append(run)
             print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
                   f"{run['vs_python']}x python), {run['events_per_flink_cpu_s'] or 0:,} events per CPU-second of the "
-                  f"Flink process (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s; steady state: "
+                  f"Flink process, {run['events_per_flink_cpu_s_without_jit'] or 0:,} without its JIT compiler's "
+                  f"{run['jit_cpu_s']} CPU-s (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s; steady state: "
                   f"{run.get('steady_events_per_s', 0):,} events/s, {run.get('steady_events_per_flink_cpu_s') or 0:,} per "
                   "Flink CPU-second", flush=True)
-        result["live"] = live_latency(args, tmp)
+        result["live"] = live_latency(args, tmp) if args.live_seconds > 0 else {}
     finally:
         # the embedded broker re-saves all it holds on every change: leave nothing behind
         deleted = delete_topics(args.bootstrap, [t for t in list_topics(args.bootstrap) if t.startswith(name)])

@@ -36,11 +36,15 @@ class JobSpec:
     # has started reading, so a reader with several partitions of backlog would run its
     # watermark ahead of the partitions it has not reached yet and drop them as late.
     source_parallelism: int = 1
+    # RocksDB only: recently used key states kept in memory per stage (StateCache.java); 0 = off
+    state_cache_keys: int = 0
 
     def properties(self) -> str:
         """The settings as java.util.Properties text, for SampleJob.build."""
         s = self.sample_spec
         s.validate()
+        if self.state_cache_keys < 0:
+            raise ValueError(f"state_cache_keys must be >= 0 (0 = off), got {self.state_cache_keys}")
         if any(int(w) != w for w in s.windows_s):
             raise ValueError(f"counter windows must be whole seconds (they name the sample's columns), got {s.windows_s}")
         values = {
@@ -52,6 +56,7 @@ class JobSpec:
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
             "sample_version": str(SAMPLE_VERSION), "windows_s": ",".join(str(int(w)) for w in s.windows_s),
             "attribution_ms": str(int(s.attribution_window_s * 1000)), "history_len": str(s.history_len),
+            "state_cache_keys": str(self.state_cache_keys),
         }
         return "".join(f"{key}={_escape(value)}\n" for key, value in values.items())
 

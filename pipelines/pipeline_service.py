@@ -53,6 +53,8 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
         out_of_orderness_ms=f.out_of_orderness_ms, idle_timeout_ms=int(f.idle_timeout_s * 1000),
         exactly_once=f.delivery == "exactly-once", transactional_prefix=f.job_name, bounded=bounded,
         source_parallelism=partitions.get(t.events, 1),
+        # the heap backend holds the objects already (and must not see them change under its snapshots)
+        state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
     )
 
 

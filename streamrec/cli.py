@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub_p.add_argument("--jobmanager", metavar="HOST:PORT", help="REST endpoint of a Flink cluster (flink.jobmanager)")
     sub_p.add_argument("--parallelism", type=int, help=f"operator parallelism (flink.parallelism: {f['parallelism']})")
     sub_p.add_argument("--state-backend", choices=("rocksdb", "hashmap"), help=f"(flink.state_backend: {f['state_backend']})")
+    sub_p.add_argument("--state-cache-keys", type=int, metavar="N",
+                       help=f"rocksdb: key states kept in memory per stage, 0 = off (flink.state_cache_keys: {f['state_cache_keys']})")
     sub_p.add_argument("--checkpoint-dir", help=f"checkpoint directory (flink.checkpoint_dir: {f['checkpoint_dir']})")
     sub_p.add_argument("--checkpoint-interval", type=float, metavar="S",
                        help=f"seconds between checkpoints (flink.checkpoint_interval_s: {f['checkpoint_interval_s']:g})")
@@ -234,6 +236,7 @@ def _config_from(args: argparse.Namespace) -> Config:
         "flink.jobmanager": getattr(args, "jobmanager", None),
         "flink.parallelism": getattr(args, "parallelism", None),
         "flink.state_backend": getattr(args, "state_backend", None),
+        "flink.state_cache_keys": getattr(args, "state_cache_keys", None),
         "flink.checkpoint_dir": getattr(args, "checkpoint_dir", None),
         "flink.checkpoint_interval_s": getattr(args, "checkpoint_interval", None),
         "flink.delivery": getattr(args, "delivery", None),

@@ -71,6 +71,7 @@ class FlinkConfig:
     group_id: str
     parallelism: int
     state_backend: str
+    state_cache_keys: int
     checkpoint_dir: str
     checkpoint_interval_s: float
     delivery: str

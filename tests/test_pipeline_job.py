@@ -15,6 +15,7 @@ from kafka import TopicPartition
 
 from conftest import REPO, free_port, run_cli
 from pipelines.events import MAX_FUTURE_SKEW_MS
+from pipelines.flink_rest import FlinkRest
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
@@ -187,6 +188,36 @@ def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
     assert _dlq(broker, f"{name}.dlq") == sorted([("orphan_click", events[10]), ("malformed_json", events[12])])
 
 
+def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
+    """A rejected event is placed at its arrival (Kafka) time, which runs ahead of event time
+    whenever the producer lags its events; valid events behind it must not become late."""
+    name = f"wm-{uuid.uuid4().hex[:8]}"
+    env = _env(broker, tmp_path, name)
+    ensure_topics(broker, [f"{name}.events"], 1)  # one partition: its watermark is the job's
+    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", "--fresh"], cwd=REPO,
+                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
+        t0 = int(time.time() * 1000) - 30_000  # the producer runs 30 s behind its event time
+        producer = make_producer(broker)
+        producer.send(f"{name}.events", key=b"1", value=_imp("i1", t0, 1, 100, "r1"))
+        producer.send(f"{name}.events", key=b"1", value=b'{"type": "impression", "broken')  # arrival: now
+        producer.flush()
+        # committed in the DLQ: the job has read it, and watermarks have been emitted since
+        _wait_for(lambda: len(_read(broker, f"{name}.dlq")) >= 1, 120, "the malformed event in the DLQ")
+        producer.send(f"{name}.events", key=b"1", value=_imp("i2", t0 + 1000, 1, 200, "r2"))  # 29 s behind arrival
+        producer.send(f"{name}.events", key=b"2", value=_imp("flush", t0 + 20_000, 2, 300, "r3"))  # closes i1, i2
+        producer.flush()
+        _wait_for(lambda: len(_read(broker, f"{name}.samples")) + len(_read(broker, f"{name}.dlq")) >= 3, 120,
+                  "i1 and i2 as samples or in the DLQ")
+    finally:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.communicate(timeout=60)
+    assert [reason for reason, _ in _dlq(broker, f"{name}.dlq")] == ["malformed_json"]
+    assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == ["i1", "i2"]
+
+
 def _wait_for(predicate, timeout_s, what):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -198,7 +229,9 @@ def _wait_for(predicate, timeout_s, what):
 
 def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, tmp_path):
     name = f"kill-{uuid.uuid4().hex[:8]}"
-    env = _env(broker, tmp_path, name)
+    # a state cache far smaller than the key count: states leave it (written back) all the time,
+    # and the category stage's waiting samples move to RocksDB many times between checkpoints
+    env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__STATE_CACHE_KEYS": "50"}
     gen = run_cli("generate", "--duration", "25", "--rate", "1000", "--bad-fraction", "0.01", "--fast", env=env)
     assert gen.returncode == 0, gen.stderr
     job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", "--fresh"], cwd=REPO,

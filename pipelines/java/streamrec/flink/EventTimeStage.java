@@ -26,7 +26,8 @@ import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
  * process it. Here events wait in an in-memory buffer (by time) until the watermark passes
  * them (at most the out-of-orderness worth of input), then the ready ones are sorted by
  * (key, time) and each key's run is applied to its state (RocksDB or heap) in one go. The buffer
- * is checkpointed as raw keyed state ({@link KeyGroupSnapshot}).
+ * is checkpointed as raw keyed state ({@link KeyGroupSnapshot}). With RocksDB, recently used
+ * key states stay in memory between watermarks ({@link StateCache}, {@link #withStateCache}).
  *
  * <p>The output order is by key, then time: the next stage sorts again.
  */
@@ -40,6 +41,19 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     private transient long watermark = Long.MIN_VALUE;
     private transient ValueState<S> state;
     private transient StreamRecord<OUT> outRecord;
+    private int stateCacheKeys; // 0: every key's state is read and written on each watermark
+    private transient StateCache<S> cache;
+
+    /** Keep up to {@code keys} key states in memory, written back on eviction and at checkpoints
+     *  (RocksDB only: see {@link StateCache}). */
+    public final EventTimeStage<S, OUT> withStateCache(int keys) {
+        this.stateCacheKeys = keys;
+        return this;
+    }
+
+    protected final int stateCacheKeys() {
+        return stateCacheKeys;
+    }
 
     /** The key this stage partitions by (the same as the keyBy in front of it). */
     protected abstract long keyOf(Event e);
@@ -73,6 +87,11 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         state = getPartitionedState(VoidNamespace.INSTANCE, VoidNamespaceSerializer.INSTANCE,
                 new ValueStateDescriptor<>("state", stateSerializer()));
         outRecord = new StreamRecord<>(null);
+        if (stateCacheKeys > 0) {
+            cache = new StateCache<>(stateCacheKeys);
+            getRuntimeContext().getMetricGroup().gauge("stateCacheHits", () -> cache.hits());
+            getRuntimeContext().getMetricGroup().gauge("stateCacheMisses", () -> cache.misses());
+        }
     }
 
     @Override
@@ -137,17 +156,38 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         int i = 0;
         while (i < ready.size()) {
             long key = keyOf(ready.get(i));
-            setCurrentKey(key);
-            S s = state.value();
-            if (s == null) {
-                s = newState();
-            }
+            S s = load(key);
+            setCurrentKey(key); // apply may use the stage's other keyed state
             for (; i < ready.size() && keyOf(ready.get(i)) == key; i++) {
                 apply(s, ready.get(i));
             }
-            state.update(s);
+            if (cache != null) {
+                cache.markDirty(key);
+            } else {
+                state.update(s);
+            }
         }
         return true;
+    }
+
+    private S load(long key) throws Exception {
+        S s = cache == null ? null : cache.get(key);
+        if (s == null) {
+            setCurrentKey(key);
+            s = state.value();
+            if (s == null) {
+                s = newState();
+            }
+            if (cache != null) {
+                cache.put(key, s, this::writeBack);
+            }
+        }
+        return s;
+    }
+
+    private void writeBack(long key, S s) throws Exception {
+        setCurrentKey(key);
+        state.update(s);
     }
 
     private int compareKeyThenTime(Event a, Event b) {
@@ -158,6 +198,9 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     @Override
     public void snapshotState(StateSnapshotContext context) throws Exception {
         super.snapshotState(context);
+        if (cache != null) {
+            cache.drainDirty(this::writeBack); // before the backend's snapshot, which follows this call
+        }
         KeyGroupSnapshot.write(context.getRawKeyedOperatorStateOutput(),
                 getRuntimeContext().getTaskInfo().getMaxNumberOfParallelSubtasks(), this::bufferedEvents, this::keyOf,
                 EVENTS::serialize);

@@ -46,6 +46,7 @@ public final class SampleJob {
         long[] windowsS = Arrays.stream(p.getProperty("windows_s").split(",")).mapToLong(Long::parseLong).toArray();
         long[] windowsMs = Arrays.stream(windowsS).map(w -> w * 1000).toArray();
         long attributionMs = Long.parseLong(p.getProperty("attribution_ms"));
+        int stateCacheKeys = Integer.parseInt(p.getProperty("state_cache_keys"));
         int sourceParallelism = Integer.parseInt(p.getProperty("source_parallelism"));
         String bootstrap = p.getProperty("bootstrap");
 
@@ -69,13 +70,13 @@ public final class SampleJob {
                 .setParallelism(sourceParallelism).name("route rejected events").uid("route");
         SingleOutputStreamOperator<Event> users = valid.keyBy(new ByUser(), Types.LONG)
                 .transform("user: dedup, click join, counters, sequence", EventTypeInfoFactory.INFO,
-                        new UserStage(windowsMs, attributionMs, Integer.parseInt(p.getProperty("history_len")), p.getProperty("orphan_reason"), p.getProperty("late_reason")))
+                        new UserStage(windowsMs, attributionMs, Integer.parseInt(p.getProperty("history_len")), p.getProperty("orphan_reason"), p.getProperty("late_reason")).withStateCache(stateCacheKeys))
                 .uid("user-stage");
         SingleOutputStreamOperator<Event> items = users.keyBy(new ByItem(), Types.LONG)
-                .transform("item counters", EventTypeInfoFactory.INFO, new ItemStage(windowsMs)).uid("item-stage");
+                .transform("item counters", EventTypeInfoFactory.INFO, new ItemStage(windowsMs).withStateCache(stateCacheKeys)).uid("item-stage");
         DataStream<Tuple2<byte[], byte[]>> samples = items.keyBy(new ByCategory(), Types.LONG)
                 .transform("category: counters, label join", CategoryStage.OUTPUT,
-                        new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), windowsS)))
+                        new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), windowsS)).withStateCache(stateCacheKeys))
                 .uid("category-stage");
 
         String topic = p.getProperty("samples_topic");
