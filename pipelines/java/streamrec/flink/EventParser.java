@@ -103,21 +103,20 @@ public final class EventParser implements Serializable {
     }
 
     private String check(JsonNode obj, String group, String prefix) {
-        for (String[] field : groups.get(group)) {
-            String name = prefix + field[0];
+        for (String[] field : groups.get(group)) { // the reason's text is built only for a rejected event
             JsonNode value = obj.get(field[0]);
-            if (value == null || value.isNull()) return "missing_field:" + name;
+            if (value == null || value.isNull()) return "missing_field:" + prefix + field[0];
             switch (field[1]) {
                 case "i":
-                    if (!value.isIntegralNumber() || !value.canConvertToLong()) return "wrong_type:" + name;
-                    if (field[2].equals("+") && value.asLong() <= 0) return "invalid_value:" + name;
+                    if (!value.isIntegralNumber() || !value.canConvertToLong()) return "wrong_type:" + prefix + field[0];
+                    if (field[2].equals("+") && value.asLong() <= 0) return "invalid_value:" + prefix + field[0];
                     break;
                 case "s":
-                    if (!value.isTextual()) return "wrong_type:" + name;
-                    if (value.asText().isEmpty()) return "invalid_value:" + name;
+                    if (!value.isTextual()) return "wrong_type:" + prefix + field[0];
+                    if (value.asText().isEmpty()) return "invalid_value:" + prefix + field[0];
                     break;
                 default:
-                    if (!value.isObject()) return "wrong_type:" + name;
+                    if (!value.isObject()) return "wrong_type:" + prefix + field[0];
             }
         }
         return null;
