@@ -194,9 +194,7 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
     name = f"wm-{uuid.uuid4().hex[:8]}"
     env = _env(broker, tmp_path, name)
     ensure_topics(broker, [f"{name}.events"], 1)  # one partition: its watermark is the job's
-    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", "--fresh"], cwd=REPO,
-                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = _submit_in_background(env, "--fresh")
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
         t0 = int(time.time() * 1000) - 30_000  # the producer runs 30 s behind its event time
@@ -218,6 +216,13 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
     assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == ["i1", "i2"]
 
 
+def _submit_in_background(env, *flags) -> subprocess.Popen:
+    """`streamrec pipeline submit` (unbounded) in its own process group, output captured."""
+    return subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", *flags], cwd=REPO,
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 def _wait_for(predicate, timeout_s, what):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -234,9 +239,7 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__STATE_CACHE_KEYS": "50"}
     gen = run_cli("generate", "--duration", "25", "--rate", "1000", "--bad-fraction", "0.01", "--fast", env=env)
     assert gen.returncode == 0, gen.stderr
-    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", "--fresh"], cwd=REPO,
-                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = _submit_in_background(env, "--fresh")
     try:
         # kill -9 mid-stream: after a checkpoint completed and some samples are committed, before the end
         _wait_for(lambda: len(_read(broker, f"{name}.samples")) > 1000, 240, "committed samples")
@@ -251,9 +254,7 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     # Restart unbounded: partitions restored from a checkpoint keep the stopping offsets of the
     # run that took it, so --bounded would not apply. One late "flush" impression per partition
     # moves the watermark past every window of the real traffic.
-    job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit"], cwd=REPO,
-                           env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = _submit_in_background(env)
     try:
         events = _read(broker, f"{name}.events", committed=False)
         flush_ts = _max_plausible_ts(events) + 60_000

@@ -37,7 +37,6 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
 
     private static final int BUCKET_BITS = 6; // the buffer's time buckets: 64 ms
     private transient TreeMap<Long, List<Event>> buffer; // by event time, in buckets
-    private transient int buffered;
     private transient long watermark = Long.MIN_VALUE;
     private transient ValueState<S> state;
     private transient StreamRecord<OUT> outRecord;
@@ -117,7 +116,6 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
      *  stage's own deadlines too: an event the stage makes up for a later time). */
     protected final void schedule(Event e) {
         buffer.computeIfAbsent(e.ts >> BUCKET_BITS, t -> new ArrayList<>()).add(e);
-        buffered++;
     }
 
     @Override
@@ -151,7 +149,6 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         if (ready.isEmpty()) {
             return false;
         }
-        buffered -= ready.size();
         ready.sort(this::compareKeyThenTime);
         int i = 0;
         while (i < ready.size()) {
