@@ -2,6 +2,7 @@
 
 from collections import defaultdict
 
+import pytest
 from kafka import TopicPartition
 
 from streamrec.bus.clients import make_consumer, make_producer
@@ -73,3 +74,23 @@ def test_independent_group_reads_everything(broker):
         consumer = make_consumer(broker, topic, group_id=group, consumer_timeout_ms=3000)
         assert sorted(int(r.value) for r in consumer) == list(range(100))
         consumer.close()
+
+
+@pytest.mark.slow
+def test_consumer_reads_a_backlog_larger_than_one_frame(broker):
+    """The embedded broker answers a fetch with a partition's whole unread tail, whatever
+    max_partition_fetch_bytes says; kafka-python refuses any response frame over 100 MB and
+    retried that fetch forever (a trainer restarted behind a big backlog never moved)."""
+    topic = "rt.backlog"
+    ensure_topics(broker, [topic], partitions=1)
+    producer = make_producer(broker)
+    value = b"x" * 100_000
+    count = 1_100  # 110 MB: over kafka-python's default receive_message_max_bytes
+    for i in range(count):
+        producer.send(topic, key=str(i).encode(), value=value)
+    producer.flush()
+    producer.close()
+    consumer = make_consumer(broker, topic, group_id=None, consumer_timeout_ms=20_000)
+    keys = [int(r.key) for r in consumer]
+    consumer.close()
+    assert keys == list(range(count))
