@@ -11,6 +11,8 @@
    (whose CPU time is reported too); and the same without the JIT compiler threads' CPU in
    that time, a one-off cost that a backlog of a few hundred thousand events (what the
    embedded broker holds comfortably) cannot amortise but a long-running job does.
+   Steady state: the same figures between 25% and 90% of the samples written (the samples
+   topic's end offsets, read 4x a second), after the warm-up and before the final flush.
    Backends: rocksdb (with the stages' state cache, the default), rocksdb-nocache, hashmap.
 2. Live latency: the generator paced at ``--live-rate`` events/s while the job runs; a
    read_committed consumer notes when each positive sample becomes visible. Latency =
@@ -27,6 +29,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -76,47 +79,125 @@ def _broker_pids() -> list[int]:
     return [state.pid] if state else []
 
 
-def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int) -> dict:
-    name = events_env["STREAMREC_FLINK__JOB_NAME"] + "-" + backend
+def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, run_index: int) -> dict:
+    # a consumer group of its own per run: a repeat under the same group would start at the end
+    name = f"{events_env['STREAMREC_FLINK__JOB_NAME']}-{backend}-{run_index}"
     env = {**events_env, **{k: v for k, v in _env(args, name, tmp, backend).items() if k.startswith("STREAMREC_FLINK")}}
     rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}", timeout_s=2)
+    samples = _SamplesWritten(args.bootstrap, env["STREAMREC_TOPICS__SAMPLES"])
     started = time.monotonic()
     job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = None
-    cpu_at_first: tuple[float, float] | None = None
-    jit_at_first = 0.0
     flink_pids: list[int] = []
-    cpu_now = (0.0, 0.0)
+    ticks: list[_Tick] = []  # from the first record read on
     threads: dict[str, float] = {}
     while job.poll() is None:
-        try:
-            for info in rest.jobs():
-                if info.records_in > 0:
-                    if first is None:
-                        flink_pids = process_tree(job.pid)
-                        cpu_at_first = (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))
-                        jit_at_first = _jit_cpu(threads_cpu_seconds(flink_pids))
-                    first = first or time.monotonic()
-        except FlinkUnreachable:
-            pass
-        # the processes' figures vanish when they exit: keep the last (largest) reading
-        cpu_now = tuple(max(a, b) for a, b in zip(cpu_now, (cpu_seconds(flink_pids), cpu_seconds(args.broker_pids))))
-        # task threads end with the job: keep each thread's last (largest) reading
-        threads = {name: max(cpu, threads.get(name, 0.0)) for name, cpu in {**threads, **threads_cpu_seconds(flink_pids)}.items()}
+        if first is None:
+            try:
+                if any(info.records_in > 0 for info in rest.jobs()):
+                    first = time.monotonic()
+                    flink_pids = process_tree(job.pid)
+            except FlinkUnreachable:
+                pass
+        if first is not None:
+            # task threads end with the job: keep each thread's last (largest) reading
+            now = threads_cpu_seconds(flink_pids)
+            threads = {k: max(v, threads.get(k, 0.0)) for k, v in {**threads, **now}.items()}
+            tick = _Tick(time.monotonic(), cpu_seconds(flink_pids), cpu_seconds(args.broker_pids), _jit_cpu(threads),
+                         samples.count(), dict(threads))
+            if ticks:  # the processes' figures vanish when they exit: never go back
+                last = ticks[-1]
+                tick = tick._replace(flink_cpu=max(tick.flink_cpu, last.flink_cpu),
+                                     broker_cpu=max(tick.broker_cpu, last.broker_cpu))
+            ticks.append(tick)
         time.sleep(0.25)
     output = job.stdout.read()
     if job.returncode != 0:
         raise SystemExit(f"the pipeline job failed:\n{output[-3000:]}")
     end = time.monotonic()
-    busy = end - (first or started)
-    flink_cpu, broker_cpu = ((cpu_now[0] - cpu_at_first[0]), (cpu_now[1] - cpu_at_first[1])) if cpu_at_first else (0.0, 0.0)
-    jit_cpu = _jit_cpu(threads) - jit_at_first
-    return {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(busy, 2),
-            "startup_s": round((first or end) - started, 2), "flink_cpu_s": round(flink_cpu, 2),
-            "jit_cpu_s": round(jit_cpu, 2),
-            "broker_cpu_s": round(broker_cpu, 2),
-            # whole life of the JVM (start-up and job planning included), largest first
-            "flink_threads_cpu_s": {k: round(v, 1) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:12]}}
+    total_samples = samples.count()
+    samples.close()
+    if not ticks:
+        raise SystemExit("the job ended before its first progress reading: too few events to measure")
+    a, b = ticks[0], ticks[-1]
+    run = {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(end - first, 2),
+           "startup_s": round(first - started, 2), "flink_cpu_s": round(b.flink_cpu - a.flink_cpu, 2),
+           "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2), "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
+           "samples": total_samples,
+           # CPU while processing, by thread name (15 characters: the kernel's limit), largest first
+           "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
+    run["steady"] = _steady(ticks, total_samples, events)
+    run["progress"] = [(round(t.t - first, 2), round(t.flink_cpu - a.flink_cpu, 2), t.samples) for t in ticks]
+    return run
+
+
+class _Tick(NamedTuple):
+    t: float
+    flink_cpu: float
+    broker_cpu: float
+    jit_cpu: float
+    samples: int
+    threads: dict
+
+
+class _SamplesWritten:
+    """How many samples the job has written so far (the samples topic's end offsets):
+    a fine-grained progress signal (Flink's REST metrics refresh every few seconds)."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        from kafka import TopicPartition
+
+        self._consumer = make_consumer(bootstrap, group_id=None)
+        self._topic, self._tp = topic, TopicPartition
+        self._parts: list = []
+
+    def count(self) -> int:
+        if not self._parts:  # the job creates the topic
+            self._parts = [self._tp(self._topic, p) for p in sorted(self._consumer.partitions_for_topic(self._topic) or [])]
+            if not self._parts:
+                self._consumer.cluster.request_update()
+                return 0
+        return sum(self._consumer.end_offsets(self._parts).values())
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def _steady(ticks: list[_Tick], total_samples: int, events: int) -> dict:
+    """Rates between 25% and 90% of the samples written: after the JVM's warm-up (most of
+    its JIT compilation) and before the end of input's final flush; events are counted as
+    samples x (events / samples) of the whole run."""
+    if total_samples <= 0:
+        return {}
+    inside = [t for t in ticks if 0.25 * total_samples <= t.samples <= 0.9 * total_samples]
+    if len(inside) < 2 or inside[-1].samples == inside[0].samples:
+        return {}
+    a, b = inside[0], inside[-1]
+    window_events = (b.samples - a.samples) * events / total_samples
+    cpu = b.flink_cpu - a.flink_cpu
+    return {"seconds": round(b.t - a.t, 2), "events": round(window_events),
+            "events_per_s": round(window_events / (b.t - a.t)), "flink_cpu_s": round(cpu, 2),
+            "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2), "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
+            "events_per_flink_cpu_s": round(window_events / cpu) if cpu > 0 else None,
+            "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
+
+
+def _thread_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    deltas = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(deltas.items(), key=lambda kv: -kv[1])[:14] if v >= 0.05}
+
+
+def _wait_broker_idle(pids: list[int], limit_s: float = 120.0) -> float:
+    """Wait until the embedded broker has finished saving what the last step wrote (under
+    10% of a core over a second), so that a run does not pay for the one before it; the
+    seconds waited."""
+    started = time.monotonic()
+    while pids and time.monotonic() - started < limit_s:
+        before = cpu_seconds(pids)
+        time.sleep(1.0)
+        if cpu_seconds(pids) - before < 0.1:
+            break
+    return round(time.monotonic() - started, 1)
 
 
 def _jit_cpu(threads: dict[str, float]) -> float:
@@ -190,6 +271,19 @@ def live_latency(args, tmp: Path) -> dict:
             "click_to_sample_ms": {"p50": float(np.percentile(from_click, 50)), "p99": float(np.percentile(from_click, 99))}}
 
 
+def _medians(runs: list[dict]) -> dict:
+    """Per backend, the median of each headline figure over its runs (this box is noisy)."""
+    out = {}
+    for backend in dict.fromkeys(r["backend"] for r in runs):
+        mine = [r for r in runs if r["backend"] == backend]
+        med = lambda values: int(np.median([v or 0 for v in values]))  # noqa: E731
+        out[backend] = {"runs": len(mine), "events_per_s": med(r["events_per_s"] for r in mine),
+                        "events_per_flink_cpu_s": med(r["events_per_flink_cpu_s"] for r in mine),
+                        "steady_events_per_s": med(r["steady"].get("events_per_s") for r in mine),
+                        "steady_events_per_flink_cpu_s": med(r["steady"].get("events_per_flink_cpu_s") for r in mine)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
@@ -197,6 +291,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000, help="events/s of the backlog traffic")
     parser.add_argument("--backends", default="rocksdb,rocksdb-nocache,hashmap",
                         help=f"comma-separated, each one of {', '.join(BACKENDS)} (rocksdb-nocache: without the stages' state cache)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the backends round-robin this many times (medians reported)")
     parser.add_argument("--backend", default="rocksdb", help="state backend of the live phase")
     parser.add_argument("--live-rate", type=float, default=1000)
     parser.add_argument("--live-seconds", type=float, default=40, help="0: skip the live-latency phase")
@@ -216,8 +311,10 @@ def main() -> None:
     try:
         result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
         print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
-        for backend in args.backends.split(","):
-            run = flink_backlog(args, env, backend, tmp, events)
+        for i, backend in enumerate(b for _ in range(args.repeat) for b in args.backends.split(",")):
+            waited = _wait_broker_idle(args.broker_pids)
+            run = flink_backlog(args, env, backend, tmp, events, i)
+            run["waited_for_broker_s"] = waited
             # every run must meet the same broker: the embedded one re-saves all it holds on each
             # change, so the samples of the runs before (~200 MB each) would slow the runs after
             delete_topics(args.bootstrap, [f"{name}.samples", f"{name}.dlq"])
@@ -228,11 +325,19 @@ def main() -> None:
             run["events_per_flink_cpu_s_without_jit"] = round(events / warm_cpu) if warm_cpu > 0 else None
             run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
             result["flink"].append(run)
+            steady = run["steady"]
             print(f"flink {backend}: {run['events_per_s']:,} events/s ({run['events_per_s_per_core']:,}/core, "
                   f"{run['vs_python']}x python), {run['events_per_flink_cpu_s'] or 0:,} events per CPU-second of the "
                   f"Flink process, {run['events_per_flink_cpu_s_without_jit'] or 0:,} without its JIT compiler's "
-                  f"{run['jit_cpu_s']} CPU-s (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s",
-                  flush=True)
+                  f"{run['jit_cpu_s']} CPU-s (broker: {run['broker_cpu_s']} CPU-s), start-up {run['startup_s']} s; "
+                  f"steady ({steady.get('seconds')} s from 25% to 90% of the samples): {steady.get('events_per_s') or 0:,} "
+                  f"events/s, {steady.get('events_per_flink_cpu_s') or 0:,} per Flink CPU-second "
+                  f"(JIT {steady.get('jit_cpu_s')} of {steady.get('flink_cpu_s')} CPU-s)", flush=True)
+        result["median"] = _medians(result["flink"])
+        for backend, m in result["median"].items():
+            print(f"median of {m['runs']} {backend} runs: {m['events_per_s']:,} events/s, {m['events_per_flink_cpu_s']:,} "
+                  f"per Flink CPU-second; steady {m['steady_events_per_s']:,} events/s, "
+                  f"{m['steady_events_per_flink_cpu_s']:,} per Flink CPU-second", flush=True)
         result["live"] = live_latency(args, tmp) if args.live_seconds > 0 else {}
     finally:
         # the embedded broker re-saves all it holds on every change: leave nothing behind

@@ -38,13 +38,16 @@ def test_sample_json_round_trips_through_the_strict_decoder(tmp_path):
               "userId": 2**62, "itemId": 42, "categoryId": -7, "advertiserId": 9, "position": 3, "localHour": 23,
               "histItems": longs([5, -(2**63) + 2, 0]), "histCategories": longs([1, 2, 3]),
               "userCounts": ints([1, 2, 3, 4]), "itemCounts": ints([5, 6, 7, 8])}
+    edges = [0, 7, 9, 10, 99, 100, 101, 12345, 10**18 - 1, 10**18, 2**63 - 1, -1, -10, -99, -100, -(2**62)]
+    fields["histItems"] = longs([5, -(2**63) + 2, 0, *edges])
+    fields["histCategories"] = longs([1, 2, 3, *range(len(edges))])
     for name, value in fields.items():
         set_field(e, name, value)
     encoder = gw.jvm.streamrec.flink.SampleJson(1, longs(list(spec.windows_s)))
     body = bytes(encoder.unlabelled(e, ints([9, 10, 11, 12]))) + b',"label":1,"click_ts":1700000000999}'
     row = orjson.loads(body)
     assert row["event_id"] == 'ev"1\\x' and row["request_id"] == "req\u00e9\u2603\n\t"
-    assert row["user_id"] == 2**62 and row["category_id"] == -7 and row["hist_item_ids"] == [5, -(2**63) + 2, 0]
+    assert row["user_id"] == 2**62 and row["category_id"] == -7 and row["hist_item_ids"] == [5, -(2**63) + 2, 0, *edges]
     assert [row[c] for c in spec.counter_columns()] == [1, 2, 5, 6, 9, 10, 3, 4, 7, 8, 11, 12]
     table, _, rejected = decode_samples([body], spec)
     assert not rejected and table.num_rows == 1 and table.column("click_ts")[0].as_py() == 1_700_000_000_999

@@ -38,6 +38,23 @@ EDGE_CASES = [
     b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r"} trailing',
     b'{"type": "click", "event_id": "e", "ts": 5.0, "user_id": 1, "item_id": 1, "request_id": "r"}',
     b'{"type": "click", "event_id": "e", "ts": NaN, "user_id": 1, "item_id": 1, "request_id": "r"}',
+    # a nested group's name is not an event type; a repeated field keeps its last value
+    b'{"type": "context", "device": "ios", "local_hour": 3}', b'{"type": "item", "category_id": 1, "advertiser_id": 1}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": -1, "user_id": 1, "item_id": 1, "request_id": "r"}',
+    b'{"type": "click", "type": "impression", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r"}',
+    b'{"type": "impression", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "position": 1,'
+    b' "context": {"device": "ios", "local_hour": 99}, "item": {"category_id": 1, "advertiser_id": 1},'
+    b' "context": {"device": "ios", "local_hour": 2}}',
+    b'{"type": "impression", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "position": 1,'
+    b' "context": {"device": "ios", "local_hour": 2}, "item": {"category_id": 1, "advertiser_id": 1}, "context": [1]}',
+    b'{"type": "impression", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "position": 1,'
+    b' "context": {"device": "ios", "local_hour": 2, "local_hour": null}, "item": {"category_id": 1, "advertiser_id": 1}}',
+    # syntax errors inside fields nobody reads are still errors
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": [1, 2,, 3]}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": "\\q"}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": {"a": }}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r"} {}',
+    b'{"type": "click", "event_id": "e\\u00e9", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": true}',
     b'', b'null', b'\xff\xfe', b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": {}}',
 ]
 

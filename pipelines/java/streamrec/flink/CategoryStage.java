@@ -2,8 +2,8 @@ package streamrec.flink;
 
 import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
-import java.util.HashMap;
-import java.util.Map;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
 
 import org.apache.flink.api.common.state.MapState;
 import org.apache.flink.api.common.state.MapStateDescriptor;
@@ -12,23 +12,24 @@ import org.apache.flink.api.common.typeinfo.Types;
 import org.apache.flink.api.common.typeutils.base.StringSerializer;
 import org.apache.flink.api.common.typeutils.base.array.BytePrimitiveArraySerializer;
 import org.apache.flink.api.java.tuple.Tuple2;
-import org.apache.flink.runtime.state.StateSnapshotContext;
+import org.apache.flink.runtime.state.StateInitializationContext;
 import org.apache.flink.runtime.state.VoidNamespace;
 import org.apache.flink.runtime.state.VoidNamespaceSerializer;
 
 /**
  * Category counters (keyed by category_id; a click counts for its impression's category),
  * then the label join, here because an impression and its clicks share the category key:
- * the impression's sample, now complete but for the label, waits in state (RocksDB: an
- * attribution window of minutes holds millions) until its first joined click arrives (label
- * 1 at once) or the watermark passes ts + the attribution window (label 0). The deadline is
- * an event this stage schedules for itself. Exactly one sample per impression: the user
- * stage dropped duplicates and marked only the first click of each impression.
+ * the impression's sample, now complete but for the label, waits until its first joined
+ * click arrives (label 1 at once) or the watermark passes ts + the attribution window
+ * (label 0). The deadline is an event this stage schedules for itself. Exactly one sample
+ * per impression: the user stage dropped duplicates and marked only the first click of
+ * each impression.
  *
- * <p>With the state cache on ({@link #withStateCache}), a sample waits in memory until the
- * next checkpoint (or until that many wait) and only then goes to the backend: most samples
- * of a backlog, and the clicked ones of a live stream, are labelled before that and never
- * touch RocksDB, which otherwise costs a put, a get and a delete per impression.
+ * <p>Where a sample waits: on its deadline event, in memory (so it is in every checkpoint
+ * with the stage's event buffer, as raw keyed state), up to {@code stateCacheKeys} samples;
+ * beyond that the oldest move to the backend (a MapState: an attribution window of minutes
+ * holds millions). Most samples are labelled before that and never touch RocksDB, which
+ * costs a put, a get and a delete per sample, and a share of its flushes and compactions.
  *
  * <p>Output: (Kafka key = user id, sample JSON).
  */
@@ -41,18 +42,7 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
     private final long attributionMs;
     private final SampleJson encoder;
     private transient MapState<String, byte[]> unlabelled; // impression event id -> sample without its label
-    private transient Map<String, Waiting> recent; // samples not yet written to `unlabelled` (since the last checkpoint)
-
-    /** A sample waiting in memory, with the key it belongs to in the backend. */
-    private static final class Waiting {
-        final long categoryId;
-        final byte[] sample;
-
-        Waiting(long categoryId, byte[] sample) {
-            this.categoryId = categoryId;
-            this.sample = sample;
-        }
-    }
+    private transient LinkedHashMap<String, Event> waiting; // impression event id -> its deadline, carrying the sample
 
     public CategoryStage(long[] windowsMs, long attributionMs, SampleJson encoder) {
         super(windowsMs);
@@ -61,29 +51,23 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
     }
 
     @Override
+    public void initializeState(StateInitializationContext context) throws Exception {
+        waiting = new LinkedHashMap<>(); // before the restore: restored() fills it
+        super.initializeState(context);
+    }
+
+    @Override
+    protected void restored(Event e) {
+        if (e.kind == Event.LABEL_DEADLINE && e.sample != null) {
+            waiting.put(e.eventId, e);
+        }
+    }
+
+    @Override
     public void open() throws Exception {
         super.open();
         unlabelled = getPartitionedState(VoidNamespace.INSTANCE, VoidNamespaceSerializer.INSTANCE,
                 new MapStateDescriptor<>("unlabelled", StringSerializer.INSTANCE, BytePrimitiveArraySerializer.INSTANCE));
-        recent = stateCacheKeys() > 0 ? new HashMap<>() : null;
-    }
-
-    @Override
-    public void snapshotState(StateSnapshotContext context) throws Exception {
-        spill(); // the checkpoint must hold every waiting sample
-        super.snapshotState(context);
-    }
-
-    /** Move the samples waiting in memory to the backend. */
-    private void spill() throws Exception {
-        if (recent == null || recent.isEmpty()) {
-            return;
-        }
-        for (Map.Entry<String, Waiting> w : recent.entrySet()) {
-            setCurrentKey(w.getValue().categoryId);
-            unlabelled.put(w.getKey(), w.getValue().sample);
-        }
-        recent.clear();
     }
 
     @Override
@@ -94,20 +78,10 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
     @Override
     protected void apply(WindowCounter counter, Event e) throws Exception {
         if (e.kind == Event.LABEL_DEADLINE) {
-            label(e, NEGATIVE);
+            label(e, e.eventId, NEGATIVE);
             return;
         }
         if (e.kind == Event.IMPRESSION) {
-            byte[] sample = encoder.unlabelled(e, counter.counts(e.ts, windowsMs));
-            if (recent == null) {
-                unlabelled.put(e.eventId, sample);
-            } else {
-                recent.put(e.eventId, new Waiting(e.categoryId, sample));
-                if (recent.size() > stateCacheKeys()) {
-                    spill();
-                    setCurrentKey(e.categoryId);
-                }
-            }
             Event deadline = new Event();
             deadline.kind = Event.LABEL_DEADLINE;
             deadline.ts = e.ts + attributionMs; // a click at this very ms still joins: clicks sort first
@@ -115,23 +89,44 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
             deadline.requestId = "";
             deadline.userId = e.userId;
             deadline.categoryId = e.categoryId;
+            deadline.sample = encoder.unlabelled(e, counter.counts(e.ts, windowsMs));
             schedule(deadline);
+            waiting.put(e.eventId, deadline);
+            if (waiting.size() > stateCacheKeys()) {
+                spillOldest(e.categoryId);
+            }
         } else if (e.firstClick) {
-            label(e, ("," + "\"label\":1,\"click_ts\":" + e.ts + "}").getBytes(StandardCharsets.US_ASCII));
+            label(e, e.impressionId, ("," + "\"label\":1,\"click_ts\":" + e.ts + "}").getBytes(StandardCharsets.US_ASCII));
         }
         counter.add(e.kind, e.ts, maxWindowMs);
     }
 
-    /** Emit the waiting sample of the impression {@code e} refers to with {@code label}, once. */
-    private void label(Event e, byte[] label) throws Exception {
-        String impression = e.kind == Event.CLICK ? e.impressionId : e.eventId;
-        Waiting waiting = recent == null ? null : recent.remove(impression);
-        byte[] sample = waiting != null ? waiting.sample : unlabelled.get(impression);
-        if (sample == null) {
-            return; // its first click already labelled it (a deadline), or cannot happen (a click)
+    /** Move the longest-waiting sample in memory to the backend ({@code currentKey}: the key being applied). */
+    private void spillOldest(long currentKey) throws Exception {
+        Iterator<Event> oldest = waiting.values().iterator();
+        Event deadline = oldest.next();
+        oldest.remove();
+        if (deadline.categoryId != currentKey) setCurrentKey(deadline.categoryId);
+        unlabelled.put(deadline.eventId, deadline.sample);
+        deadline.sample = null; // when it fires, the deadline finds the sample in the backend
+        if (deadline.categoryId != currentKey) setCurrentKey(currentKey);
+    }
+
+    /** Emit the waiting sample of {@code impression} with {@code label}, once ({@code e}: the click or the deadline). */
+    private void label(Event e, String impression, byte[] label) throws Exception {
+        Event deadline = waiting.remove(impression);
+        byte[] sample = null;
+        if (deadline != null) {
+            sample = deadline.sample;
+            deadline.sample = null; // labelled: the deadline, when it fires, finds nothing
+        } else {
+            sample = unlabelled.get(impression); // spilled, or already labelled (then null)
+            if (sample != null) {
+                unlabelled.remove(impression);
+            }
         }
-        if (waiting == null) {
-            unlabelled.remove(impression);
+        if (sample == null) {
+            return;
         }
         byte[] value = Arrays.copyOf(sample, sample.length + label.length);
         System.arraycopy(label, 0, value, sample.length, label.length);

@@ -42,6 +42,8 @@ public final class Event {
     public long[] histCategories;
     // set by the item stage (impressions)
     public int[] itemCounts;
+    // set by the category stage on its label deadlines: the sample waiting for its label (null once labelled or moved to the backend)
+    public byte[] sample;
 
     public Event() {}
 

@@ -13,7 +13,7 @@ import org.apache.flink.core.memory.DataOutputView;
  * object: the stages buffer records, so a reused instance would be overwritten under them.
  */
 public final class EventSerializer extends StateSerializer<Event> {
-    private static final int KEY = 1, RAW = 2, IMPRESSION_ID = 4, FIRST_CLICK = 8, USER = 16, HIST = 32, ITEM = 64, IMP_FIELDS = 128, REASON = 256;
+    private static final int KEY = 1, RAW = 2, IMPRESSION_ID = 4, FIRST_CLICK = 8, USER = 16, HIST = 32, ITEM = 64, IMP_FIELDS = 128, REASON = 256, SAMPLE = 512;
 
     @Override
     public Event createInstance() {
@@ -24,7 +24,8 @@ public final class EventSerializer extends StateSerializer<Event> {
     public void serialize(Event e, DataOutputView out) throws IOException {
         int flags = (e.key != null ? KEY : 0) | (e.raw != null ? RAW : 0) | (e.impressionId != null ? IMPRESSION_ID : 0)
                 | (e.firstClick ? FIRST_CLICK : 0) | (e.userCounts != null ? USER : 0) | (e.histItems != null ? HIST : 0)
-                | (e.itemCounts != null ? ITEM : 0) | (e.kind == Event.IMPRESSION ? IMP_FIELDS : 0) | (e.reason != null ? REASON : 0);
+                | (e.itemCounts != null ? ITEM : 0) | (e.kind == Event.IMPRESSION ? IMP_FIELDS : 0) | (e.reason != null ? REASON : 0)
+                | (e.sample != null ? SAMPLE : 0);
         out.writeShort(flags);
         out.writeByte(e.kind);
         out.writeLong(e.ts);
@@ -49,6 +50,7 @@ public final class EventSerializer extends StateSerializer<Event> {
         }
         if ((flags & ITEM) != 0) writeInts(out, e.itemCounts);
         if ((flags & REASON) != 0) StateCodec.writeString(out, e.reason);
+        if ((flags & SAMPLE) != 0) writeBytes(out, e.sample);
     }
 
     @Override
@@ -79,6 +81,7 @@ public final class EventSerializer extends StateSerializer<Event> {
         }
         if ((flags & ITEM) != 0) e.itemCounts = readInts(in);
         if ((flags & REASON) != 0) e.reason = StateCodec.readString(in);
+        if ((flags & SAMPLE) != 0) e.sample = readBytes(in);
         return e;
     }
 

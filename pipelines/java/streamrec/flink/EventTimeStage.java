@@ -77,8 +77,15 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     public void initializeState(StateInitializationContext context) throws Exception {
         super.initializeState(context);
         buffer = new TreeMap<>();
-        KeyGroupSnapshot.read(context, in -> schedule(EVENTS.deserialize(in)));
+        KeyGroupSnapshot.read(context, in -> {
+            Event e = EVENTS.deserialize(in);
+            schedule(e);
+            restored(e);
+        });
     }
+
+    /** Called for each buffered event a restore brings back (after it is scheduled again). */
+    protected void restored(Event e) {}
 
     @Override
     public void open() throws Exception {

@@ -81,6 +81,15 @@ public final class SampleJson implements Serializable {
 
     /** A growable byte buffer with JSON number and string writers. */
     static final class Bytes {
+        private static final byte[] TENS = new byte[100], ONES = new byte[100]; // the two digits of 0..99
+
+        static {
+            for (int i = 0; i < 100; i++) {
+                TENS[i] = (byte) ('0' + i / 10);
+                ONES[i] = (byte) ('0' + i % 10);
+            }
+        }
+
         private byte[] buf;
         private int n;
 
@@ -110,17 +119,31 @@ public final class SampleJson implements Serializable {
                 buf[n++] = '-';
                 v = -v;
             }
-            int start = n;
-            do {
-                buf[n++] = (byte) ('0' + v % 10);
-                v /= 10;
-            } while (v != 0);
-            for (int i = start, j = n - 1; i < j; i++, j--) {
-                byte t = buf[i];
-                buf[i] = buf[j];
-                buf[j] = t;
+            int end = n + digits(v);
+            int at = end;
+            while (v >= 100) { // two digits per division
+                int r = (int) (v % 100);
+                v /= 100;
+                buf[--at] = ONES[r];
+                buf[--at] = TENS[r];
             }
+            if (v >= 10) {
+                buf[--at] = ONES[(int) v];
+                buf[--at] = TENS[(int) v];
+            } else {
+                buf[--at] = (byte) ('0' + v);
+            }
+            n = end;
             return this;
+        }
+
+        /** The number of decimal digits of {@code v} >= 0. */
+        private static int digits(long v) {
+            long limit = 10;
+            for (int d = 1; d < 19; d++, limit *= 10) {
+                if (v < limit) return d;
+            }
+            return 19;
         }
 
         Bytes nums(long[] values) {
