@@ -1,18 +1,21 @@
 """The Flink job's throughput and event-to-sample latency, against plain Python.
 
 1. Backlog throughput: the generator writes N events to a fresh topic; the job (embedded
-   mini-cluster, ``--bounded``) turns them into samples. Sustained events/s = events /
-   (last - first moment its source had read anything, from Flink's REST metrics), so the
-   ~10-15 s of JVM and job start-up are not counted. Per core = that / the machine's cores.
+   mini-cluster, ``--bounded``) turns them into samples. Progress = the samples topic's end
+   offsets, read 4x a second (Flink's REST metrics lag by seconds: sessions 8-9 timed from
+   their first non-zero reading, when a third of the backlog was already done, which
+   inflated every figure). Events in a window = the samples written in it x the run's
+   events per sample. Whole run: from the first sample to the end (JVM and job start-up
+   not counted); steady: from 25% to 90% of the samples, after the warm-up and before the
+   end of input's final flush. Per core = events/s / the machine's cores; per CPU-second =
+   events / the CPU time the Flink process (JVM: tasks, JIT, GC) used in the window,
+   because on a small machine the job shares its cores with the broker (whose CPU time is
+   reported too); and the same without the JIT compiler threads' CPU, a one-off cost that a
+   backlog of a few hundred thousand events (what the embedded broker holds comfortably)
+   cannot amortise but a long-running job does. ``--repeat``: round-robin runs and medians
+   (this box is noisy); the broker is left to go idle before each run.
    Baseline, same run, same events: a kafka-python consumer feeding the exact reference
    builder (pipelines/samples.py: the same validation, join and point-in-time features).
-   Also per CPU-second: events / the CPU time the Flink process (JVM: tasks, JIT, GC) used
-   while processing, because on a small machine the job shares its cores with the broker
-   (whose CPU time is reported too); and the same without the JIT compiler threads' CPU in
-   that time, a one-off cost that a backlog of a few hundred thousand events (what the
-   embedded broker holds comfortably) cannot amortise but a long-running job does.
-   Steady state: the same figures between 25% and 90% of the samples written (the samples
-   topic's end offsets, read 4x a second), after the warm-up and before the final flush.
    Backends: rocksdb (with the stages' state cache, the default), rocksdb-nocache, hashmap.
 2. Live latency: the generator paced at ``--live-rate`` events/s while the job runs; a
    read_committed consumer notes when each positive sample becomes visible. Latency =
@@ -39,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from output import write_result  # noqa: E402
 
-from pipelines.flink_rest import FlinkRest, FlinkUnreachable  # noqa: E402
+from pipelines.flink_rest import FlinkRest  # noqa: E402
 from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
 from streamrec.bus.clients import make_consumer, poll_records  # noqa: E402
@@ -83,33 +86,21 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, 
     # a consumer group of its own per run: a repeat under the same group would start at the end
     name = f"{events_env['STREAMREC_FLINK__JOB_NAME']}-{backend}-{run_index}"
     env = {**events_env, **{k: v for k, v in _env(args, name, tmp, backend).items() if k.startswith("STREAMREC_FLINK")}}
-    rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}", timeout_s=2)
     samples = _SamplesWritten(args.bootstrap, env["STREAMREC_TOPICS__SAMPLES"])
     started = time.monotonic()
     job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = None
-    flink_pids: list[int] = []
-    ticks: list[_Tick] = []  # from the first record read on
+    ticks: list[_Tick] = []
     threads: dict[str, float] = {}
     while job.poll() is None:
-        if first is None:
-            try:
-                if any(info.records_in > 0 for info in rest.jobs()):
-                    first = time.monotonic()
-                    flink_pids = process_tree(job.pid)
-            except FlinkUnreachable:
-                pass
-        if first is not None:
-            # task threads end with the job: keep each thread's last (largest) reading
-            now = threads_cpu_seconds(flink_pids)
-            threads = {k: max(v, threads.get(k, 0.0)) for k, v in {**threads, **now}.items()}
-            tick = _Tick(time.monotonic(), cpu_seconds(flink_pids), cpu_seconds(args.broker_pids), _jit_cpu(threads),
-                         samples.count(), dict(threads))
-            if ticks:  # the processes' figures vanish when they exit: never go back
-                last = ticks[-1]
-                tick = tick._replace(flink_cpu=max(tick.flink_cpu, last.flink_cpu),
-                                     broker_cpu=max(tick.broker_cpu, last.broker_cpu))
-            ticks.append(tick)
+        pids = process_tree(job.pid)  # the CLI, then the JVM it starts
+        # task threads end with the job: keep each thread's last (largest) reading
+        threads = {k: max(v, threads.get(k, 0.0)) for k, v in {**threads, **threads_cpu_seconds(pids)}.items()}
+        tick = _Tick(time.monotonic(), cpu_seconds(pids), cpu_seconds(args.broker_pids), _jit_cpu(threads),
+                     samples.count(), dict(threads))
+        if ticks:  # the processes' figures vanish when they exit: never go back
+            tick = tick._replace(flink_cpu=max(tick.flink_cpu, ticks[-1].flink_cpu),
+                                 broker_cpu=max(tick.broker_cpu, ticks[-1].broker_cpu))
+        ticks.append(tick)
         time.sleep(0.25)
     output = job.stdout.read()
     if job.returncode != 0:
@@ -117,18 +108,34 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, 
     end = time.monotonic()
     total_samples = samples.count()
     samples.close()
-    if not ticks:
-        raise SystemExit("the job ended before its first progress reading: too few events to measure")
-    a, b = ticks[0], ticks[-1]
-    run = {"backend": backend, "wall_s": round(end - started, 2), "processing_s": round(end - first, 2),
-           "startup_s": round(first - started, 2), "flink_cpu_s": round(b.flink_cpu - a.flink_cpu, 2),
-           "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2), "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
-           "samples": total_samples,
-           # CPU while processing, by thread name (15 characters: the kernel's limit), largest first
-           "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
+    ticks.append(ticks[-1]._replace(t=end, samples=total_samples))
+    producing = [t for t in ticks if t.samples > 0]
+    if len(producing) < 2:
+        raise SystemExit("the job wrote its samples between two progress readings: too few events to measure")
+    first = producing[0]
+    # Flink's REST metrics lag by seconds (a third of a backlog could be done before they
+    # showed any input): the samples topic is the progress signal. Each window counts the
+    # events behind the samples it saw written, at the run's events per sample.
+    run = {"backend": backend, "wall_s": round(end - started, 2), "startup_s": round(first.t - started, 2),
+           "samples": total_samples, **_window(first, ticks[-1], total_samples, events)}
     run["steady"] = _steady(ticks, total_samples, events)
-    run["progress"] = [(round(t.t - first, 2), round(t.flink_cpu - a.flink_cpu, 2), t.samples) for t in ticks]
+    run["progress"] = [(round(t.t - started, 2), round(t.flink_cpu, 2), t.samples) for t in ticks]
     return run
+
+
+def _window(a: "_Tick", b: "_Tick", total_samples: int, events: int) -> dict:
+    """Throughput and CPU between two progress readings."""
+    window_events = (b.samples - a.samples) * events / total_samples
+    cpu, seconds = b.flink_cpu - a.flink_cpu, b.t - a.t
+    return {"seconds": round(seconds, 2), "events": round(window_events),
+            "events_per_s": round(window_events / seconds) if seconds > 0 else None,
+            "flink_cpu_s": round(cpu, 2), "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2),
+            "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
+            "events_per_flink_cpu_s": round(window_events / cpu) if cpu > 0 else None,
+            "events_per_flink_cpu_s_without_jit": (round(window_events / (cpu - b.jit_cpu + a.jit_cpu))
+                                                   if cpu - b.jit_cpu + a.jit_cpu > 0 else None),
+            # by thread name (15 characters: the kernel's limit), largest first
+            "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
 
 
 class _Tick(NamedTuple):
@@ -153,10 +160,9 @@ class _SamplesWritten:
 
     def count(self) -> int:
         if not self._parts:  # the job creates the topic
-            self._parts = [self._tp(self._topic, p) for p in sorted(self._consumer.partitions_for_topic(self._topic) or [])]
-            if not self._parts:
-                self._consumer.cluster.request_update()
+            if self._topic not in self._consumer.topics():  # topics() refreshes the metadata
                 return 0
+            self._parts = [self._tp(self._topic, p) for p in sorted(self._consumer.partitions_for_topic(self._topic) or [])]
         return sum(self._consumer.end_offsets(self._parts).values())
 
     def close(self) -> None:
@@ -164,22 +170,12 @@ class _SamplesWritten:
 
 
 def _steady(ticks: list[_Tick], total_samples: int, events: int) -> dict:
-    """Rates between 25% and 90% of the samples written: after the JVM's warm-up (most of
-    its JIT compilation) and before the end of input's final flush; events are counted as
-    samples x (events / samples) of the whole run."""
-    if total_samples <= 0:
-        return {}
+    """The window between 25% and 90% of the samples written: after the JVM's warm-up (most
+    of its JIT compilation) and before the end of input's final flush."""
     inside = [t for t in ticks if 0.25 * total_samples <= t.samples <= 0.9 * total_samples]
     if len(inside) < 2 or inside[-1].samples == inside[0].samples:
         return {}
-    a, b = inside[0], inside[-1]
-    window_events = (b.samples - a.samples) * events / total_samples
-    cpu = b.flink_cpu - a.flink_cpu
-    return {"seconds": round(b.t - a.t, 2), "events": round(window_events),
-            "events_per_s": round(window_events / (b.t - a.t)), "flink_cpu_s": round(cpu, 2),
-            "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2), "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
-            "events_per_flink_cpu_s": round(window_events / cpu) if cpu > 0 else None,
-            "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
+    return _window(inside[0], inside[-1], total_samples, events)
 
 
 def _thread_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -318,11 +314,7 @@ def main() -> None:
             # every run must meet the same broker: the embedded one re-saves all it holds on each
             # change, so the samples of the runs before (~200 MB each) would slow the runs after
             delete_topics(args.bootstrap, [f"{name}.samples", f"{name}.dlq"])
-            run["events_per_s"] = round(events / run["processing_s"])
             run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
-            run["events_per_flink_cpu_s"] = round(events / run["flink_cpu_s"]) if run["flink_cpu_s"] else None
-            warm_cpu = run["flink_cpu_s"] - run["jit_cpu_s"]
-            run["events_per_flink_cpu_s_without_jit"] = round(events / warm_cpu) if warm_cpu > 0 else None
             run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
             result["flink"].append(run)
             steady = run["steady"]

@@ -37,6 +37,7 @@ class RunOptions:
     rest_port: int = 8081  # the embedded mini-cluster's REST port
     resume: bool = True
     watermark_interval_ms: int = 200
+    jvm_options: str = ""  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
 
 
 def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
@@ -82,6 +83,25 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
     return conf
 
 
+def _set_gateway_jvm_options(options: str) -> None:
+    """Add ``options`` to the PyFlink gateway JVM this process is about to start, which
+    hosts the embedded mini-cluster: through JVM_ARGS, which PyFlink's launcher puts in
+    front of Flink's own JVM options (FLINK_ENV_JAVA_OPTS would replace those, and with
+    them the --add-opens flags Flink needs on Java 17)."""
+    import os
+
+    from pyflink import java_gateway
+
+    if not options:
+        return
+    if getattr(java_gateway, "_gateway", None) is not None:
+        log.warning("the PyFlink JVM is running already: flink.jvm_options (%s) not applied", options)
+        return
+    current = os.environ.get("JVM_ARGS", "")
+    if options not in current:
+        os.environ["JVM_ARGS"] = f"{current} {options}".strip()
+
+
 def job_jars(opts: RunOptions) -> list[str]:
     """URLs of the connector jars and the job's jar (compiled here if its sources changed)."""
     verify_jars(opts.jars_dir)
@@ -102,6 +122,8 @@ def submit(spec: JobSpec, opts: RunOptions):
     restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
     Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     settings = spec.properties()  # validates the spec before the JVM starts
+    if not opts.jobmanager:
+        _set_gateway_jvm_options(opts.jvm_options)
     conf = Configuration()
     for key, value in flink_config(opts, restore).items():
         conf.set_string(key, value)

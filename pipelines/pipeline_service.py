@@ -64,6 +64,7 @@ def run_options(cfg, fresh: bool = False) -> RunOptions:
         jars_dir=f.resolved_jars_dir(), checkpoint_dir=Path(f.checkpoint_dir), job_name=f.job_name,
         parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
         state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port, resume=not fresh,
+        jvm_options=f.jvm_options,
     )
 
 

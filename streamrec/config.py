@@ -72,6 +72,7 @@ class FlinkConfig:
     parallelism: int
     state_backend: str
     state_cache_keys: int
+    jvm_options: str
     checkpoint_dir: str
     checkpoint_interval_s: float
     delivery: str

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pyarrow as pa
@@ -21,6 +22,8 @@ from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
 from streamrec.bus.clients import make_consumer, make_producer, poll_records
 from streamrec.bus.topics import ensure_topics
+from streamrec.config import load_config
+from streamrec.demo.resources import process_tree
 
 pytestmark = pytest.mark.slow
 WINDOW_S = 5.0
@@ -235,7 +238,8 @@ def _wait_for(predicate, timeout_s, what):
 def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, tmp_path):
     name = f"kill-{uuid.uuid4().hex[:8]}"
     # a state cache far smaller than the key count: states leave it (written back) all the time,
-    # and the category stage's waiting samples move to RocksDB many times between checkpoints
+    # and all but 50 of the category stage's waiting samples move to RocksDB, the rest are
+    # checkpointed (and restored) with the stage's event buffer
     env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__STATE_CACHE_KEYS": "50"}
     gen = run_cli("generate", "--duration", "25", "--rate", "1000", "--bad-fraction", "0.01", "--fast", env=env)
     assert gen.returncode == 0, gen.stderr
@@ -244,6 +248,9 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
         # kill -9 mid-stream: after a checkpoint completed and some samples are committed, before the end
         _wait_for(lambda: len(_read(broker, f"{name}.samples")) > 1000, 240, "committed samples")
         assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "no completed checkpoint before the kill"
+        # the mini-cluster's JVM runs with flink.jvm_options (the default's parallel GC)
+        jvm_options = load_config().flink.jvm_options.encode()
+        assert any(jvm_options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in process_tree(job.pid))
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(30)
     finally:
