@@ -1,6 +1,8 @@
 package streamrec.flink;
 
 import java.util.ArrayList;
+import java.util.Arrays;
+import java.util.HashMap;
 import java.util.List;
 import java.util.SortedMap;
 import java.util.TreeMap;
@@ -37,6 +39,7 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
 
     private static final int BUCKET_BITS = 6; // the buffer's time buckets: 64 ms
     private transient TreeMap<Long, List<Event>> buffer; // by event time, in buckets
+    private transient HashMap<Long, List<Event>> runs; // a drain's ready events by key (reused)
     private transient long watermark = Long.MIN_VALUE;
     private transient ValueState<S> state;
     private transient StreamRecord<OUT> outRecord;
@@ -77,6 +80,7 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     public void initializeState(StateInitializationContext context) throws Exception {
         super.initializeState(context);
         buffer = new TreeMap<>();
+        runs = new HashMap<>();
         KeyGroupSnapshot.read(context, in -> {
             Event e = EVENTS.deserialize(in);
             schedule(e);
@@ -156,14 +160,24 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         if (ready.isEmpty()) {
             return false;
         }
-        ready.sort(this::compareKeyThenTime);
-        int i = 0;
-        while (i < ready.size()) {
-            long key = keyOf(ready.get(i));
+        // each key's run in time order, keys in ascending order: grouping, then small sorts
+        // (one sort of all the ready events by (key, time) was a tenth of the stage's CPU)
+        for (Event e : ready) {
+            runs.computeIfAbsent(keyOf(e), k -> new ArrayList<>()).add(e);
+        }
+        long[] keys = new long[runs.size()];
+        int n = 0;
+        for (Long key : runs.keySet()) {
+            keys[n++] = key;
+        }
+        Arrays.sort(keys);
+        for (long key : keys) {
+            List<Event> run = runs.get(key);
+            run.sort(Event::compareInTime);
             S s = load(key);
             setCurrentKey(key); // apply may use the stage's other keyed state
-            for (; i < ready.size() && keyOf(ready.get(i)) == key; i++) {
-                apply(s, ready.get(i));
+            for (Event e : run) {
+                apply(s, e);
             }
             if (cache != null) {
                 cache.markDirty(key);
@@ -171,6 +185,7 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
                 state.update(s);
             }
         }
+        runs.clear();
         return true;
     }
 
@@ -192,11 +207,6 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     private void writeBack(long key, S s) throws Exception {
         setCurrentKey(key);
         state.update(s);
-    }
-
-    private int compareKeyThenTime(Event a, Event b) {
-        int c = Long.compare(keyOf(a), keyOf(b));
-        return c != 0 ? c : Event.compareInTime(a, b);
     }
 
     @Override

@@ -100,9 +100,18 @@ final class StateCodec {
      * char by char, and StringValue reads back two-byte (UTF-16) strings, which made every
      * later use of an id several times slower (a profile's top entry).
      */
+    @SuppressWarnings("deprecation") // String.getBytes(int, int, byte[], int): the low byte of each char, no allocation
     static void writeString(DataOutputView out, String s) throws IOException {
         if (s == null) {
             out.writeInt(-1);
+            return;
+        }
+        int n = s.length();
+        if (n <= SCRATCH_BYTES && isAscii(s)) { // ids and device names: UTF-8 = one byte per char
+            byte[] scratch = SCRATCH.get();
+            s.getBytes(0, n, scratch, 0);
+            out.writeInt(n);
+            out.write(scratch, 0, n);
             return;
         }
         byte[] bytes = s.getBytes(StandardCharsets.UTF_8);
@@ -115,10 +124,21 @@ final class StateCodec {
         if (n < 0) {
             return null;
         }
-        byte[] bytes = new byte[n];
-        in.readFully(bytes);
-        return new String(bytes, StandardCharsets.UTF_8);
+        byte[] bytes = n <= SCRATCH_BYTES ? SCRATCH.get() : new byte[n];
+        in.readFully(bytes, 0, n);
+        return new String(bytes, 0, n, StandardCharsets.UTF_8);
     }
+
+    private static boolean isAscii(String s) {
+        for (int i = 0; i < s.length(); i++) {
+            if (s.charAt(i) >= 0x80) return false;
+        }
+        return true;
+    }
+
+    // per thread (each stage runs in its own task thread): strings pass through it without an allocation
+    private static final int SCRATCH_BYTES = 256;
+    private static final ThreadLocal<byte[]> SCRATCH = ThreadLocal.withInitial(() -> new byte[SCRATCH_BYTES]);
 
     static void writeBooleans(DataOutputView out, boolean[] values) throws IOException {
         out.writeInt(values.length);
