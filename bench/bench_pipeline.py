@@ -72,14 +72,14 @@ def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], cwd=REPO, env=env, **kw)
 
 
-def _broker_pids() -> list[int]:
-    """The embedded broker's pid, if one runs here (its CPU is part of the job's cost on this box)."""
+def _embedded_broker():
+    """The embedded broker if one runs here (its CPU is part of the job's cost on this box), else None."""
     from streamrec.config import load_config
     from streamrec.bus.broker import EmbeddedBroker
 
     k = load_config().kafka
-    state = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port).status() if k.embedded else None
-    return [state.pid] if state else []
+    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port) if k.embedded else None
+    return broker if broker and broker.status() else None
 
 
 def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, run_index: int) -> dict:
@@ -296,6 +296,12 @@ def main() -> None:
     args = parser.parse_args()
     tmp = REPO / "var" / "bench-pipeline"
     name = args.name = f"bench-{uuid.uuid4().hex[:6]}"
+    broker = _embedded_broker()
+    args.broker_pids = [broker.status().pid] if broker else []
+    store_mb = round(broker.store_bytes() / 1e6, 1) if broker else None
+    if store_mb and store_mb > 50:
+        print(f"warning: the embedded broker holds {store_mb:,} MB before the run; it re-saves all of it on every "
+              "change, which slows the job's runs (`streamrec kafka prune` deletes old runs' topics)", flush=True)
     env = _env(args, name, tmp, "rocksdb")
     gen = subprocess.run([sys.executable, "-m", "streamrec.cli", "generate", "--duration", str(args.seconds), "--rate",
                           str(args.rate), "--fast", "--no-truth", "--json"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -303,9 +309,8 @@ def main() -> None:
         raise SystemExit(gen.stderr)
     events = orjson.loads(gen.stdout)["events"]
     cores = os.cpu_count() or 1
-    args.broker_pids = _broker_pids()
     try:
-        result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
+        result = {"machine": f"{cores} cores", "events": events, "broker_store_mb_before": store_mb, "flink": [], "python": python_baseline(args, f"{name}.events")}
         print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
         for i, backend in enumerate(b for _ in range(args.repeat) for b in args.backends.split(",")):
             waited = _wait_broker_idle(args.broker_pids)
