@@ -273,12 +273,16 @@ def create_app(served: ServedModel, settings: ServingConfig, frontends: Frontend
 
     @app.post("/v1/models/{model}:reload")
     async def reload(model: str, request: Request) -> dict[str, Any]:
-        """Apply ``{"version": N}`` (or catch up to LATEST); releases a rollback pin."""
+        """``{"version": N}``: serve N and stay on it (pinned); ``{}``: release any pin and
+        catch up to LATEST."""
         check_model(model)
         check_admin(request)
         version = version_arg(await read_json(request, optional=True))
-        served.release()
-        reports = [await admin_call(served.load, version)] if version else await admin_call(served.catch_up)
+        if version:
+            reports = [await admin_call(served.load, version, True)]
+        else:
+            served.release()
+            reports = await admin_call(served.catch_up)
         return {"model_version": served.version, "applied": [r.__dict__ for r in reports], "pinned": served.pinned}
 
     @app.post("/v1/models/{model}:rollback")

@@ -105,16 +105,22 @@ class ServedModel:
 
     # ------------------------------------------------------------------ changing versions
     @_one_change_at_a_time
-    def load(self, version: int | None = None) -> ApplyReport:
-        """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a swap."""
+    def load(self, version: int | None = None, pin: bool = False) -> ApplyReport:
+        """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a
+        swap. ``pin``: and stay on it until released (an operator's explicit version: unpinned,
+        the watcher would move on to LATEST at its next poll). Pinning happens in the same
+        change, so no catch-up can slip in between."""
         target = self.model_store.latest() if version is None else version
         if target is None:
             raise CorruptVersion(f"model {self.model_store.model} has no published version under {self.model_store.base}")
         manifest = self.model_store.manifest(target)
         current = self.version
         if current is not None and manifest["kind"] == "delta" and manifest["parent"] == current:
-            return self._apply_delta(target)
-        return self._swap(target)
+            report = self._apply_delta(target)
+        else:
+            report = self._swap(target)
+        self.pinned = pin
+        return report
 
     @_one_change_at_a_time
     def catch_up(self) -> list[ApplyReport]:

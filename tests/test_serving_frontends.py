@@ -110,7 +110,8 @@ def test_frontends_refuse_bad_requests_and_relay_the_other_routes(engine, sample
     status, answer = call(base, "POST", "/v1/models/ctr:rollback", {}, token=TOKEN)
     assert status == 409 and "roll back" in answer["error"]["message"], answer
     status, answer = call(base, "POST", "/v1/models/ctr:reload", {"version": versions[-2]}, token=TOKEN)
-    assert status == 200 and answer["model_version"] == versions[-2]
+    assert status == 200 and answer["model_version"] == versions[-2] and answer["pinned"]
+    time.sleep(1.5)  # an explicit version stays pinned: the store watcher (1 s polls) does not move on to LATEST
     assert call(base, "POST", "/v1/models/ctr:predict", {"instances": [row]})[1]["model_version"] == versions[-2]
     status, answer = call(base, "POST", "/v1/models/ctr:rollback", {}, token=TOKEN)
     assert status == 200 and answer["model_version"] == versions[-1] and answer["pinned"]
