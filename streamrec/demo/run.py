@@ -204,18 +204,22 @@ def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: Serv
 
 
 def _rollback_and_release(client: ServingClient) -> dict:
-    """:rollback to the previous version (pins it), then :reload to follow LATEST again."""
-    before = client.status()
+    """:rollback to the previous version (pins it), then :reload to follow LATEST again.
+
+    From and to come from the rollback's own answer: a status read before it could be one
+    version behind (the watcher applies new versions meanwhile; a demo once "rolled back"
+    from v4 to v4 that way)."""
     t = time.perf_counter()
     status, body = client.rollback()
     rollback_ms = (time.perf_counter() - t) * 1000
-    after = client.status()
-    ok = status == 200 and after.get("pinned") is True and (after.get("model_version") or 0) < (before.get("model_version") or 0)
+    from_version, to_version = body.get("previous"), body.get("model_version")
+    ok = status == 200 and body.get("pinned") is True and (to_version or 0) < (from_version or 0)
     time.sleep(2.0)
-    pinned_held = client.status().get("model_version") == after.get("model_version")
+    after = client.status()
+    pinned_held = after.get("model_version") == to_version and after.get("pinned") is True
     reload_status, _ = client.reload()
-    result = {"done": True, "ok": bool(ok and pinned_held and reload_status == 200), "from_version": before.get("model_version"),
-              "to_version": after.get("model_version"), "http_ms": round(rollback_ms, 1), "pinned_held": pinned_held,
+    result = {"done": True, "ok": bool(ok and pinned_held and reload_status == 200), "from_version": from_version,
+              "to_version": to_version, "http_ms": round(rollback_ms, 1), "pinned_held": pinned_held,
               "released": reload_status == 200, "response": body}
     print(f"  rollback v{result['from_version']} -> v{result['to_version']} in {rollback_ms:.0f} ms over HTTP; "
           f"pinned for 2 s, then :reload -> following LATEST again ({'ok' if result['ok'] else 'FAILED'})", flush=True)
