@@ -108,6 +108,8 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, 
     end = time.monotonic()
     total_samples = samples.count()
     samples.close()
+    if not ticks:
+        raise SystemExit("the job ended before its first progress reading: too few events to measure")
     ticks.append(ticks[-1]._replace(t=end, samples=total_samples))
     producing = [t for t in ticks if t.samples > 0]
     if len(producing) < 2:
@@ -127,13 +129,13 @@ def _window(a: "_Tick", b: "_Tick", total_samples: int, events: int) -> dict:
     """Throughput and CPU between two progress readings."""
     window_events = (b.samples - a.samples) * events / total_samples
     cpu, seconds = b.flink_cpu - a.flink_cpu, b.t - a.t
+    cpu_without_jit = cpu - (b.jit_cpu - a.jit_cpu)
     return {"seconds": round(seconds, 2), "events": round(window_events),
             "events_per_s": round(window_events / seconds) if seconds > 0 else None,
             "flink_cpu_s": round(cpu, 2), "jit_cpu_s": round(b.jit_cpu - a.jit_cpu, 2),
             "broker_cpu_s": round(b.broker_cpu - a.broker_cpu, 2),
             "events_per_flink_cpu_s": round(window_events / cpu) if cpu > 0 else None,
-            "events_per_flink_cpu_s_without_jit": (round(window_events / (cpu - b.jit_cpu + a.jit_cpu))
-                                                   if cpu - b.jit_cpu + a.jit_cpu > 0 else None),
+            "events_per_flink_cpu_s_without_jit": round(window_events / cpu_without_jit) if cpu_without_jit > 0 else None,
             # by thread name (15 characters: the kernel's limit), largest first
             "flink_threads_cpu_s": _thread_deltas(a.threads, b.threads)}
 
