@@ -45,8 +45,8 @@ from output import write_result  # noqa: E402
 from pipelines.flink_rest import FlinkRest  # noqa: E402
 from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
-from streamrec.bus.clients import make_consumer, poll_records  # noqa: E402
-from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
+from streamrec.bus.clients import make_admin, make_consumer, poll_records  # noqa: E402
+from streamrec.bus.topics import delete_topics, describe_topics, list_topics, truncate_topics  # noqa: E402
 from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
 
@@ -89,19 +89,11 @@ def flink_backlog(args, events_env: dict, backend: str, tmp: Path, events: int, 
     samples = _SamplesWritten(args.bootstrap, env["STREAMREC_TOPICS__SAMPLES"])
     started = time.monotonic()
     job = _cli(env, "pipeline", "submit", "--bounded", "--fresh", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ticks: list[_Tick] = []
-    threads: dict[str, float] = {}
+    probe = _Probe(job.pid, args.broker_pids, samples)
     while job.poll() is None:
-        pids = process_tree(job.pid)  # the CLI, then the JVM it starts
-        # task threads end with the job: keep each thread's last (largest) reading
-        threads = {k: max(v, threads.get(k, 0.0)) for k, v in {**threads, **threads_cpu_seconds(pids)}.items()}
-        tick = _Tick(time.monotonic(), cpu_seconds(pids), cpu_seconds(args.broker_pids), _jit_cpu(threads),
-                     samples.count(), dict(threads))
-        if ticks:  # the processes' figures vanish when they exit: never go back
-            tick = tick._replace(flink_cpu=max(tick.flink_cpu, ticks[-1].flink_cpu),
-                                 broker_cpu=max(tick.broker_cpu, ticks[-1].broker_cpu))
-        ticks.append(tick)
+        probe.tick()
         time.sleep(0.25)
+    ticks = probe.ticks
     output = job.stdout.read()
     if job.returncode != 0:
         raise SystemExit(f"the pipeline job failed:\n{output[-3000:]}")
@@ -147,6 +139,27 @@ class _Tick(NamedTuple):
     jit_cpu: float
     samples: int
     threads: dict
+
+
+class _Probe:
+    """Progress and CPU readings of a running job (its CLI process and the JVM below it)."""
+
+    def __init__(self, job_pid: int, broker_pids: list[int], samples: "_SamplesWritten") -> None:
+        self.job_pid, self.broker_pids, self.samples = job_pid, broker_pids, samples
+        self.ticks: list[_Tick] = []
+        self._threads: dict[str, float] = {}
+
+    def tick(self) -> _Tick:
+        pids = process_tree(self.job_pid)  # the CLI, then the JVM it starts
+        # task threads end with the job: keep each thread's last (largest) reading
+        self._threads = {k: max(v, self._threads.get(k, 0.0)) for k, v in {**self._threads, **threads_cpu_seconds(pids)}.items()}
+        tick = _Tick(time.monotonic(), cpu_seconds(pids), cpu_seconds(self.broker_pids), _jit_cpu(self._threads),
+                     self.samples.count(), dict(self._threads))
+        if self.ticks:  # the processes' figures vanish when they exit: never go back
+            last = self.ticks[-1]
+            tick = tick._replace(flink_cpu=max(tick.flink_cpu, last.flink_cpu), broker_cpu=max(tick.broker_cpu, last.broker_cpu))
+        self.ticks.append(tick)
+        return tick
 
 
 class _SamplesWritten:
@@ -269,6 +282,117 @@ def live_latency(args, tmp: Path) -> dict:
             "click_to_sample_ms": {"p50": float(np.percentile(from_click, 50)), "p99": float(np.percentile(from_click, 99))}}
 
 
+def flink_sustained(args, tmp: Path) -> dict:
+    """``--rounds`` backlogs of ``--seconds`` x ``--rate`` events through one long-running
+    job, the way a job that never stops sees its input: the JIT compiler's warm-up is paid
+    in the first rounds and amortised over the rest, as in production. The embedded broker
+    holds one round at a time (it re-saves all it holds on every change): a round is
+    written in one transaction (``generate --atomic``; the job reads read_committed, so it
+    waits), processed, then deleted from the topics (DeleteRecords).
+    Each round's window runs from its first sample to its last, with every CPU-second of
+    the Flink JVM in it (JIT, GC, checkpoints every ``flink.checkpoint_interval_s``
+    included); the job's idle time between rounds (writing the next one) is not counted."""
+    name = f"{args.name}-sustained"
+    # No source reader may count as idle in the pauses between rounds: when a round arrives,
+    # the first reader to resume would move the watermark alone, before the others have read
+    # their partitions, and their events would go to the DLQ as late (docs/pipeline.md, late
+    # data). A job that sees silences and then backlogs needs the same setting.
+    env = {**_env(args, name, tmp, args.backend), "STREAMREC_FLINK__IDLE_TIMEOUT_S": "3600"}
+    events_topic, samples_topic = env["STREAMREC_TOPICS__EVENTS"], env["STREAMREC_TOPICS__SAMPLES"]
+    job = _cli(env, "pipeline", "submit", "--fresh", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    samples = _SamplesWritten(args.bootstrap, samples_topic)
+    probe = _Probe(job.pid, args.broker_pids, samples)
+    stop = threading.Event()
+
+    def sample_forever() -> None:
+        while not stop.is_set():
+            probe.tick()
+            time.sleep(0.25)
+
+    # event time starts in the past, so that no round runs ahead of the job's far-future check
+    start_ms = int(time.time() * 1000) - int(args.rounds * args.seconds * 1000) - 60_000
+    rounds: list[dict] = []
+    try:
+        FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 120)
+        sampler = threading.Thread(target=sample_forever, daemon=True)
+        sampler.start()
+        for r in range(args.rounds):
+            before = samples.count()  # the job sees nothing of the round until its transaction commits
+            gen = subprocess.run([sys.executable, "-m", "streamrec.cli", "generate", "--seed", str(100 + r), "--start-ms",
+                                  str(start_ms), "--duration", str(args.seconds), "--rate", str(args.rate), "--fast",
+                                  "--atomic", "--no-truth", "--json"], cwd=REPO, env=env, capture_output=True, text=True)
+            if gen.returncode != 0:
+                raise SystemExit(gen.stderr)
+            summary = orjson.loads(gen.stdout)
+            start_ms = summary["end_ms"] + 1
+            rounds.append(_sustained_round(args, probe, r, before, summary["events"], summary["impressions"], job,
+                                           env["STREAMREC_FLINK__GROUP_ID"], events_topic))
+            # the generator wrote no bad events: anything in the DLQ (late events, ...) is a fault
+            rounds[-1]["dlq"] = describe_topics(args.bootstrap, [env["STREAMREC_TOPICS__DLQ"]])[0].messages
+            print(f"round {r + 1}/{args.rounds}: {rounds[-1]['events_per_s']:,} events/s, "
+                  f"{rounds[-1]['events_per_flink_cpu_s']:,} per Flink CPU-second "
+                  f"(JIT {rounds[-1]['jit_cpu_s']} of {rounds[-1]['flink_cpu_s']} CPU-s), {rounds[-1]['dlq']:,} in the DLQ", flush=True)
+            truncate_topics(args.bootstrap, [events_topic, samples_topic, env["STREAMREC_TOPICS__DLQ"]])
+            _wait_broker_idle(args.broker_pids)
+    finally:
+        stop.set()
+        if job.poll() is None:
+            os.killpg(job.pid, 15)
+            job.wait(60)
+        samples.close()
+    later = rounds[args.warmup_rounds:] or rounds
+    events, cpu, jit = (sum(r[k] for r in later) for k in ("events", "flink_cpu_s", "jit_cpu_s"))
+    seconds = sum(r["seconds"] for r in later)
+    return {"backend": args.backend, "rounds": rounds,
+            "after_warmup": {"rounds": len(later), "events": events, "seconds": round(seconds, 2),
+                             "events_per_s": round(events / seconds), "flink_cpu_s": round(cpu, 2),
+                             "jit_cpu_s": round(jit, 2), "events_per_flink_cpu_s": round(events / cpu),
+                             "flink_threads_cpu_s": later[-1]["flink_threads_cpu_s"]}}
+
+
+def _sustained_round(args, probe: "_Probe", r: int, before: int, events: int, impressions: int, job, group: str,
+                     events_topic: str) -> dict:
+    """Wait until the job has read the whole round (its consumer group's offsets, committed
+    at each checkpoint, reach the topic's end) and its sample count has stood still for 2 s;
+    the window runs from the first new sample to the last. The round's last impressions'
+    negatives wait for the next round's watermark (the attribution window): they count in
+    the next round, as the previous round's did in this one."""
+    from kafka import TopicPartition
+
+    admin = make_admin(args.bootstrap)
+    offsets = make_consumer(args.bootstrap, group_id=None)
+    try:
+        parts = [TopicPartition(events_topic, p) for p in sorted(offsets.partitions_for_topic(events_topic) or [])]
+        end = offsets.end_offsets(parts)
+        deadline = time.monotonic() + 600
+        while True:
+            if job.poll() is not None:
+                raise SystemExit(f"the pipeline job ended (exit {job.returncode}) during round {r + 1}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"round {r + 1}: the job wrote {probe.ticks[-1].samples - before} of ~{impressions} "
+                                 "samples and had not read all its events after 600 s")
+            time.sleep(0.5)
+            mine = [t for t in probe.ticks if t.samples > before]
+            committed = admin.list_group_offsets({group: parts}).get(group, {})
+            # the last offset of each partition is the round's transaction marker, which Flink's
+            # committed offset (its last record's + 1) stops short of
+            read_all = all(committed.get(tp) is not None and committed[tp].offset >= end[tp] - 1 for tp in parts)
+            if mine and read_all and probe.ticks[-1].t - _last_change(mine).t >= 2.0:
+                break
+    finally:
+        admin.close()
+        offsets.close()
+    start, end = max((t for t in probe.ticks if t.samples <= before), key=lambda t: t.t), _last_change(mine)
+    progress = [(round(t.t - start.t, 2), round(t.flink_cpu - start.flink_cpu, 2), t.samples - before)
+                for t in probe.ticks if start.t <= t.t <= end.t]
+    return {"round": r + 1, **_window(start, end, impressions, events), "progress": progress}
+
+
+def _last_change(ticks: list["_Tick"]) -> "_Tick":
+    """The first reading with the final sample count."""
+    return next(t for t in ticks if t.samples == ticks[-1].samples)
+
+
 def _medians(runs: list[dict]) -> dict:
     """Per backend, the median of each headline figure over its runs (this box is noisy)."""
     out = {}
@@ -289,13 +413,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000, help="events/s of the backlog traffic")
     parser.add_argument("--backends", default="rocksdb,rocksdb-nocache,hashmap",
                         help=f"comma-separated, each one of {', '.join(BACKENDS)} (rocksdb-nocache: without the stages' state cache)")
-    parser.add_argument("--repeat", type=int, default=1, help="run the backends round-robin this many times (medians reported)")
-    parser.add_argument("--backend", default="rocksdb", help="state backend of the live phase")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the backends round-robin this many times (medians reported); 0: no backlog runs")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="sustained phase: this many backlogs through one long-running job (--backend); 0: skip")
+    parser.add_argument("--warmup-rounds", type=int, default=2, help="sustained phase: rounds left out of its totals (JIT warm-up)")
+    parser.add_argument("--backend", default="rocksdb", help="state backend of the sustained and live phases")
     parser.add_argument("--live-rate", type=float, default=1000)
     parser.add_argument("--live-seconds", type=float, default=40, help="0: skip the live-latency phase")
     parser.add_argument("--drain-seconds", type=float, default=15)
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
+    if args.rounds and args.warmup_rounds >= args.rounds:
+        parser.error(f"--warmup-rounds ({args.warmup_rounds}) must be fewer than --rounds ({args.rounds})")
     tmp = REPO / "var" / "bench-pipeline"
     name = args.name = f"bench-{uuid.uuid4().hex[:6]}"
     broker = _embedded_broker()
@@ -332,11 +462,18 @@ def main() -> None:
                   f"steady ({steady.get('seconds')} s from 25% to 90% of the samples): {steady.get('events_per_s') or 0:,} "
                   f"events/s, {steady.get('events_per_flink_cpu_s') or 0:,} per Flink CPU-second "
                   f"(JIT {steady.get('jit_cpu_s')} of {steady.get('flink_cpu_s')} CPU-s)", flush=True)
-        result["median"] = _medians(result["flink"])
+        result["median"] = _medians(result["flink"]) if result["flink"] else {}
         for backend, m in result["median"].items():
             print(f"median of {m['runs']} {backend} runs: {m['events_per_s']:,} events/s, {m['events_per_flink_cpu_s']:,} "
                   f"per Flink CPU-second; steady {m['steady_events_per_s']:,} events/s, "
                   f"{m['steady_events_per_flink_cpu_s']:,} per Flink CPU-second", flush=True)
+        if args.rounds > 0:
+            delete_topics(args.bootstrap, [f"{name}.events"])  # the broker holds one round at a time
+            result["sustained"] = sustained = flink_sustained(args, tmp)
+            total = sustained["after_warmup"]
+            print(f"sustained {args.backend}, {total['rounds']} rounds after {args.warmup_rounds} warm-up rounds: "
+                  f"{total['events']:,} events, {total['events_per_s']:,} events/s, {total['events_per_flink_cpu_s']:,} "
+                  f"per Flink CPU-second (JIT {total['jit_cpu_s']} of {total['flink_cpu_s']} CPU-s)", flush=True)
         result["live"] = live_latency(args, tmp) if args.live_seconds > 0 else {}
     finally:
         # the embedded broker re-saves all it holds on every change: leave nothing behind

@@ -38,6 +38,8 @@ class JobSpec:
     source_parallelism: int = 1
     # RocksDB only: recently used key states kept in memory per stage (StateCache.java); 0 = off
     state_cache_keys: int = 0
+    # sleep after an empty poll of a caught-up source reader (IdleBackoffSource.java); 0 = off
+    source_idle_backoff_ms: int = 0
 
     def properties(self) -> str:
         """The settings as java.util.Properties text, for SampleJob.build."""
@@ -45,6 +47,8 @@ class JobSpec:
         s.validate()
         if self.state_cache_keys < 0:
             raise ValueError(f"state_cache_keys must be >= 0 (0 = off), got {self.state_cache_keys}")
+        if not 0 <= self.source_idle_backoff_ms <= 1000:
+            raise ValueError(f"source_idle_backoff_ms must be within 0..1000 (0 = off), got {self.source_idle_backoff_ms}")
         if any(int(w) != w for w in s.windows_s):
             raise ValueError(f"counter windows must be whole seconds (they name the sample's columns), got {s.windows_s}")
         values = {
@@ -56,7 +60,7 @@ class JobSpec:
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
             "sample_version": str(SAMPLE_VERSION), "windows_s": ",".join(str(int(w)) for w in s.windows_s),
             "attribution_ms": str(int(s.attribution_window_s * 1000)), "history_len": str(s.history_len),
-            "state_cache_keys": str(self.state_cache_keys),
+            "state_cache_keys": str(self.state_cache_keys), "source_idle_backoff_ms": str(self.source_idle_backoff_ms),
         }
         return "".join(f"{key}={_escape(value)}\n" for key, value in values.items())
 

@@ -55,6 +55,7 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
         source_parallelism=partitions.get(t.events, 1),
         # the heap backend holds the objects already (and must not see them change under its snapshots)
         state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
+        source_idle_backoff_ms=f.source_idle_backoff_ms,
     )
 
 

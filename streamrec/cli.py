@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import runpy
 import sys
 import time
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--start-ms", type=int, help="event time of the first tick (default: now)")
     gen.add_argument("--fast", action="store_true", help="don't pace to wall-clock time (default with --out)")
     gen.add_argument("--no-truth", action="store_true", help="don't write the ground truth (topics.truth)")
+    gen.add_argument("--atomic", action="store_true",
+                     help="write the whole run in one Kafka transaction: read_committed consumers (the pipeline job) "
+                          "see all of it at once, or none of it if the run fails (a backfill)")
     gen.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     pipeline = add("pipeline", "turn raw events into labelled samples")
@@ -370,6 +374,8 @@ def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
         raise ConfigError(f"--duration must be > 0 seconds, got {duration}")
     start_ms = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
     traffic = Traffic(traffic_cfg, start_ms)
+    if args.atomic and args.out:
+        raise ConfigError("--atomic is a Kafka transaction: it cannot be used with --out")
     if args.out:
         sink = FileSink(args.out, args.format)
         pace = False
@@ -380,8 +386,9 @@ def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
 
         k = cfg.kafka
         ensure_topics(k.bootstrap_servers, [cfg.topics.events, cfg.topics.truth], k.partitions, k.replication_factor, k.connect_timeout_s)
-        producer = make_producer(k.bootstrap_servers, k.connect_timeout_s)
-        sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth)
+        txn = {"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}"} if args.atomic else {}
+        producer = make_producer(k.bootstrap_servers, k.connect_timeout_s, **txn)
+        sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth, atomic=args.atomic)
         pace = not args.fast
         where = f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
     summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}")

@@ -79,6 +79,7 @@ class FlinkConfig:
     out_of_orderness_ms: int
     idle_timeout_s: float
     attribution_window_s: float
+    source_idle_backoff_ms: int
 
     def resolved_jars_dir(self) -> Path:
         if self.jars_dir:

@@ -6,7 +6,7 @@ import pytest
 from kafka import TopicPartition
 
 from streamrec.bus.clients import make_consumer, make_producer
-from streamrec.bus.topics import describe_topics, ensure_topics
+from streamrec.bus.topics import describe_topics, ensure_topics, truncate_topics
 
 N = 2000
 
@@ -16,6 +16,27 @@ def test_topic_creation_is_idempotent(broker):
     assert ensure_topics(broker, ["rt.idem", "rt.idem2"], partitions=2) == ["rt.idem2"]
     info = {t.name: t.partitions for t in describe_topics(broker, ["rt.idem", "rt.idem2"])}
     assert info == {"rt.idem": 3, "rt.idem2": 2}
+
+
+def test_truncate_deletes_what_a_topic_holds_and_keeps_its_offsets(broker):
+    topic = "rt.trunc"
+    ensure_topics(broker, [topic], partitions=2)
+    producer = make_producer(broker)
+    for i in range(300):
+        producer.send(topic, key=f"k{i % 7}".encode(), value=str(i).encode())
+    producer.flush()
+    assert truncate_topics(broker, [topic, "rt.no-such-topic"]) == 300
+    assert {t.name: t.messages for t in describe_topics(broker, [topic])} == {topic: 0}
+    for i in range(300, 310):  # written after the truncation: kept, at offsets after the old end
+        producer.send(topic, key=f"k{i % 7}".encode(), value=str(i).encode())
+    producer.flush()
+    producer.close()
+    consumer = make_consumer(broker, topic, group_id=None, auto_offset_reset="earliest", consumer_timeout_ms=3000)
+    records = list(consumer)
+    consumer.close()
+    assert sorted(int(r.value) for r in records) == list(range(300, 310))
+    assert min(r.offset for r in records) > 0
+    assert truncate_topics(broker, [topic]) == 10 and truncate_topics(broker, [topic]) == 0
 
 
 def test_consumer_group_resumes_from_committed_offsets(broker):

@@ -23,7 +23,7 @@ from pipelines.samples import SampleBuilder, SampleSpec
 from streamrec.bus.clients import make_consumer, make_producer, poll_records
 from streamrec.bus.topics import ensure_topics
 from streamrec.config import load_config
-from streamrec.demo.resources import process_tree
+from streamrec.demo.resources import process_tree, threads_cpu_seconds
 
 pytestmark = pytest.mark.slow
 WINDOW_S = 5.0
@@ -200,6 +200,13 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
     job = _submit_in_background(env, "--fresh")
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
+        # while the input is empty the source's fetcher sleeps between polls: the embedded
+        # broker answers an empty fetch at once, and a plain Kafka consumer then spun a core
+        fetcher_cpu = lambda: sum(cpu for thread, cpu in threads_cpu_seconds(process_tree(job.pid)).items()  # noqa: E731
+                                  if thread.startswith("Source Data Fet"))
+        before = fetcher_cpu()
+        time.sleep(3.0)
+        assert fetcher_cpu() - before < 0.5, "the Kafka source's fetcher spins while its input is empty"
         t0 = int(time.time() * 1000) - 30_000  # the producer runs 30 s behind its event time
         producer = make_producer(broker)
         producer.send(f"{name}.events", key=b"1", value=_imp("i1", t0, 1, 100, "r1"))

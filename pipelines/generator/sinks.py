@@ -55,10 +55,18 @@ def bad_record(kind: str, emit_ms: int, raw: bytes) -> dict:
 
 
 class KafkaSink:
-    """Produces to Kafka and counts delivery failures (reported at close, never dropped silently)."""
+    """Produces to Kafka and counts delivery failures (reported at close, never dropped silently).
 
-    def __init__(self, producer, events_topic: str, truth_topic: str | None) -> None:
+    ``atomic``: the whole run is one transaction (the producer needs a transactional_id),
+    committed at close only if every message was acknowledged, aborted otherwise.
+    """
+
+    def __init__(self, producer, events_topic: str, truth_topic: str | None, atomic: bool = False) -> None:
         self.producer = producer
+        self.atomic = atomic
+        if atomic:
+            producer.init_transactions()
+            producer.begin_transaction()
         self.events_topic = events_topic
         self.truth_topic = truth_topic
         self._failures = 0
@@ -89,12 +97,20 @@ class KafkaSink:
         if self.truth_topic:
             self._send(self.truth_topic, b"end", orjson.dumps({"kind": "end", **manifest}))
         self.producer.flush()
+        if self.atomic:
+            if self._failures:
+                self.producer.abort_transaction()
+            else:
+                self.producer.commit_transaction()
         self.producer.close()
         if self._failures:
-            raise SinkError(f"{self._failures} messages were not acknowledged by Kafka; first error: {self._first_error!r}")
+            lost = "the transaction was aborted: nothing was written" if self.atomic else "they are missing from the topic"
+            raise SinkError(f"{self._failures} messages were not acknowledged by Kafka ({lost}); first error: {self._first_error!r}")
 
     def abort(self) -> None:
         self.producer.flush()
+        if self.atomic:
+            self.producer.abort_transaction()
         self.producer.close()
 
 

@@ -8,6 +8,7 @@ import java.util.Properties;
 
 import org.apache.flink.api.common.eventtime.WatermarkStrategy;
 import org.apache.flink.api.common.typeinfo.Types;
+import org.apache.flink.api.connector.source.Source;
 import org.apache.flink.api.java.functions.KeySelector;
 import org.apache.flink.api.java.tuple.Tuple2;
 import org.apache.flink.connector.base.DeliveryGuarantee;
@@ -54,6 +55,10 @@ public final class SampleJob {
                 .setBootstrapServers(bootstrap)
                 .setTopics(p.getProperty("events_topic"))
                 .setGroupId(p.getProperty("group_id"))
+                // events of aborted or still-open producer transactions (a `generate --atomic`
+                // backfill, a transactional upstream) are never read: the same as any event
+                // from a plain producer otherwise
+                .setProperty("isolation.level", "read_committed")
                 .setStartingOffsets(OffsetsInitializer.committedOffsets(OffsetResetStrategy.EARLIEST))
                 .setDeserializer(new EventDeserializer(new EventParser(p.getProperty("validation_spec"),
                         Long.parseLong(p.getProperty("max_future_skew_ms")))));
@@ -64,7 +69,9 @@ public final class SampleJob {
                 Duration.ofMillis(Long.parseLong(p.getProperty("out_of_orderness_ms"))),
                 Duration.ofMillis(Long.parseLong(p.getProperty("idle_timeout_ms"))));
 
-        SingleOutputStreamOperator<Event> valid = env.fromSource(source.build(), watermarks, "events topic")
+        long idleBackoffMs = Long.parseLong(p.getProperty("source_idle_backoff_ms"));
+        Source<Event, ?, ?> events = idleBackoffMs > 0 ? new IdleBackoffSource<>(source.build(), idleBackoffMs) : source.build();
+        SingleOutputStreamOperator<Event> valid = env.fromSource(events, watermarks, "events topic")
                 .setParallelism(sourceParallelism).uid("events-source")
                 .process(new RouteRejected()).returns(EventTypeInfoFactory.INFO)
                 .setParallelism(sourceParallelism).name("route rejected events").uid("route");
