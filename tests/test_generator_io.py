@@ -1,6 +1,10 @@
 """The generator's outputs for real: `streamrec generate` into the broker and into files."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import orjson
 import pyarrow.parquet as pq
@@ -11,7 +15,7 @@ from pipelines.generator.sinks import FileSink, decode_truth_message
 from pipelines.generator.traffic import Traffic, TrafficConfig
 from pipelines.generator.runner import generate
 from streamrec.bus.clients import make_consumer
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 @pytest.mark.slow
@@ -53,6 +57,31 @@ def test_generate_to_kafka_is_paced_and_complete(broker, tmp_path):
     clicks = {(e["request_id"], e["item_id"]) for e in valid if e["type"] == "click" and "orphan" not in e["request_id"]}
     expected = {(r["request_id"], r["item_id"]) for r in truth if r["clicked"] and r["click_ts"] < end["end_ms"]}
     assert clicks == expected
+
+
+@pytest.mark.slow
+def test_atomic_generate_is_one_transaction(broker):
+    """read_committed readers (the pipeline job) see nothing of an --atomic run until it ends, then all of it."""
+    topic = "gen.atomic"
+    env = {"STREAMREC_TOPICS__EVENTS": topic, "STREAMREC_KAFKA__BOOTSTRAP": broker}
+    run = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--atomic", "--no-truth", "--duration", "4",
+                            "--rate", "1000", "--json"], cwd=REPO, env={**os.environ, **env},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def visible(isolation: str) -> int:
+        consumer = make_consumer(broker, topic, group_id=None, isolation_level=isolation, consumer_timeout_ms=1500)
+        n = sum(1 for _ in consumer)
+        consumer.close()
+        return n
+
+    time.sleep(2.5)  # the run is paced: 4 s of traffic
+    assert run.poll() is None, run.communicate()
+    assert visible("read_uncommitted") > 0 and visible("read_committed") == 0
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 0, err
+    assert visible("read_committed") == json.loads(out)["events"] > 3000
+    bad = run_cli("generate", "--atomic", "--out", "x", "--duration", "1")
+    assert bad.returncode != 0 and "--atomic" in bad.stderr and "--out" in bad.stderr
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
