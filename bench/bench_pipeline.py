@@ -443,7 +443,7 @@ def main() -> None:
                         help=f"comma-separated, each one of {', '.join(BACKENDS)} (rocksdb-nocache: without the stages' state cache)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the backends round-robin this many times (medians reported); 0: no backlog runs")
-    parser.add_argument("--rounds", type=int, default=0,
+    parser.add_argument("--rounds", type=int, default=4,
                         help="sustained phase: this many backlogs through one long-running job (--backend); 0: skip")
     parser.add_argument("--warmup-rounds", type=int, default=2, help="sustained phase: rounds left out of its totals (JIT warm-up)")
     parser.add_argument("--backend", default="rocksdb", help="state backend of the sustained and live phases")

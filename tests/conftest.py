@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from kafka import TopicPartition
 
 from pipelines.generator.world import WorldConfig
 from streamrec.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
+from streamrec.bus.clients import make_consumer, poll_records
 from streamrec.bus.topics import delete_topics, list_topics
 from streamrec.config import default_config_text
 
@@ -26,6 +29,32 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
         [sys.executable, "-m", "streamrec.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO,
     )
+
+
+def read_topic(broker: str, topic: str, committed: bool = True, timeout_s: float = 60) -> list:
+    """Every record a topic shows a reader now: read to its end offsets, not to a quiet spell.
+
+    ``committed``: read_committed, whose end is the last stable offset (an open transaction's
+    records are not there yet); otherwise the high watermark. Reading "until nothing came for
+    a while" undercounts on a loaded machine and was flaky.
+    """
+    consumer = make_consumer(broker, group_id=None, auto_offset_reset="earliest",
+                             isolation_level="read_committed" if committed else "read_uncommitted")
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        if not parts:
+            return []
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        end = consumer.end_offsets(parts)
+        out, deadline = [], time.monotonic() + timeout_s
+        while any(consumer.position(tp) < end[tp] for tp in parts):
+            assert time.monotonic() < deadline, f"could not read {topic} to its end in {timeout_s} s"
+            for records in poll_records(consumer, 500).values():
+                out.extend(records)
+        return out
+    finally:
+        consumer.close()
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,7 @@ from pipelines import events as ev
 from pipelines.generator.sinks import FileSink, decode_truth_message
 from pipelines.generator.traffic import Traffic, TrafficConfig
 from pipelines.generator.runner import generate
-from streamrec.bus.clients import make_consumer
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, read_topic, run_cli
 
 
 @pytest.mark.slow
@@ -25,13 +24,14 @@ def test_generate_to_kafka_is_paced_and_complete(broker, tmp_path):
     result = run_cli("--bootstrap", broker, "generate", "--duration", "4", "--rate", "1500",
                      "--bad-fraction", "0.02", "--seed", "3", "--json", env=env)
     assert result.returncode == 0, result.stderr
+    done_ms = time.time() * 1000
     summary = json.loads(result.stdout)
-    assert summary["wall_s"] >= 3.5  # paced to wall-clock time, not as fast as possible
+    # Paced to wall-clock time, not as fast as possible: the last events were sent no earlier
+    # than their event time. (Not summary["wall_s"]: a slow start-up is caught up at once.)
+    assert done_ms >= summary["start_ms"] + 3500
     assert 4 * 1500 * 0.8 < summary["events"] < 4 * 1500 * 1.2
 
-    consumer = make_consumer(broker, events_topic, group_id="gen-check", consumer_timeout_ms=4000)
-    records = list(consumer)
-    consumer.close()
+    records = read_topic(broker, events_topic)
     assert len(records) == summary["events"]
     valid = []
     for r in records:
@@ -45,9 +45,7 @@ def test_generate_to_kafka_is_paced_and_complete(broker, tmp_path):
     assert 3000 <= ts[-1] - ts[0] <= 4000  # event time spans the run
     assert sum(summary["bad_events"].values()) >= len(records) - len(valid)
 
-    consumer = make_consumer(broker, truth_topic, group_id="gen-check", consumer_timeout_ms=4000)
-    rows = [row for r in consumer for row in decode_truth_message(r.value)]
-    consumer.close()
+    rows = [row for r in read_topic(broker, truth_topic) for row in decode_truth_message(r.value)]
     truth = [r for r in rows if r["kind"] == "impression"]
     assert sorted(r["event_id"] for r in truth) == sorted(e["event_id"] for e in impressions)
     assert sum(r["kind"] == "bad" for r in rows) == sum(summary["bad_events"].values())
@@ -64,19 +62,23 @@ def test_atomic_generate_is_one_transaction(broker):
     """read_committed readers (the pipeline job) see nothing of an --atomic run until it ends, then all of it."""
     topic = "gen.atomic"
     env = {"STREAMREC_TOPICS__EVENTS": topic, "STREAMREC_KAFKA__BOOTSTRAP": broker}
-    run = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--atomic", "--no-truth", "--duration", "4",
-                            "--rate", "1000", "--json"], cwd=REPO, env={**os.environ, **env},
+    # 12 s of paced traffic: room for a slow interpreter start on a loaded CI box and for the
+    # reads below, which must both happen while the transaction is still open.
+    run = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--atomic", "--no-truth", "--duration", "12",
+                            "--rate", "500", "--json"], cwd=REPO, env={**os.environ, **env},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def visible(isolation: str) -> int:
-        consumer = make_consumer(broker, topic, group_id=None, isolation_level=isolation, consumer_timeout_ms=1500)
-        n = sum(1 for _ in consumer)
-        consumer.close()
-        return n
+        return len(read_topic(broker, topic, committed=isolation == "read_committed"))
 
-    time.sleep(2.5)  # the run is paced: 4 s of traffic
-    assert run.poll() is None, run.communicate()
-    assert visible("read_uncommitted") > 0 and visible("read_committed") == 0
+    # Wait for the run's first (uncommitted) records instead of guessing its start-up time.
+    deadline = time.monotonic() + 60
+    while (uncommitted := visible("read_uncommitted")) == 0:
+        assert run.poll() is None, run.communicate()
+        assert time.monotonic() < deadline, "the generator wrote nothing in 60 s"
+    committed = visible("read_committed")
+    assert run.poll() is None, "the run ended before its open transaction could be checked"
+    assert uncommitted > 0 and committed == 0
     out, err = run.communicate(timeout=60)
     assert run.returncode == 0, err
     assert visible("read_committed") == json.loads(out)["events"] > 3000

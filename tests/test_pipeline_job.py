@@ -12,15 +12,14 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 import pytest
-from kafka import TopicPartition
 
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, read_topic as _read, run_cli
 from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.flink_rest import FlinkRest
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
-from streamrec.bus.clients import make_consumer, make_producer, poll_records
+from streamrec.bus.clients import make_producer
 from streamrec.bus.topics import ensure_topics
 from streamrec.config import load_config
 from streamrec.demo.resources import process_tree, threads_cpu_seconds
@@ -41,26 +40,6 @@ def _env(broker, tmp_path, name):
         "STREAMREC_FLINK__ATTRIBUTION_WINDOW_S": str(WINDOW_S),
         "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
     }
-
-
-def _read(broker, topic, committed=True):
-    consumer = make_consumer(broker, group_id=None, auto_offset_reset="earliest",
-                             isolation_level="read_committed" if committed else "read_uncommitted")
-    try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-        if not parts:
-            return []
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        end = consumer.end_offsets(parts)
-        out, deadline = [], time.monotonic() + 60
-        while any(consumer.position(tp) < end[tp] for tp in parts):
-            assert time.monotonic() < deadline, f"could not read {topic} to its end"
-            for records in poll_records(consumer, 500).values():
-                out.extend(records)
-        return out
-    finally:
-        consumer.close()
 
 
 def _oracle(broker, events_topic):
