@@ -1,9 +1,10 @@
 """The raw event contract of ``streamrec.events`` (JSON, key = user id).
 
 This module is the reference definition: the generator writes it, the Flink job parses
-it (in SQL, to the same rules) and :func:`validate_event` is the executable spec both
-are tested against. Rejected events go to ``streamrec.events.dlq`` with one of the
-reason codes below. See docs/events.md.
+it (``EventParser.java``, to the same rules, from the spec ``validation_spec.py`` derives
+from this module) and :func:`validate_event` is the executable spec both are tested
+against. Rejected events go to ``streamrec.events.dlq`` with one of the reason codes
+below. See docs/events.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ INVALID_VALUE = "invalid_value"
 FUTURE_TIMESTAMP = "future_timestamp"
 # Detectable only with state (the label join): a click whose impression never arrives.
 ORPHAN_CLICK = "orphan_click"
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # field -> (python type, must be positive)
 _COMMON = {
@@ -64,6 +67,10 @@ def _check_fields(obj: dict, spec: dict[str, tuple[type, bool]], prefix: str) ->
         # bool is an int subclass in Python; JSON true is never a valid id or timestamp.
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise InvalidEvent(f"{WRONG_TYPE}:{prefix}{name}")
+        # Ids and timestamps are int64 in the sample schema (and in the job's parser); orjson
+        # hands back integers up to 2**64 - 1, which no int64 column can hold.
+        if kind is int and not _INT64_MIN <= value <= _INT64_MAX:
+            raise InvalidEvent(f"{WRONG_TYPE}:{prefix}{name} does not fit in 64 bits")
         if kind is str and not value:
             raise InvalidEvent(f"{INVALID_VALUE}:{prefix}{name} is empty")
         if positive and value <= 0:

@@ -74,7 +74,23 @@ def ensure_job_jar(jars_dir: Path) -> Path:
         if result.returncode != 0:
             raise JobJarError(f"packaging the Flink job failed:\n{result.stderr.strip()}")
         os.replace(staged, jar)  # atomic: a half-written jar is never picked up
-    for old in jars_dir.glob("streamrec-job-*.jar"):
-        if old != jar:
-            old.unlink(missing_ok=True)
+    _prune_old_jars(jars_dir, keep=jar)
     return jar
+
+
+# Jars of other source versions kept beside the current one: a job being submitted from an
+# older checkout (or a test run while the sources change) may still be about to load its jar.
+KEEP_OTHER_JARS = 2
+
+
+def _prune_old_jars(jars_dir: Path, keep: Path) -> None:
+    """Delete all but the newest KEEP_OTHER_JARS jars of other source versions."""
+    others = []
+    for path in jars_dir.glob("streamrec-job-*.jar"):
+        try:
+            others.append((path.stat().st_mtime, path))
+        except FileNotFoundError:  # pruned by a concurrent call
+            continue
+    others = sorted((item for item in others if item[1] != keep), reverse=True)
+    for _, old in others[KEEP_OTHER_JARS:]:
+        old.unlink(missing_ok=True)

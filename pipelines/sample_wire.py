@@ -3,8 +3,8 @@ consumer applies before trusting a sample.
 
 Encoding (schema version 1): one JSON object per Kafka message, keys = the column names
 of :meth:`pipelines.samples.SampleSpec.schema`, lists as JSON arrays, a null ``click_ts``
-for negatives. It is what Flink SQL's ``json`` format writes for the same row type, so
-the streaming job (issue 3) and the offline tools produce identical bytes.
+for negatives. The streaming job's encoder (``SampleJson.java``) writes the same objects,
+so the job and the offline tools produce samples that decode to identical rows.
 
 Decoding is strict and batched: a block of messages goes through pyarrow's JSON reader
 with the explicit schema (C++; a float where an int belongs, an out-of-range number or a

@@ -5,8 +5,8 @@ import socket
 
 
 from streamrec.bus.broker import EmbeddedBroker, _alive
-from streamrec.bus.clients import make_consumer, make_producer
-from tests.conftest import free_port, run_cli
+from streamrec.bus.clients import make_producer
+from tests.conftest import free_port, read_topic, run_cli
 
 
 def _flags(port: int, data_dir) -> list[str]:
@@ -88,9 +88,7 @@ def test_data_survives_a_restart(tmp_path):
         assert broker.down()
         state, started = broker.up()
         assert started
-        consumer = make_consumer(state.bootstrap, "persist", group_id="g", consumer_timeout_ms=3000)
-        values = [r.value.decode() for r in consumer]
-        consumer.close()
+        values = [r.value.decode() for r in read_topic(state.bootstrap, "persist")]
         assert values == [f"m{i}" for i in range(50)]
     finally:
         broker.down()

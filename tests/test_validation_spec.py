@@ -55,6 +55,10 @@ EDGE_CASES = [
     b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": {"a": }}',
     b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r"} {}',
     b'{"type": "click", "event_id": "e\\u00e9", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": true}',
+    # ids are int64: 2**63 - 1 fits, 2**63 (which orjson still parses as an int) and 2**64 do not
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 9223372036854775807, "item_id": 1, "request_id": "r"}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 9223372036854775808, "item_id": 1, "request_id": "r"}',
+    b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 18446744073709551616, "request_id": "r"}',
     b'', b'null', b'\xff\xfe', b'{"type": "click", "event_id": "e", "ts": 5, "user_id": 1, "item_id": 1, "request_id": "r", "x": {}}',
 ]
 
