@@ -65,6 +65,10 @@ class FlinkRest:
                                tasks_running))
         return out
 
+    def overview(self) -> dict:
+        """The cluster's summary: ``slots-total``, ``slots-available``, ``taskmanagers``, job counts."""
+        return self._call("GET", "/overview")
+
     def cancel(self, job_id: str) -> None:
         self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
 

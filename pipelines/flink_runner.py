@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines.checkpoints import checkpoint_uri, latest_checkpoint
+from pipelines.checkpoints import prepare as prepare_checkpoints
 from pipelines.flink_jars import jar_urls, verify_jars
 from pipelines.job import JobSpec
 from pipelines.job_jar import ensure_job_jar
@@ -28,7 +30,7 @@ log = logging.getLogger("streamrec.pipeline")
 @dataclass(frozen=True)
 class RunOptions:
     jars_dir: Path
-    checkpoint_dir: Path
+    checkpoint_dir: str | Path  # a local path or a URI the cluster writes (pipelines/checkpoints.py)
     job_name: str = "streamrec-pipeline"
     parallelism: int = 1
     checkpoint_interval_ms: int = 2000
@@ -40,13 +42,7 @@ class RunOptions:
     jvm_options: str = ""  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
 
 
-def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The newest complete checkpoint (a ``chk-N`` dir with its ``_metadata``) of any job."""
-    done = [meta.parent for meta in Path(checkpoint_dir).glob("*/chk-*/_metadata")]
-    return max(done, key=lambda d: (d.stat().st_mtime, int(d.name.split("-")[1])), default=None)
-
-
-def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
+def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
     if opts.state_backend not in ("rocksdb", "hashmap"):
         raise ValueError(f"state backend must be rocksdb or hashmap, got {opts.state_backend!r}")
     if opts.parallelism < 1:
@@ -67,7 +63,7 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
         "taskmanager.memory.managed.size": "512m",
         "execution.checkpointing.interval": f"{opts.checkpoint_interval_ms} ms",
         "execution.checkpointing.mode": "EXACTLY_ONCE",
-        "execution.checkpointing.dir": Path(opts.checkpoint_dir).resolve().as_uri(),
+        "execution.checkpointing.dir": checkpoint_uri(opts.checkpoint_dir, for_flink=True),
         "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
         "execution.checkpointing.min-pause": f"{max(100, opts.checkpoint_interval_ms // 4)} ms",
     }
@@ -79,8 +75,25 @@ def flink_config(opts: RunOptions, restore_from: Path | None) -> dict[str, str]:
     else:
         conf.update({"rest.bind-address": "127.0.0.1", "rest.address": "127.0.0.1", "rest.port": str(opts.rest_port)})
     if restore_from is not None:
-        conf["execution.state-recovery.path"] = Path(restore_from).resolve().as_uri()
+        conf["execution.state-recovery.path"] = restore_from
     return conf
+
+
+def _execution_environment(conf, remote: bool):
+    """The environment the job is built in: the embedded mini-cluster, or a cluster's REST endpoint.
+
+    Why not ``get_execution_environment(conf)`` for both: outside ``flink run`` (no context
+    environment) it builds a *local* environment, which overrides ``execution.target`` and
+    ran a ``--jobmanager`` job on a private mini-cluster inside this process. The public
+    constructor picks the executor that ``execution.target`` (``remote``) names.
+    """
+    from pyflink.datastream import StreamExecutionEnvironment
+    from pyflink.java_gateway import get_gateway
+
+    if not remote:
+        return StreamExecutionEnvironment.get_execution_environment(conf)
+    jvm = get_gateway().jvm
+    return StreamExecutionEnvironment(jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment(conf._j_configuration))
 
 
 def _set_gateway_jvm_options(options: str) -> None:
@@ -115,19 +128,18 @@ def submit(spec: JobSpec, opts: RunOptions):
     the client's execution result) for as long as the job should run.
     """
     from pyflink.common import Configuration
-    from pyflink.datastream import StreamExecutionEnvironment
     from pyflink.java_gateway import get_gateway
     from pyflink.util.java_utils import add_jars_to_context_class_loader
 
     restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
-    Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    prepare_checkpoints(opts.checkpoint_dir)
     settings = spec.properties()  # validates the spec before the JVM starts
     if not opts.jobmanager:
         _set_gateway_jvm_options(opts.jvm_options)
     conf = Configuration()
     for key, value in flink_config(opts, restore).items():
         conf.set_string(key, value)
-    env = StreamExecutionEnvironment.get_execution_environment(conf)
+    env = _execution_environment(conf, remote=bool(opts.jobmanager))
     add_jars_to_context_class_loader(job_jars(opts))  # the job's classes, for the gateway
     get_gateway().jvm.streamrec.flink.SampleJob.build(env._j_stream_execution_environment, settings)
     log.info("submitting %s (parallelism %d, %s state, resume from %s)", opts.job_name, opts.parallelism,

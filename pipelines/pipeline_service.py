@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipelines.checkpoints import checkpoint_uri, is_local
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
 from pipelines.flink_runner import RunOptions, submit
 from pipelines.job import JobSpec
@@ -62,7 +63,7 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
 def run_options(cfg, fresh: bool = False) -> RunOptions:
     f = cfg.flink
     return RunOptions(
-        jars_dir=f.resolved_jars_dir(), checkpoint_dir=Path(f.checkpoint_dir), job_name=f.job_name,
+        jars_dir=f.resolved_jars_dir(), checkpoint_dir=f.checkpoint_dir, job_name=f.job_name,
         parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
         state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port, resume=not fresh,
         jvm_options=f.jvm_options,
@@ -74,7 +75,7 @@ def _progress(job: JobInfo, started: float) -> str:
             f"({job.records_in / max(1e-9, time.monotonic() - started):,.0f} events/s)")
 
 
-def _warn_if_bounded_restore(spec: JobSpec, restored: Path | None) -> None:
+def _warn_if_bounded_restore(spec: JobSpec, restored: str | None) -> None:
     """Kafka splits restored from a checkpoint keep the stopping offsets of the run that took it."""
     if spec.bounded and restored:
         print(f"warning: --bounded does not apply to partitions restored from {restored}: they keep the end "
@@ -167,7 +168,29 @@ def detach(argv: list[str], cfg, timeout_s: float = 120.0) -> int:
     raise TimeoutError(f"the pipeline job did not start within {timeout_s:.0f} s; see {log_path}")
 
 
+def _check_cluster(spec: JobSpec, opts: RunOptions) -> None:
+    """Fail before the JVM starts when the cluster does not answer; warn about what would
+    leave the job waiting (too few free slots) or unable to resume (node-local checkpoints)."""
+    try:
+        overview = FlinkRest(opts.jobmanager).overview()
+    except FlinkUnreachable as exc:
+        raise FlinkUnreachable(f"the cluster at {opts.jobmanager} does not answer: {exc}") from exc
+    needed = max(spec.source_parallelism, opts.parallelism)
+    free = overview.get("slots-available", 0)
+    if free < needed:
+        print(f"warning: the job needs {needed} task slots (a source reader per partition of "
+              f"{spec.events_topic}: {spec.source_parallelism}; parallelism {opts.parallelism}) and the cluster at "
+              f"{opts.jobmanager} has {free} free of {overview.get('slots-total', 0)}: its tasks wait for slots "
+              "(and the job fails after Flink's slot.request.timeout)", file=sys.stderr, flush=True)
+    host = opts.jobmanager.rpartition(":")[0]
+    if is_local(opts.checkpoint_dir) and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: checkpoints go to {checkpoint_uri(opts.checkpoint_dir)} on each TaskManager's own disk, "
+              "and the next submit looks for them on this machine: set flink.checkpoint_dir to storage all of "
+              "them share (s3://, hdfs://, a shared mount)", file=sys.stderr, flush=True)
+
+
 def submit_remote(spec: JobSpec, opts: RunOptions) -> int:
+    _check_cluster(spec, opts)
     client, restored = submit(spec, opts)
     _warn_if_bounded_restore(spec, restored)
     job_id = client.get_job_id()

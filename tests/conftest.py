@@ -57,6 +57,27 @@ def read_topic(broker: str, topic: str, committed: bool = True, timeout_s: float
         consumer.close()
 
 
+S3_BUCKET = "streamrec-models"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3 API server (moto's, over HTTP) with the bucket S3_BUCKET; yields host:port."""
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
+    endpoint = f"127.0.0.1:{port}"
+    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
+                      allow_bucket_creation=True).create_dir(S3_BUCKET)
+    yield endpoint
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory) -> str:
     """One embedded noida-db broker for the whole session; yields its bootstrap address."""

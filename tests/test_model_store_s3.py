@@ -7,32 +7,12 @@ retention all work there, through the same pyarrow.fs URI a deployment would use
 
 from __future__ import annotations
 
-import os
-
 import pyarrow.fs as pafs
 import pytest
 import torch
 
 from ps.model_store import CorruptVersion, ModelStore, SparseDelta
-from streamrec.bus.broker import free_port
-
-BUCKET = "streamrec-models"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    endpoint = f"127.0.0.1:{port}"
-    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", region="us-east-1",
-                      allow_bucket_creation=True).create_dir(BUCKET)
-    yield endpoint
-    server.stop()
+from tests.conftest import S3_BUCKET as BUCKET
 
 
 def _uri(endpoint: str, prefix: str) -> str:

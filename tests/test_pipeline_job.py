@@ -1,11 +1,13 @@
 """The Flink job on the embedded mini-cluster, with the real broker, against the exact
 reference (pipelines/samples.py SampleBuilder) fed with the very records the job read."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -281,3 +283,95 @@ def _max_plausible_ts(records) -> int:
         if isinstance(ts, int) and not isinstance(ts, bool) and ts < r.timestamp + MAX_FUTURE_SKEW_MS:
             best = max(best, ts)
     return best
+
+
+@pytest.fixture(scope="module")
+def flink_cluster(tmp_path_factory):
+    """A real standalone Flink cluster - a JobManager and one TaskManager, each its own JVM -
+    from the Flink distribution inside the PyFlink wheel: what `--jobmanager` submits to."""
+    import pyflink
+
+    bin_dir = Path(pyflink.__file__).parent / "bin"
+    work = tmp_path_factory.mktemp("flink-cluster")
+    rest_port = free_port()
+    conf = {"rest.port": rest_port, "rest.address": "127.0.0.1", "rest.bind-address": "127.0.0.1",
+            "jobmanager.rpc.address": "127.0.0.1", "jobmanager.rpc.port": free_port(),
+            "jobmanager.bind-host": "127.0.0.1", "taskmanager.bind-host": "127.0.0.1", "taskmanager.host": "127.0.0.1",
+            "taskmanager.numberOfTaskSlots": 4}  # one per partition: a source reader each
+    dynamic = [arg for key, value in conf.items() for arg in ("-D", f"{key}={value}")]
+    env = {**os.environ, "FLINK_LOG_DIR": str(work / "log"), "FLINK_PID_DIR": str(work)}
+    procs = [subprocess.Popen(["bash", str(bin_dir / script), "start-foreground", *dynamic], env=env,
+                              stdout=(work / f"{script}.out").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+             for script in ("jobmanager.sh", "taskmanager.sh")]
+    address = f"127.0.0.1:{rest_port}"
+    try:
+        def slots_up() -> bool:
+            assert all(p.poll() is None for p in procs), f"the Flink cluster exited; see {work}"
+            try:
+                with urllib.request.urlopen(f"http://{address}/overview", timeout=2) as response:
+                    return orjson.loads(response.read()).get("slots-total", 0) >= 4
+            except OSError:
+                return False
+
+        _wait_for(slots_up, 120, "the standalone Flink cluster's TaskManager")
+        yield address
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_a_flink_cluster_runs_the_same_job_with_status_and_cancel(broker, tmp_path, flink_cluster):
+    """`--jobmanager` ships the job graph and its jars to a separate cluster: the same samples
+    as the reference, and `pipeline status` / `cancel` drive it through the cluster's REST API."""
+    name = f"cl-{uuid.uuid4().hex[:8]}"
+    # checkpoints as a URI, the way a cluster's shared storage is named (s3://, hdfs://)
+    env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__CHECKPOINT_DIR": (tmp_path / "checkpoints").as_uri()}
+    cluster = ["--jobmanager", flink_cluster]
+    gen = run_cli("generate", "--duration", "10", "--rate", "1000", "--bad-fraction", "0.02", "--fast", env=env)
+    assert gen.returncode == 0, gen.stderr
+    submitted = run_cli("pipeline", "submit", "--fresh", "--parallelism", "2", *cluster, env=env, timeout=300)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr[-3000:]
+    assert f"submitted to {flink_cluster}" in submitted.stdout and "task slots" not in submitted.stderr
+
+    def jobs() -> list[dict]:
+        result = run_cli("pipeline", "status", "--json", *cluster, env=env)
+        assert result.returncode == 0, result.stderr
+        return [j for j in json.loads(result.stdout) if j["name"] == name]
+
+    _wait_for(lambda: any(j["state"] == "RUNNING" for j in jobs()), 120, "the job RUNNING on the cluster")
+    # one "flush" impression per partition, far after the traffic, closes every attribution window
+    events = _read(broker, f"{name}.events", committed=False)
+    flush_ts = _max_plausible_ts(events) + 60_000
+    producer = make_producer(broker)
+    for p in sorted({r.partition for r in events}):
+        producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
+    producer.close()
+    want, builder = _oracle(broker, f"{name}.events")
+    want = want.filter(pa.compute.less(want.column("ts"), flush_ts))
+    _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= want.num_rows, 240, "every sample from the cluster")
+
+    cancelled = run_cli("pipeline", "cancel", *cluster, env=env)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    _wait_for(lambda: [j["state"] for j in jobs()] == ["CANCELED"], 60, "the job CANCELED")
+    _assert_same(_samples(broker, f"{name}.samples"), want)
+    assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
+    assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "the cluster wrote no checkpoint"
+
+    again = run_cli("pipeline", "cancel", *cluster, env=env)  # nothing left to cancel: says so, no error
+    assert again.returncode == 0 and "no running job" in again.stdout
+    unknown = run_cli("pipeline", "cancel", "0123456789abcdef0123456789abcdef", *cluster, env=env)
+    assert unknown.returncode != 0 and "no job 0123456789abcdef0123456789abcdef" in unknown.stderr
+
+
+def test_an_unreachable_jobmanager_is_a_clear_error(broker, tmp_path):
+    env = _env(broker, tmp_path, f"nojm-{uuid.uuid4().hex[:8]}")
+    nowhere = f"127.0.0.1:{free_port()}"
+    for args in (("status",), ("cancel",), ("submit",)):
+        result = run_cli("pipeline", *args, "--jobmanager", nowhere, env=env)
+        assert result.returncode != 0 and f"the cluster at {nowhere} does not answer" in result.stderr, result.stderr
