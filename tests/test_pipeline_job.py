@@ -251,14 +251,7 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     # moves the watermark past every window of the real traffic.
     job = _submit_in_background(env)
     try:
-        events = _read(broker, f"{name}.events", committed=False)
-        flush_ts = _max_plausible_ts(events) + 60_000
-        producer = make_producer(broker)
-        for p in sorted({r.partition for r in events}):
-            producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
-        producer.flush()
-        want, builder = _oracle(broker, f"{name}.events")
-        want = want.filter(pa.compute.less(want.column("ts"), flush_ts))
+        want, builder = _flush_then_oracle(broker, name)
         assert committed_before < want.num_rows, "the kill came too late to test anything"
         _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= want.num_rows, 300, "every sample after the restart")
         time.sleep(3)  # anything extra (a duplicate) would have arrived by now
@@ -270,6 +263,20 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     assert "resumed from" in output, output[-3000:]
     _assert_same(_samples(broker, f"{name}.samples"), want)
     assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
+
+
+def _flush_then_oracle(broker, name):
+    """Send one late "flush" impression per partition, a minute after the latest event time of
+    the traffic, so the watermark passes every attribution window of it; return the reference
+    samples (those before the flush) and its builder (rejections)."""
+    events = _read(broker, f"{name}.events", committed=False)
+    flush_ts = _max_plausible_ts(events) + 60_000
+    producer = make_producer(broker)
+    for p in sorted({r.partition for r in events}):
+        producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
+    producer.close()
+    want, builder = _oracle(broker, f"{name}.events")
+    return want.filter(pa.compute.less(want.column("ts"), flush_ts)), builder
 
 
 def _max_plausible_ts(records) -> int:
@@ -345,15 +352,7 @@ def test_a_flink_cluster_runs_the_same_job_with_status_and_cancel(broker, tmp_pa
         return [j for j in json.loads(result.stdout) if j["name"] == name]
 
     _wait_for(lambda: any(j["state"] == "RUNNING" for j in jobs()), 120, "the job RUNNING on the cluster")
-    # one "flush" impression per partition, far after the traffic, closes every attribution window
-    events = _read(broker, f"{name}.events", committed=False)
-    flush_ts = _max_plausible_ts(events) + 60_000
-    producer = make_producer(broker)
-    for p in sorted({r.partition for r in events}):
-        producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
-    producer.close()
-    want, builder = _oracle(broker, f"{name}.events")
-    want = want.filter(pa.compute.less(want.column("ts"), flush_ts))
+    want, builder = _flush_then_oracle(broker, name)
     _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= want.num_rows, 240, "every sample from the cluster")
 
     cancelled = run_cli("pipeline", "cancel", *cluster, env=env)
