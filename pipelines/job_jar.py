@@ -87,10 +87,11 @@ def _prune_old_jars(jars_dir: Path, keep: Path) -> None:
     """Delete all but the newest KEEP_OTHER_JARS jars of other source versions."""
     others = []
     for path in jars_dir.glob("streamrec-job-*.jar"):
+        if path == keep:
+            continue
         try:
             others.append((path.stat().st_mtime, path))
         except FileNotFoundError:  # pruned by a concurrent call
             continue
-    others = sorted((item for item in others if item[1] != keep), reverse=True)
-    for _, old in others[KEEP_OTHER_JARS:]:
+    for _, old in sorted(others, reverse=True)[KEEP_OTHER_JARS:]:
         old.unlink(missing_ok=True)

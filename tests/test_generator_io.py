@@ -68,20 +68,21 @@ def test_atomic_generate_is_one_transaction(broker):
                             "--rate", "500", "--json"], cwd=REPO, env={**os.environ, **env},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def visible(isolation: str) -> int:
-        return len(read_topic(broker, topic, committed=isolation == "read_committed"))
+    def visible(committed: bool) -> int:
+        return len(read_topic(broker, topic, committed=committed))
 
     # Wait for the run's first (uncommitted) records instead of guessing its start-up time.
     deadline = time.monotonic() + 60
-    while (uncommitted := visible("read_uncommitted")) == 0:
+    while (uncommitted := visible(committed=False)) == 0:
         assert run.poll() is None, run.communicate()
         assert time.monotonic() < deadline, "the generator wrote nothing in 60 s"
-    committed = visible("read_committed")
+        time.sleep(0.2)
+    committed = visible(committed=True)
     assert run.poll() is None, "the run ended before its open transaction could be checked"
     assert uncommitted > 0 and committed == 0
     out, err = run.communicate(timeout=60)
     assert run.returncode == 0, err
-    assert visible("read_committed") == json.loads(out)["events"] > 3000
+    assert visible(committed=True) == json.loads(out)["events"] > 3000
     bad = run_cli("generate", "--atomic", "--out", "x", "--duration", "1")
     assert bad.returncode != 0 and "--atomic" in bad.stderr and "--out" in bad.stderr
 

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from conftest import REPO, free_port, read_topic as _read, run_cli
 from pipelines.events import MAX_FUTURE_SKEW_MS
-from pipelines.flink_rest import FlinkRest
+from pipelines.flink_rest import FlinkRest, FlinkUnreachable
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from pipelines.samples import SampleBuilder, SampleSpec
@@ -315,9 +314,8 @@ def flink_cluster(tmp_path_factory):
         def slots_up() -> bool:
             assert all(p.poll() is None for p in procs), f"the Flink cluster exited; see {work}"
             try:
-                with urllib.request.urlopen(f"http://{address}/overview", timeout=2) as response:
-                    return orjson.loads(response.read()).get("slots-total", 0) >= 4
-            except OSError:
+                return FlinkRest(address, timeout_s=2).overview().get("slots-total", 0) >= 4
+            except FlinkUnreachable:
                 return False
 
         _wait_for(slots_up, 120, "the standalone Flink cluster's TaskManager")
