@@ -48,7 +48,8 @@ from output import write_result  # noqa: E402
 
 from pipelines.flink_rest import FlinkRest  # noqa: E402
 from pipelines.job import LATE_EVENT  # noqa: E402
-from pipelines.samples import SampleBuilder, SampleSpec  # noqa: E402
+from pipelines.feature_spec import FeatureSpec  # noqa: E402
+from pipelines.samples import SampleBuilder  # noqa: E402
 from streamrec.bus.broker import free_port  # noqa: E402
 from streamrec.bus.clients import make_admin, make_consumer, poll_records  # noqa: E402
 from streamrec.bus.topics import delete_topics, list_topics, truncate_topics  # noqa: E402
@@ -231,7 +232,7 @@ def python_baseline(args, topic: str) -> dict:
     parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
     consumer.assign(parts)
     end = consumer.end_offsets(parts)
-    builder = SampleBuilder(SampleSpec())
+    builder = SampleBuilder(FeatureSpec())
     n = 0
     deadline = time.monotonic() + 600
     while any(consumer.position(tp) < end[tp] for tp in parts):  # to the end offsets, however slow the first fetch

@@ -1,7 +1,7 @@
 """The host side of a predict request, without HTTP: body bytes to model tensors.
 
 - ours: ``serving.request.InstanceDecoder`` (msgspec typed decode per request, columns and
-  cross-field checks per batch) + ``trainer.features.batch_from_columns``;
+  cross-field checks per batch) + ``model.batch.batch_from_columns``;
 - baseline (the path until session 7): parse each body with orjson, re-encode each instance,
   ``pipelines.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
   ``batch_from_table``, per batch;
@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
 from pipelines.sample_wire import decode_samples
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from serving.ipc import frame, pack_columns, unpack_columns
 from serving.request import InstanceDecoder
-from trainer.features import batch_from_columns, batch_from_table
+from model.batch import batch_from_columns, batch_from_table
 from trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
-    spec = SampleSpec()
+    spec = FeatureSpec()
     most = max(args.requests) * args.instances
     rows = pq.read_table(sample_files([args.samples])[0]).slice(0, most).drop(["label", "click_ts"]).to_pylist()
     bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, most, args.instances)]

@@ -40,11 +40,11 @@ import torch
 from bench_serving import run_clients
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from serving.runner import RuntimeConfig
-from trainer.features import SampleBatch, batch_from_table
-from trainer.inference import InferenceModel
+from model.batch import SampleBatch, batch_from_table
+from model.inference import InferenceModel
 from trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ OUT_OF_BUCKET = 1500
 def batches(table, sizes, start: int = 0) -> dict[int, SampleBatch]:
     out, offset = {}, start
     for n in sizes:
-        out[n] = batch_from_table(table.slice(offset, n), SampleSpec(), 50, with_labels=False)
+        out[n] = batch_from_table(table.slice(offset, n), FeatureSpec(), 50, with_labels=False)
         offset += n
     return out
 

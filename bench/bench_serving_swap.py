@@ -24,21 +24,21 @@ from pathlib import Path
 
 import torch
 
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore, SparseDelta
 from serving.state import ServedModel
 from streamrec.config import load_config
-from trainer.features import TABLES, dense_feature_names
-from trainer.inference import InferenceModel
-from trainer.model import CTRModel, ModelSpec
+from model.batch import TABLES
+from model.inference import InferenceModel
+from model.network import CTRModel, ModelSpec
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
 
 def build_store(root: Path, full_rows: int, delta_rows: int, dim: int) -> tuple[ModelStore, int, int]:
     cfg = load_config(environ={})
-    spec = ModelSpec.from_config(cfg.model, len(dense_feature_names(SampleSpec())))
-    meta = {"model_spec": spec.to_json(), "sample_spec": SampleSpec().to_json()}
+    spec = ModelSpec.from_config(cfg.model, cfg.features)
+    meta = {"model_spec": spec.to_json(), "feature_spec": FeatureSpec().to_json()}
     store = ModelStore(str(root), "ctr")
     g = torch.Generator().manual_seed(0)
     user_keys = torch.randperm(4 * full_rows, generator=g)[:full_rows] + 1

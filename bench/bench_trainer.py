@@ -32,23 +32,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from ps.table import TableConfig
 from streamrec.config import load_config
 from trainer.engine import Trainer, TrainOptions
-from trainer.features import TABLES, SampleBatch, batch_from_table, dense_feature_names
-from trainer.model import CTRModel, ModelSpec
+from model.batch import TABLES, SampleBatch, batch_from_table
+from model.network import CTRModel, ModelSpec
 from trainer.publisher import Publisher
 from trainer.sources import sample_files
-from trainer.sparse import ModelInputs, SparseFeatures
+from model.sparse import ModelInputs, SparseFeatures
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
@@ -90,7 +89,7 @@ class StaticSparse(nn.Module):
         return SparseFeatures._assemble(batch, emb)
 
 
-def run_baseline(table, spec: SampleSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int) -> dict:
+def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int) -> dict:
     batches = [batch_from_table(table.slice(i * batch, batch), spec, model_spec.history_len) for i in range(n_batches)]
     # Pre-size every table and remap ids to 0..N-1 (the static world the baseline needs).
     raw = {name: [SparseFeatures.table_ids(b)[name] for b in batches] for name in TABLES}
@@ -204,9 +203,9 @@ def main() -> None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
     path = str(sample_files([args.samples])[0])
     table = pq.read_table(path)
-    spec = SampleSpec()
+    spec = FeatureSpec()
     cfg = load_config(environ={})
-    model_spec = ModelSpec.from_config(cfg.model, len(dense_feature_names(spec)))
+    model_spec = ModelSpec.from_config(cfg.model, spec)
     n_batches = max(1, min(args.steps, table.num_rows // args.batch))
     result = {"bench": "trainer", "device": str(device), "batch": args.batch, "steps": args.steps, "samples_file": path,
               "host": platform.node(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

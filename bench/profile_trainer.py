@@ -10,13 +10,13 @@ import time
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.store import EmbeddingStore
 from streamrec.config import load_config
-from trainer.features import batch_from_table
-from trainer.model import table_configs
+from model.batch import batch_from_table
+from model.network import table_configs
 from trainer.sources import sample_files
-from trainer.sparse import SparseFeatures
+from model.sparse import SparseFeatures
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     table = pq.read_table(sample_files([args.samples])[0])
-    batches = [batch_from_table(table.slice(i * args.batch, args.batch), SampleSpec(), 50).to(device) for i in range(args.steps)]
+    batches = [batch_from_table(table.slice(i * args.batch, args.batch), FeatureSpec(), 50).to(device) for i in range(args.steps)]
     warm = EmbeddingStore(table_configs(load_config(environ={}).model), device)  # Triton compiles happen here
     for b in batches[:3]:
         for name, ids in SparseFeatures.table_ids(b).items():

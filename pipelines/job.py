@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipelines import events as ev
-from pipelines.samples import SAMPLE_VERSION, SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from pipelines.validation_spec import validation_spec
 
 LATE_EVENT = "late_event"  # reason code of valid events behind the watermark (docs/pipeline.md)
@@ -26,7 +26,7 @@ class JobSpec:
     samples_topic: str
     dlq_topic: str
     group_id: str
-    sample_spec: SampleSpec = SampleSpec()
+    feature_spec: FeatureSpec
     out_of_orderness_ms: int = 1000
     idle_timeout_ms: int = 5000
     exactly_once: bool = True
@@ -43,14 +43,11 @@ class JobSpec:
 
     def properties(self) -> str:
         """The settings as java.util.Properties text, for SampleJob.build."""
-        s = self.sample_spec
-        s.validate()
+        self.feature_spec.validate()
         if self.state_cache_keys < 0:
             raise ValueError(f"state_cache_keys must be >= 0 (0 = off), got {self.state_cache_keys}")
         if not 0 <= self.source_idle_backoff_ms <= 1000:
             raise ValueError(f"source_idle_backoff_ms must be within 0..1000 (0 = off), got {self.source_idle_backoff_ms}")
-        if any(int(w) != w for w in s.windows_s):
-            raise ValueError(f"counter windows must be whole seconds (they name the sample's columns), got {s.windows_s}")
         values = {
             "bootstrap": self.bootstrap, "events_topic": self.events_topic, "samples_topic": self.samples_topic,
             "dlq_topic": self.dlq_topic, "group_id": self.group_id, "bounded": str(self.bounded).lower(),
@@ -58,8 +55,7 @@ class JobSpec:
             "source_parallelism": str(self.source_parallelism), "out_of_orderness_ms": str(self.out_of_orderness_ms),
             "idle_timeout_ms": str(self.idle_timeout_ms), "max_future_skew_ms": str(ev.MAX_FUTURE_SKEW_MS),
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
-            "sample_version": str(SAMPLE_VERSION), "windows_s": ",".join(str(int(w)) for w in s.windows_s),
-            "attribution_ms": str(int(s.attribution_window_s * 1000)), "history_len": str(s.history_len),
+            **self.feature_spec.job_properties(),
             "state_cache_keys": str(self.state_cache_keys), "source_idle_backoff_ms": str(self.source_idle_backoff_ms),
         }
         return "".join(f"{key}={_escape(value)}\n" for key, value in values.items())

@@ -23,7 +23,6 @@ from pipelines.checkpoints import checkpoint_uri, is_local
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
 from pipelines.flink_runner import RunOptions, submit
 from pipelines.job import JobSpec
-from pipelines.samples import SampleSpec
 
 log = logging.getLogger("streamrec.pipeline")
 
@@ -45,12 +44,10 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
     k, t, f = cfg.kafka, cfg.topics, cfg.flink
     ensure_topics(k.bootstrap_servers, [t.events, t.samples, t.dlq], k.partitions, k.replication_factor, k.connect_timeout_s)
     partitions = {info.name: info.partitions for info in describe_topics(k.bootstrap_servers, [t.events], k.connect_timeout_s)}
-    if f.delivery not in ("exactly-once", "at-least-once"):
-        raise ValueError(f"flink.delivery must be exactly-once or at-least-once, got {f.delivery!r}")
     return JobSpec(
         bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
         group_id=f.group_id,
-        sample_spec=SampleSpec(history_len=cfg.model.history_len, attribution_window_s=f.attribution_window_s),
+        feature_spec=cfg.features,
         out_of_orderness_ms=f.out_of_orderness_ms, idle_timeout_ms=int(f.idle_timeout_s * 1000),
         exactly_once=f.delivery == "exactly-once", transactional_prefix=f.job_name, bounded=bounded,
         source_parallelism=partitions.get(t.events, 1),

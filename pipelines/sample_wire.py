@@ -2,7 +2,7 @@
 consumer applies before trusting a sample.
 
 Encoding (schema version 1): one JSON object per Kafka message, keys = the column names
-of :meth:`pipelines.samples.SampleSpec.schema`, lists as JSON arrays, a null ``click_ts``
+of :meth:`pipelines.feature_spec.FeatureSpec.schema`, lists as JSON arrays, a null ``click_ts``
 for negatives. The streaming job's encoder (``SampleJson.java``) writes the same objects,
 so the job and the offline tools produce samples that decode to identical rows.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import re
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -26,14 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from pipelines.samples import SAMPLE_VERSION, SampleSpec
+from pipelines.feature_spec import ID_COLUMNS, INSTANCE_FIELDS, REQUIRED_SAMPLE_FIELDS, SAMPLE_VERSION, FeatureSpec
 
 RESERVED_IDS = (-(2**63), -(2**63) + 1)  # ps/'s hash-index markers: cannot be keys
-ID_COLUMNS = ("user_id", "item_id", "category_id", "advertiser_id")
-FEATURES = ("ts", "user_id", "item_id", "position", "device", "local_hour", "category_id", "advertiser_id",
-            "hist_item_ids", "hist_category_ids")
-REQUIRED = ("sample_version", "event_id", *FEATURES, "label")  # a training sample
-REQUIRED_INSTANCE = FEATURES  # a predict instance: ids, version and label are optional
 
 
 def encode_samples(table: pa.Table) -> list[bytes]:
@@ -41,7 +35,7 @@ def encode_samples(table: pa.Table) -> list[bytes]:
     return [orjson.dumps(row) for row in table.to_pylist()]
 
 
-def decode_samples(values: Sequence[bytes], spec: SampleSpec = SampleSpec(),
+def decode_samples(values: Sequence[bytes], spec: FeatureSpec,
                    instances: bool = False) -> tuple[pa.Table, np.ndarray, list[tuple[int, str]]]:
     """Decode and check a block of messages (``instances``: predict instances, no label).
 
@@ -62,14 +56,14 @@ def decode_samples(values: Sequence[bytes], spec: SampleSpec = SampleSpec(),
     return table.filter(pa.array(good)), index[good], sorted(rejected)
 
 
-def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec(), instances: bool = False) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def check_samples(table: pa.Table, spec: FeatureSpec, instances: bool = False) -> tuple[np.ndarray, list[tuple[int, str]]]:
     """Semantic checks of typed samples: (good-row mask, [(row, reason)] of the others).
 
     A sample is refused for an unknown ``sample_version``, a missing required field, a
     label other than 0/1, a negative counter, an id equal to a reserved key, or a
     behaviour history that is longer than ``history_len`` or whose two lists disagree.
     """
-    required = REQUIRED_INSTANCE if instances else REQUIRED
+    required = INSTANCE_FIELDS if instances else REQUIRED_SAMPLE_FIELDS
     missing = [c for c in (*required, *spec.counter_columns()) if c not in table.column_names]
     if missing:
         raise ValueError(f"samples lack columns {missing}: not sample schema v{SAMPLE_VERSION} with spec {spec}")
@@ -105,10 +99,6 @@ def check_samples(table: pa.Table, spec: SampleSpec = SampleSpec(), instances: b
             flag(mask, f"reserved_id:{name}")
     good = reason == None  # noqa: E711
     return good, [(int(i), str(reason[i])) for i in np.flatnonzero(~good)]
-
-
-def reason_counts(rejected: Sequence[tuple[int, str]]) -> Counter:
-    return Counter(r.split(":")[0] for _, r in rejected)
 
 
 def _np(array) -> np.ndarray:

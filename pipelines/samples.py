@@ -1,9 +1,10 @@
-"""The labelled-sample contract (``streamrec.samples``), version 1, and its reference builder.
+"""The labelled samples (``streamrec.samples``) and their reference builder.
 
 One sample per impression: the impression's ids and context, point-in-time features
 computed only from events *strictly before* the impression's event time, and the label
 (1 if a click for the same (request_id, item_id) has event time within the attribution
-window, else 0). docs/samples.md documents every field.
+window, else 0). The fields are declared in ``pipelines/feature_spec.py``; docs/samples.md
+documents each one.
 
 :class:`SampleBuilder` is the executable spec: an exact, in-process implementation in
 event-time order. It is how samples are made from generator files (offline runs, the GPU
@@ -24,57 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines import events as ev
+from pipelines.feature_spec import COUNTED_EVENTS, SAMPLE_VERSION, FeatureSpec
 
-SAMPLE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SampleSpec:
-    """What the features look like; part of the schema (column names derive from it)."""
-
-    history_len: int = 50  # clicked items remembered per user
-    windows_s: tuple[int, ...] = (60, 600)  # sliding windows of the counters
-    attribution_window_s: float = 10.0  # click within this long after the impression -> label 1
-
-    def validate(self) -> None:
-        if self.history_len < 1 or not self.windows_s or min(self.windows_s) <= 0 or self.attribution_window_s <= 0:
-            raise ValueError(f"invalid sample spec {self}")
-
-    def to_json(self) -> dict:
-        """As stored in version manifests (``sample_spec``)."""
-        return {"history_len": self.history_len, "windows_s": list(self.windows_s), "attribution_window_s": self.attribution_window_s}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "SampleSpec":
-        return cls(**{**data, "windows_s": tuple(data["windows_s"])})
-
-    def counter_columns(self) -> list[str]:
-        return [f"{entity}_{what}_{w}s" for w in self.windows_s for entity in ("user", "item", "category") for what in ("imps", "clicks")]
-
-    def schema(self, with_label: bool = True) -> pa.Schema:
-        """The sample schema; without the label (and click_ts) it is a predict instance's."""
-        fields = [
-            ("sample_version", pa.int16()),
-            ("event_id", pa.string()),
-            ("request_id", pa.string()),
-            ("ts", pa.int64()),
-            ("user_id", pa.int64()),
-            ("item_id", pa.int64()),
-            ("position", pa.int32()),
-            ("device", pa.string()),
-            ("local_hour", pa.int32()),
-            ("category_id", pa.int64()),
-            ("advertiser_id", pa.int64()),
-            ("hist_item_ids", pa.list_(pa.int64())),
-            ("hist_category_ids", pa.list_(pa.int64())),
-            *[(name, pa.int32()) for name in self.counter_columns()],
-            ("label", pa.int8()),
-            ("click_ts", pa.int64()),  # null unless label = 1
-        ]
-        if not with_label:
-            fields = [f for f in fields if f[0] not in ("label", "click_ts")]
-        meta = {b"sample_version": str(SAMPLE_VERSION).encode(), b"spec": repr(self).encode()}
-        return pa.schema(fields, metadata=meta)
+IMPS, CLICKS = COUNTED_EVENTS
 
 
 @dataclass
@@ -101,7 +54,7 @@ class _Counter:
 class SampleBuilder:
     """Exact reference: feed raw events (in any order), then :meth:`build`."""
 
-    def __init__(self, spec: SampleSpec = SampleSpec()) -> None:
+    def __init__(self, spec: FeatureSpec) -> None:
         spec.validate()
         self.spec = spec
         self.impressions: dict[str, dict] = {}  # event_id -> first copy seen
@@ -166,11 +119,11 @@ class SampleBuilder:
         def apply(kind: int, e: dict) -> None:
             if kind == 0:
                 for entity, key in (("user", e["user_id"]), ("item", e["item_id"]), ("category", e["item"]["category_id"])):
-                    counters[(entity, "imps", key)].add(e["ts"])
+                    counters[(entity, IMPS, key)].add(e["ts"])
             else:
                 category = impression_category[(e["request_id"], e["item_id"])]
                 for entity, key in (("user", e["user_id"]), ("item", e["item_id"]), ("category", category)):
-                    counters[(entity, "clicks", key)].add(e["ts"])
+                    counters[(entity, CLICKS, key)].add(e["ts"])
                 history[e["user_id"]].appendleft((e["item_id"], category))
 
         current_ts = None
@@ -195,9 +148,9 @@ class SampleBuilder:
             }
             for w, w_ms in zip(spec.windows_s, windows_ms):
                 for entity, key in (("user", e["user_id"]), ("item", e["item_id"]), ("category", e["item"]["category_id"])):
-                    for what in ("imps", "clicks"):
+                    for what in COUNTED_EVENTS:
                         counter = counters.get((entity, what, key))
-                        row[f"{entity}_{what}_{w}s"] = counter.count_before(ts, w_ms) if counter else 0
+                        row[spec.counter_name(entity, what, w)] = counter.count_before(ts, w_ms) if counter else 0
             for name in columns:
                 columns[name].append(row[name])
         return pa.table(columns, schema=spec.schema())

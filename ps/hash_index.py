@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-EMPTY = -(2**63)
-TOMBSTONE = -(2**63) + 1
-RESERVED_KEYS = (EMPTY, TOMBSTONE)
-MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+from ps import kernels
+from ps.hash_layout import EMPTY, MULTIPLIER, RESERVED_KEYS, TOMBSTONE
+
 MAX_LOAD = 0.5
 
 
@@ -66,17 +65,14 @@ class HashIndex:
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Values for ``keys`` (-1 where absent). Works for duplicate keys."""
         keys = keys.to(self.device, torch.int64)
-        if self.device.type == "cuda":
-            from ps import kernels  # the kernel module imports this one
-
-            if kernels.available(self.device):
-                out = kernels.probe(keys, self)  # one launch, no host sync
-                undecided = torch.nonzero(out == -2).squeeze(1)
-                if len(undecided):  # a probe chain longer than the kernel's limit: rare
-                    out[undecided] = -1
-                    idx, pos = self._find(keys[undecided])
-                    out[undecided[idx]] = self._values[pos]
-                return out
+        if kernels.available(self.device):
+            out = kernels.probe(keys, self)  # one launch, no host sync
+            undecided = torch.nonzero(out == -2).squeeze(1)
+            if len(undecided):  # a probe chain longer than the kernel's limit: rare
+                out[undecided] = -1
+                idx, pos = self._find(keys[undecided])
+                out[undecided[idx]] = self._values[pos]
+            return out
         out = torch.full_like(keys, -1)
         idx, pos = self._find(keys)
         out[idx] = self._values[pos]
@@ -93,12 +89,9 @@ class HashIndex:
         if (self._used + len(keys)) > MAX_LOAD * self.slots:
             self._rehash(self._used + len(keys))
         self._used += len(keys)
-        if self.device.type == "cuda":
-            from ps import kernels
-
-            if kernels.available(self.device):
-                left = kernels.insert(keys, values, self)  # one launch instead of probe rounds with host syncs
-                keys, values = keys[left], values[left]  # (almost always none)
+        if kernels.available(self.device):
+            left = kernels.insert(keys, values, self)  # one launch instead of probe rounds with host syncs
+            keys, values = keys[left], values[left]  # (almost always none)
         self._place(keys, values)
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-from ps.hash_index import EMPTY, MULTIPLIER, TOMBSTONE, HashIndex
+from ps.hash_layout import EMPTY, MULTIPLIER, TOMBSTONE, SlotTables
 
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
 
@@ -94,7 +94,7 @@ if triton is not None:
         tl.store(left_ptr + offs, pending.to(tl.int8), mask=valid)
 
 
-def insert(keys: torch.Tensor, values: torch.Tensor, index: HashIndex) -> torch.Tensor:
+def insert(keys: torch.Tensor, values: torch.Tensor, index: SlotTables) -> torch.Tensor:
     """Claim slots for absent, batch-unique ``keys`` in one launch (atomic compare-and-swap
     on EMPTY or TOMBSTONE). Returns a bool mask of keys still unplaced after MAX_PROBES
     (the caller places those with the torch loop)."""
@@ -111,7 +111,7 @@ def insert(keys: torch.Tensor, values: torch.Tensor, index: HashIndex) -> torch.
     return left.bool()
 
 
-def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, last_seen: torch.Tensor,
+def probe_gather(ids: torch.Tensor, index: SlotTables, weights: torch.Tensor, last_seen: torch.Tensor,
                  now_ms: int, update_clock: bool = True, count_misses: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows [n, dim], slots [n], misses [1]) for ids looked up in ``index`` over ``weights``:
     slot -1 = absent, -2 = undecided after MAX_PROBES (rows are zeros for both); the rows
@@ -133,7 +133,7 @@ def probe_gather(ids: torch.Tensor, index: HashIndex, weights: torch.Tensor, las
     return out, slots, misses
 
 
-def probe(keys: torch.Tensor, index: HashIndex) -> torch.Tensor:
+def probe(keys: torch.Tensor, index: SlotTables) -> torch.Tensor:
     """Slots of ``keys`` in ``index`` in one launch: -1 absent, -2 undecided after MAX_PROBES."""
     index_keys, index_values = index.raw_tables()
     n = len(keys)

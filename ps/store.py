@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -120,7 +120,7 @@ class EmbeddingStore:
         self.work_dir = Path(work_dir) if work_dir else None
         ssd_dir = self.work_dir / "ssd" if self.work_dir else None
         self.tables = {c.name: EmbeddingTable(c, self.device, ssd_dir, seed=seed + i) for i, c in enumerate(configs)}
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-publish")
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-publish")  # versions are written here
         self.last_snapshot_s = 0.0
 
     def __getitem__(self, name: str) -> EmbeddingTable:
@@ -142,24 +142,11 @@ class EmbeddingStore:
         self.last_snapshot_s = time.perf_counter() - t0
         return to_host(task.result())
 
-    def publish(
-        self,
-        model_store: ModelStore,
-        kind: str,
-        dense: Mapping[str, torch.Tensor] | None = None,
-        meta: Mapping[str, Any] | None = None,
-        background: bool = False,
-    ) -> int | Future:
-        """Snapshot now, write a version; with ``background`` return a Future of the version."""
-        dense_copy = {k: v.detach().cpu().clone() for k, v in (dense or {}).items()}
-        return self.write(model_store, kind, self.snapshot(kind), dense_copy, meta, background)
-
     def write(self, model_store: ModelStore, kind: str, tables: dict[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
-              meta: Mapping[str, Any] | None, background: bool = False) -> int | Future:
-        """Write a finished snapshot as a version (on the writer thread with ``background``)."""
+              meta: Mapping[str, Any] | None) -> int:
+        """Write a finished snapshot as a version (the publisher calls this on :attr:`writer`)."""
         dims = {name: t.config.dim for name, t in self.tables.items()}
-        job = lambda: model_store.publish(kind, to_host(tables), dims, dense, meta)  # noqa: E731
-        return self._writer.submit(job) if background else job()
+        return model_store.publish(kind, to_host(tables), dims, dense, meta)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, path: Path, extra: Mapping[str, Any] | None = None) -> Path:
@@ -224,6 +211,6 @@ class EmbeddingStore:
         return store, meta["extra"]
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
         for table in self.tables.values():
             table.close()

@@ -397,12 +397,6 @@ class EmbeddingTable:
         self._touched, self._deleted = [], []
         return touched if deleted is None else torch.unique(torch.cat([touched, deleted]))
 
-    def take_delta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(keys, values, deleted keys) changed since the last call, in one go."""
-        candidates = self.begin_delta().cpu()
-        found, values = self.read(candidates)
-        return candidates[found], values, candidates[~found]
-
     def all_keys(self) -> torch.Tensor:
         """Every key with a row, in any tier (for full versions), on the top tier's device."""
         device = self.top.device

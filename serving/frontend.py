@@ -34,7 +34,7 @@ import numpy as np
 import orjson
 import uvicorn
 
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from serving.errors import ApiError, not_loaded, unknown_model
 from serving.ipc import frame, pack_columns, read_frame
 from serving.pauses import freeze_heap
@@ -75,7 +75,7 @@ class EngineClient:
         self._hello = asyncio.get_running_loop().create_future()
         self._writer.write(frame(("hello",)))
         _, self.model, spec = await self._hello
-        self.decoder = InstanceDecoder(SampleSpec.from_json(spec), self.max_instances) if spec else None
+        self.decoder = InstanceDecoder(FeatureSpec.from_json(spec), self.max_instances) if spec else None
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:

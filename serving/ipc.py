@@ -27,8 +27,9 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
+from model.columns import FeatureColumns
+from pipelines.feature_spec import INT_COLUMNS
 from serving.errors import ApiError
-from trainer.columns import INT_COLUMNS, FeatureColumns
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")

@@ -2,7 +2,7 @@
 
 A body is ``{"instances": [instance, ...]}``, an instance being the sample schema without
 its label (docs/samples.md). msgspec decodes and type-checks the whole body in one C pass
-against a struct derived from the served version's :class:`SampleSpec`: an int field
+against a struct derived from the served version's :class:`FeatureSpec`: an int field
 refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
 Only a body that fails is decoded again instance by instance, so the error names every
 bad instance and field. Why not ``pipelines.sample_wire.decode_samples`` (the Kafka
@@ -24,11 +24,12 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+import pyarrow as pa
 
-from pipelines.sample_wire import ID_COLUMNS, RESERVED_IDS
-from pipelines.samples import SAMPLE_VERSION, SampleSpec
+from model.columns import FeatureColumns, device_hashes
+from pipelines.feature_spec import HISTORY_COLUMNS, ID_COLUMNS, INT_COLUMNS, SAMPLE_VERSION, FeatureSpec
+from pipelines.sample_wire import RESERVED_IDS
 from serving.errors import ApiError
-from trainer.columns import INT_COLUMNS, FeatureColumns, device_hashes
 
 INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -36,15 +37,20 @@ COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 _FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
 
 
-def instance_struct(spec: SampleSpec) -> type[msgspec.Struct]:
-    """The typed predict instance of ``spec`` (field names and types of ``spec.schema()``)."""
-    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
-        ("ts", INT64), ("user_id", INT64), ("item_id", INT64), ("position", INT32), ("device", str),
-        ("local_hour", INT32), ("category_id", INT64), ("advertiser_id", INT64),
-        ("hist_item_ids", list[INT64]), ("hist_category_ids", list[INT64]),
-        *[(name, COUNT) for name in spec.counter_columns()],
-        ("sample_version", int | None, None), ("event_id", str | None, None), ("request_id", str | None, None),
-    ]
+_TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
+
+
+def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
+    """The typed predict instance of ``spec``: the fields of ``spec.schema(with_label=False)``,
+    counters never negative, the meta fields (sample_version, ids) optional."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in spec.fields(with_label=False):
+        if f.role == "counter":
+            fields.append((f.name, COUNT))
+        elif f.role == "meta":
+            fields.append((f.name, int | None if pa.types.is_integer(f.type) else str | None, None))
+        else:
+            fields.append((f.name, _TYPES[f.type]))
     return msgspec.defstruct("Instance", fields, kw_only=True)
 
 
@@ -66,7 +72,7 @@ def reason_of(error: msgspec.ValidationError) -> str:
 class InstanceDecoder:
     """Decodes predict bodies and turns batches of instances into :class:`FeatureColumns`."""
 
-    def __init__(self, spec: SampleSpec, max_instances: int) -> None:
+    def __init__(self, spec: FeatureSpec, max_instances: int) -> None:
         self.spec, self.max_instances = spec, max_instances
         self.instance = instance_struct(spec)
         self._body = msgspec.json.Decoder(msgspec.defstruct("PredictBody", [("instances", list[self.instance])]))
@@ -120,8 +126,7 @@ class InstanceDecoder:
         (their rows are still in the columns: decode the others again without them)."""
         n, k = len(instances), self._n_ints
         ints = np.fromiter(chain.from_iterable(map(self._ints, instances)), np.int64, n * self._width).reshape(n, self._width)
-        items = list(map(attrgetter("hist_item_ids"), instances))
-        categories = list(map(attrgetter("hist_category_ids"), instances))
+        items, categories = (list(map(attrgetter(name), instances)) for name in HISTORY_COLUMNS)
         lengths = np.fromiter(map(len, items), np.int64, n)
         cols = FeatureColumns(
             ints={name: ints[:, j] for j, name in enumerate(INT_COLUMNS)},
@@ -149,8 +154,7 @@ class InstanceDecoder:
         category_lengths = np.fromiter(map(len, categories), np.int64, n)
         flag(cols.hist_lengths > self.spec.history_len, "invalid_value:hist_item_ids")
         flag(cols.hist_lengths != category_lengths, "invalid_value:hist_category_ids")
-        for name, flat, lengths in (("hist_item_ids", cols.hist_items, cols.hist_lengths),
-                                    ("hist_category_ids", cols.hist_categories, category_lengths)):
+        for name, flat, lengths in zip(HISTORY_COLUMNS, (cols.hist_items, cols.hist_categories), (cols.hist_lengths, category_lengths)):
             bad = np.isin(flat, reserved)
             if bad.any():
                 mask = np.zeros(n, dtype=bool)

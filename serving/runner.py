@@ -36,12 +36,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from trainer.model import N_FIELDS, CTRModel
-from trainer.sparse import ModelInputs
+from model.network import N_FIELDS, CTRModel
+from model.sparse import ModelInputs
+from streamrec.config import SERVING_MODES, ServingConfig, parse_sizes
 
 log = logging.getLogger("streamrec.serving")
-
-MODES = ("auto", "eager", "compile", "graph", "compile+graph")
 
 
 @dataclass(frozen=True, order=True)
@@ -55,37 +54,27 @@ class Bucket:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How the served model runs; from the [serving] config section."""
+    """How the served model runs; from the [serving] config section (:meth:`from_serving`)."""
 
-    mode: str = "eager"
-    batch_buckets: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
-    history_buckets: tuple[int, ...] = (16, 50)
-    max_extra: int = 4  # buckets built for out-of-bucket batches, at most
-    workers: int = 1
+    mode: str
+    batch_buckets: tuple[int, ...]
+    history_buckets: tuple[int, ...]
+    max_extra: int  # buckets built for out-of-bucket batches, at most
+    workers: int
 
     @classmethod
-    def from_serving(cls, s) -> "RuntimeConfig":
+    def from_serving(cls, s: ServingConfig) -> "RuntimeConfig":
         return cls(s.compile, parse_sizes(s.batch_buckets, "serving.batch_buckets"),
                    parse_sizes(s.history_buckets, "serving.history_buckets"), s.max_extra_buckets, s.workers)
 
     def resolved_mode(self, device: torch.device) -> str:
-        if self.mode not in MODES:
-            raise ValueError(f"serving.compile must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.mode not in SERVING_MODES:
+            raise ValueError(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {self.mode!r}")
         if self.mode == "auto":
             return "graph" if device.type == "cuda" else "eager"
         if "graph" in self.mode and device.type != "cuda":
             raise ValueError(f"serving.compile={self.mode!r} needs CUDA (device is {device}); use 'compile' or 'eager' on CPU")
         return self.mode
-
-
-def parse_sizes(text: str, name: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated positive integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"{name} must name at least one positive size, got {text!r}")
-    return sizes
 
 
 @dataclass

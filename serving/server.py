@@ -12,8 +12,10 @@ from pathlib import Path
 
 import uvicorn
 
+from model.device import pick_device
 from ps.model_store import ModelStore
 from serving.app import create_app
+from serving.engine import ServingEngine
 from serving.frontend import FrontendPlan
 from serving.pauses import GcPauses, freeze_heap
 from serving.runner import RuntimeConfig
@@ -22,7 +24,6 @@ from serving.state import ServedModel
 from serving.watcher import UpdateListener, VersionWatcher
 from streamrec.bus.broker import free_port
 from streamrec.config import Config
-from trainer.engine import pick_device
 
 log = logging.getLogger("streamrec.serving")
 
@@ -44,15 +45,12 @@ class _Server(uvicorn.Server):
 def serve(cfg: Config) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn then stops accepting and drains in-flight requests."""
     s = cfg.serving
-    if s.switch_interval_us <= 0:
-        raise ValueError(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
-    if s.frontends < 0:
-        raise ValueError(f"serving.frontends must be >= 0, got {s.frontends}")
     sys.setswitchinterval(s.switch_interval_us / 1e6)
-    device = pick_device(s.device)
+    device = pick_device(s.device, "serving.device")
     runtime = RuntimeConfig.from_serving(s)
     runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
-    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, cfg.model.gpu_cache_rows, s.undo_depth, runtime)
+    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, cfg.model.gpu_cache_rows, s.undo_depth, runtime,
+                         cfg.features)
     for report in served.catch_up():
         log.info("loaded version %d of %s (%d rows)", report.version, cfg.model.name, report.rows)
     freeze_heap()  # the loaded model's objects: full collections no longer walk them (serving/pauses.py)
@@ -63,8 +61,8 @@ def serve(cfg: Config) -> None:
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
                         s.max_instances, s.switch_interval_us) if private else None
-    api = create_app(served, s, plan, GcPauses().install())
-    app = PredictShortcut(api, api.state.predict_body, s.max_body_bytes)
+    engine = ServingEngine(served, s, GcPauses().install())
+    app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
     if plan is not None:
         log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
     try:
@@ -76,6 +74,6 @@ def serve(cfg: Config) -> None:
                                lifespan="on", proxy_headers=False)).run()
     finally:
         watcher.stop()
-        served.close()
+        engine.close()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)

@@ -13,7 +13,9 @@ Consistency: every batch runs under a shared lock and every apply/rollback mutat
 the exclusive one, so a batch sees exactly one version (never sparse rows of N with
 dense weights of N+1). Everything slow (reading, verifying and decoding the version's
 files) happens before the exclusive lock is taken. A version that fails its checks is
-refused (``CorruptVersion``) and the served state is untouched.
+refused (``CorruptVersion``) and the served state is untouched, and so is a sound version
+trained with another feature spec than the node serves (``IncompatibleVersion``): its
+counters would be read as other features.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from model.batch import SampleBatch
+from pipelines.feature_spec import FeatureSpec
 from ps.locks import RWLock
 from ps.model_store import CorruptVersion, ModelStore, sparse_arrays
 from serving.runner import RuntimeConfig
-from trainer.features import SampleBatch
-from trainer.inference import InferenceModel
+from serving.version import ServedVersion
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class UndoRecord:
     manifest_before: dict = field(default_factory=dict)
     sparse: dict[str, _SparseUndo] = field(default_factory=dict)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    replaced: InferenceModel | None = None  # a whole model swapped out (full version / reload)
+    replaced: ServedVersion | None = None  # a whole model swapped out (full version / reload)
 
 
 @dataclass
@@ -71,11 +74,17 @@ def _one_change_at_a_time(method: Callable) -> Callable:
     return wrapper
 
 
+class IncompatibleVersion(CorruptVersion):
+    """A sound version this node must not serve: it was trained with another feature spec."""
+
+
 class ServedModel:
-    def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
-                 undo_depth: int = 8, runtime: RuntimeConfig | None = None) -> None:
-        """``runtime``: how versions run (buckets, compile mode, workers); None runs them eagerly."""
+    def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 0,
+                 undo_depth: int = 8, runtime: RuntimeConfig | None = None, feature_spec: FeatureSpec | None = None) -> None:
+        """``runtime``: how versions run (buckets, compile mode, workers); None runs them eagerly.
+        ``feature_spec``: the node's (``[features]``); None: the first version's, kept from then on."""
         self.model_store = model_store
+        self.feature_spec = feature_spec
         self.device = torch.device(device)
         self.runtime = runtime
         self.gpu_cache_rows = gpu_cache_rows
@@ -85,7 +94,7 @@ class ServedModel:
         # to apply and applies it without another change in between (a rollback's pin is
         # never overtaken by a catch-up that began before it; no delta is applied twice).
         self._changing = threading.RLock()
-        self.current: InferenceModel | None = None
+        self.current: ServedVersion | None = None
         self.undo: list[UndoRecord] = []
         self.pinned = False  # set by rollback: automatic applies stop until reload releases it
         self.applied_at: dict[int, float] = {}
@@ -114,6 +123,7 @@ class ServedModel:
         if target is None:
             raise CorruptVersion(f"model {self.model_store.model} has no published version under {self.model_store.base}")
         manifest = self.model_store.manifest(target)
+        self._check_spec(target, manifest)
         current = self.version
         if current is not None and manifest["kind"] == "delta" and manifest["parent"] == current:
             report = self._apply_delta(target)
@@ -138,6 +148,7 @@ class ServedModel:
             for v in [v for v in self.model_store.versions() if self.version < v <= latest and v not in self.refused]:
                 try:
                     manifest = self.model_store.manifest(v)
+                    self._check_spec(v, manifest)
                     if manifest["kind"] == "delta" and manifest["parent"] == self.version:
                         reports.append(self._apply_delta(v))
                     elif manifest["kind"] == "full":
@@ -146,10 +157,25 @@ class ServedModel:
                     self._refuse(v, exc)
         if self.version != latest and latest not in self.refused:  # first load, or a gap (garbage-collected versions)
             try:
+                self._check_spec(latest, self.model_store.manifest(latest))
                 reports.append(self._swap(latest))
             except CorruptVersion as exc:
                 self._refuse(latest, exc)
         return reports
+
+    def _check_spec(self, version: int, manifest: dict) -> None:
+        """Refuse a version trained with another feature spec than this node's."""
+        if self.feature_spec is None:
+            return
+        try:
+            spec = FeatureSpec.from_json(manifest["feature_spec"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptVersion(f"version {version} of {self.model_store.model} has no readable feature spec: {exc}") from None
+        differences = self.feature_spec.differences(spec)
+        if differences:
+            raise IncompatibleVersion(
+                f"version {version} was trained with another feature spec than this node serves ([features]: "
+                f"{'; '.join(differences)}, the version's first); serve it with that [features] section")
 
     def _refuse(self, version: int, exc: Exception) -> None:
         self.refused[version] = str(exc)
@@ -190,7 +216,7 @@ class ServedModel:
         unknown = set(decoded) - set(model.store.tables)
         if unknown:
             raise CorruptVersion(f"version {version} has tables {sorted(unknown)} the served model does not")
-        params = dict(model.model.state_dict())
+        params = dict(model.network.state_dict())
         for name, tensor in dense.items():
             if name not in params or params[name].shape != tensor.shape:
                 raise CorruptVersion(f"version {version}: dense tensor {name} {tuple(tensor.shape)} does not fit the served model")
@@ -222,7 +248,9 @@ class ServedModel:
     def _swap(self, version: int) -> ApplyReport:
         t0 = time.perf_counter()
         # verified; its buckets are compiled here, before it serves (batches keep running meanwhile)
-        fresh = InferenceModel.load(self.model_store, version, self.device, self.gpu_cache_rows, self.runtime)
+        fresh = ServedVersion.load(self.model_store, version, self.device, self.gpu_cache_rows, self.runtime)
+        if self.feature_spec is None:
+            self.feature_spec = fresh.feature_spec
         prepared = time.perf_counter()
         with self.lock.write():
             previous = self.current
@@ -259,7 +287,7 @@ class ServedModel:
                 table.remove(undo.remove_keys)
             if len(undo.restore_keys):
                 table.load_rows(undo.restore_keys, undo.restore_values)
-        params = dict(model.model.state_dict())
+        params = dict(model.network.state_dict())
         with torch.no_grad():
             for name, tensor in record.dense.items():
                 params[name].copy_(tensor)

@@ -119,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(offline)
     offline.add_argument("run", help="directory written by `streamrec generate --out`")
     offline.add_argument("--out", help="output directory (default: the run directory)")
-    offline.add_argument("--attribution-window-s", type=float, default=10.0, help="click-to-impression window (default 10)")
-    offline.add_argument("--history-len", type=int, default=50, help="clicked items remembered per user (default 50)")
+    feats = tomllib.loads(default_config_text())["features"]
+    offline.add_argument("--attribution-window-s", type=float,
+                         help=f"click-to-impression window (features.attribution_window_s: {feats['attribution_window_s']:g})")
+    offline.add_argument("--history-len", type=int, help=f"clicked items remembered per user (features.history_len: {feats['history_len']})")
+    offline.add_argument("--windows-s", metavar="S,S", help=f"counter windows (features.windows_s: {','.join(map(str, feats['windows_s']))})")
     f = tomllib.loads(default_config_text())["flink"]
     sub_p = psub.add_parser(
         "submit", help="run the Flink job: events topic -> samples topic + DLQ",
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"seconds between checkpoints (flink.checkpoint_interval_s: {f['checkpoint_interval_s']:g})")
     sub_p.add_argument("--delivery", choices=("exactly-once", "at-least-once"), help=f"(flink.delivery: {f['delivery']})")
     sub_p.add_argument("--attribution-window-s", type=float,
-                       help=f"click attribution window (flink.attribution_window_s: {f['attribution_window_s']:g})")
+                       help=f"click attribution window (features.attribution_window_s: {feats['attribution_window_s']:g})")
     sub_p.add_argument("--bounded", action="store_true", help="stop at the events topic's current end (backfills, tests)")
     sub_p.add_argument("--fresh", action="store_true", help="ignore earlier checkpoints (offsets then come from the consumer group)")
     sub_p.add_argument("--detach", action="store_true", help="run the embedded job in the background (log in var/flink/)")
@@ -244,7 +247,9 @@ def _config_from(args: argparse.Namespace) -> Config:
         "flink.checkpoint_dir": getattr(args, "checkpoint_dir", None),
         "flink.checkpoint_interval_s": getattr(args, "checkpoint_interval", None),
         "flink.delivery": getattr(args, "delivery", None),
-        "flink.attribution_window_s": getattr(args, "attribution_window_s", None) if getattr(args, "pipeline_command", None) == "submit" else None,
+        "features.attribution_window_s": getattr(args, "attribution_window_s", None),
+        "features.history_len": getattr(args, "history_len", None),
+        "features.windows_s": getattr(args, "windows_s", None),
         "model.name": getattr(args, "model", None),
         "trainer.model_store": getattr(args, "model_store", None),
         "trainer.work_dir": getattr(args, "work_dir", None),
@@ -435,7 +440,7 @@ def print_generate_summary(s) -> None:
 # ---------------------------------------------------------------- pipeline
 def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
     if args.pipeline_command == "offline":
-        return cmd_pipeline_offline(args)
+        return cmd_pipeline_offline(args, cfg)
     from pipelines import pipeline_service as service
 
     if args.pipeline_command == "submit":
@@ -460,12 +465,12 @@ def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
-def cmd_pipeline_offline(args: argparse.Namespace) -> int:
+def cmd_pipeline_offline(args: argparse.Namespace, cfg: Config) -> int:
     from collections import Counter
 
-    from pipelines.samples import SampleBuilder, SampleSpec, read_run, write_samples
+    from pipelines.samples import SampleBuilder, read_run, write_samples
 
-    spec = SampleSpec(history_len=args.history_len, attribution_window_s=args.attribution_window_s)
+    spec = cfg.features
     builder = SampleBuilder(spec).add_all(read_run(args.run))
     table = builder.build()
     samples_path, rejected_path = write_samples(table, builder.rejected, args.out or args.run)
@@ -556,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from pipelines.pipeline_service import PipelineError
         from pipelines.job_jar import JobJarError
+        from pipelines.pipeline_service import PipelineError
         from trainer.engine import TrainingError
 
         if not isinstance(exc, (TrainingError, PipelineError, JobJarError)):

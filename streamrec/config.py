@@ -16,6 +16,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipelines.feature_spec import FeatureSpec
 from pipelines.generator.world import WorldConfig
 
 ENV_PREFIX = "STREAMREC_"
@@ -78,7 +79,6 @@ class FlinkConfig:
     delivery: str
     out_of_orderness_ms: int
     idle_timeout_s: float
-    attribution_window_s: float
     source_idle_backoff_ms: int
 
     def resolved_jars_dir(self) -> Path:
@@ -173,6 +173,7 @@ class Config:
     kafka: KafkaConfig
     topics: TopicsConfig
     flink: FlinkConfig
+    features: FeatureSpec
     generator: GeneratorConfig
     model: ModelConfig
     trainer: TrainerConfig
@@ -223,6 +224,14 @@ def _coerce(value: Any, target: Any, name: str) -> Any:
     elif target is str:
         if isinstance(value, str):
             return value
+    elif typing.get_origin(target) is tuple:  # tuple[int, ...]: a TOML array, or "60,600" from env/flags
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            try:
+                return tuple(_coerce(v.strip() if isinstance(v, str) else v, typing.get_args(target)[0], name) for v in items)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{name}' must be a list of {typing.get_args(target)[0].__name__}, got {value!r}")
     else:
         return value
     raise ConfigError(f"config key '{name}' must be {target.__name__}, got {value!r}")
@@ -310,4 +319,53 @@ def load_config(
         data = _deep_merge(data, flag_tree, "")
         sources.append("flags")
     config = _build(Config, data, "")
+    validate(config)
     return dataclasses.replace(config, source=" < ".join(sources))
+
+
+def validate(config: Config) -> None:
+    """Every check of a value against its range or the other values, in one place: a bad
+    setting fails when the configuration is loaded, before any command starts work."""
+    problems: list[str] = []
+    try:
+        config.features.validate()
+    except ValueError as exc:
+        problems.append(f"[features]: {exc}")
+    m, s, f = config.model, config.serving, config.flink
+    if not 1 <= m.history_len <= config.features.history_len:
+        problems.append(f"model.history_len ({m.history_len}) must be within 1..features.history_len ({config.features.history_len})")
+    try:
+        m.mlp_widths
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if f.delivery not in ("exactly-once", "at-least-once"):
+        problems.append(f"flink.delivery must be exactly-once or at-least-once, got {f.delivery!r}")
+    if f.state_backend not in ("rocksdb", "hashmap"):
+        problems.append(f"flink.state_backend must be rocksdb or hashmap, got {f.state_backend!r}")
+    if s.compile not in SERVING_MODES:
+        problems.append(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {s.compile!r}")
+    if s.switch_interval_us <= 0:
+        problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
+    if s.frontends < 0:
+        problems.append(f"serving.frontends must be >= 0, got {s.frontends}")
+    for name in ("batch_buckets", "history_buckets"):
+        try:
+            parse_sizes(getattr(s, name), f"serving.{name}")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
+
+
+def parse_sizes(text: str, name: str) -> tuple[int, ...]:
+    """``"1,4,16"`` -> (1, 4, 16): a sorted set of positive sizes."""
+    try:
+        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated positive integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"{name} must name at least one positive size, got {text!r}")
+    return sizes

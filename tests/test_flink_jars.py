@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from pipelines import flink_jars
-from pipelines.flink_jars import ChecksumMismatch, JAR_SHA256, ensure_jars, sha256_of, verify_jars
+from pipelines.flink_jars import JAR_SHA256, ChecksumMismatch, ensure_jars, jar_urls, sha256_of, verify_jars
 from streamrec.bus.clients import make_producer
 from streamrec.bus.topics import ensure_topics
 from tests.conftest import run_cli
@@ -81,9 +81,11 @@ def test_missing_jars_are_reported(tmp_path):
 
 @pytest.mark.slow
 def test_pyflink_reads_the_embedded_broker_through_the_jars(broker, jars_dir):
+    """The verified jars alone make PyFlink's KafkaSource work against our broker."""
     from pyflink.common import WatermarkStrategy
-
-    from pipelines.flink_env import kafka_string_source, stream_env
+    from pyflink.common.serialization import SimpleStringSchema
+    from pyflink.datastream import StreamExecutionEnvironment
+    from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSource
 
     topic = "flink.smoke"
     ensure_topics(broker, [topic], partitions=3)
@@ -94,8 +96,13 @@ def test_pyflink_reads_the_embedded_broker_through_the_jars(broker, jars_dir):
     producer.flush()
     producer.close()
 
-    env = stream_env(jars_dir, parallelism=1)
-    source = kafka_string_source(broker, topic, "flink-smoke", bounded=True)
+    verify_jars(jars_dir)
+    env = StreamExecutionEnvironment.get_execution_environment()
+    env.add_jars(*jar_urls(jars_dir))
+    env.set_parallelism(1)
+    source = (KafkaSource.builder().set_bootstrap_servers(broker).set_topics(topic).set_group_id("flink-smoke")
+              .set_starting_offsets(KafkaOffsetsInitializer.earliest()).set_bounded(KafkaOffsetsInitializer.latest())
+              .set_value_only_deserializer(SimpleStringSchema()).build())
     stream = env.from_source(source, WatermarkStrategy.no_watermarks(), "kafka-smoke")
     with stream.execute_and_collect() as results:
         received = list(results)

@@ -7,7 +7,7 @@ import pytest
 
 from pipelines.flink_runner import RunOptions, job_jars
 from pipelines.sample_wire import decode_samples
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from streamrec.config import load_config
 
 
@@ -19,7 +19,7 @@ def test_sample_json_round_trips_through_the_strict_decoder(tmp_path):
 
     add_jars_to_context_class_loader(job_jars(RunOptions(jars_dir=load_config().flink.resolved_jars_dir(), checkpoint_dir=tmp_path)))
     gw = get_gateway()
-    spec = SampleSpec()
+    spec = FeatureSpec()
     e = gw.jvm.streamrec.flink.Event()
 
     def longs(values):

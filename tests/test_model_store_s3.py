@@ -7,7 +7,6 @@ retention all work there, through the same pyarrow.fs URI a deployment would use
 
 from __future__ import annotations
 
-import pyarrow.fs as pafs
 import pytest
 import torch
 

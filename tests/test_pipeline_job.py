@@ -19,7 +19,8 @@ from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.flink_rest import FlinkRest, FlinkUnreachable
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
-from pipelines.samples import SampleBuilder, SampleSpec
+from pipelines.feature_spec import FeatureSpec
+from pipelines.samples import SampleBuilder
 from streamrec.bus.clients import make_producer
 from streamrec.bus.topics import ensure_topics
 from streamrec.config import load_config
@@ -46,13 +47,13 @@ def _env(broker, tmp_path, name):
 def _oracle(broker, events_topic):
     """The reference samples and rejections of exactly what the events topic holds."""
     records = _read(broker, events_topic, committed=False)
-    builder = SampleBuilder(SampleSpec(attribution_window_s=WINDOW_S)).add_all((r.value, r.timestamp) for r in records)
+    builder = SampleBuilder(FeatureSpec(attribution_window_s=WINDOW_S)).add_all((r.value, r.timestamp) for r in records)
     return builder.build(), builder
 
 
 def _samples(broker, topic):
     values = [r.value for r in _read(broker, topic)]
-    table, _, rejected = decode_samples(values, SampleSpec(attribution_window_s=WINDOW_S))
+    table, _, rejected = decode_samples(values, FeatureSpec(attribution_window_s=WINDOW_S))
     assert not rejected, rejected[:3]  # the job's output passes the trainer's strict decoder
     return table
 

@@ -119,12 +119,24 @@ def test_admission_needs_k_sightings_and_serving_never_admits():
 def test_expiry_removes_unseen_rows_in_every_tier_and_reports_them(tmp_path):
     table = EmbeddingTable(TableConfig("t", 2, ttl_s=10, dram_rows=3), ssd_dir=tmp_path)
     table.push(table.pull(torch.arange(1, 7), now_ms=0), torch.zeros(6, 2))  # 3 spill to SSD
-    table.take_delta()
+    _take_delta(table)
     table.push(table.pull(torch.tensor([1, 2]), now_ms=15_000), torch.zeros(2, 2))
     assert table.expire(now_ms=15_000) == 4
     assert len(table) == 2
-    keys, values, deleted = table.take_delta()
+    keys, values, deleted = _take_delta(table)
     assert sorted(keys.tolist()) == [1, 2] and sorted(deleted.tolist()) == [3, 4, 5, 6]
+
+
+def _publish(store: EmbeddingStore, ms: ModelStore, kind: str, dense: dict | None = None, meta: dict | None = None) -> int:
+    """A version of the store as trainer/publisher.py writes one (snapshot, then write)."""
+    return store.write(ms, kind, store.snapshot(kind), dense or {}, meta)
+
+
+def _take_delta(table: EmbeddingTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, values, deleted keys) changed since the last call, as a delta snapshot reads them."""
+    candidates = table.begin_delta().cpu()
+    found, values = table.read(candidates)
+    return candidates[found], values, candidates[~found]
 
 
 def _train(store: EmbeddingStore, steps: range, seed: int = 0):
@@ -157,7 +169,7 @@ def test_publish_load_round_trip_of_full_and_many_deltas(tmp_path):
         if step % 2 == 1:
             store["user"].expire(step * 1000)
             kind = "full" if step % 10 == 1 else "delta"
-            version = store.publish(ms, kind, dense={"mlp.w": torch.full((3, 2), float(step))}, meta={"trained_through_ms": step * 1000})
+            version = _publish(store, ms, kind, dense={"mlp.w": torch.full((3, 2), float(step))}, meta={"trained_through_ms": step * 1000})
     loaded = ms.load()
     # 20 publishes; fulls at versions 1, 6, 11, 16: the newest loads as full 16 + deltas 17..20
     assert loaded.version == version == 20 and loaded.chain == [16, 17, 18, 19, 20]
@@ -174,10 +186,11 @@ def test_background_publish_writes_the_snapshot_not_later_updates(tmp_path):
     store = EmbeddingStore([TableConfig("t", 4)])
     ms = ModelStore(str(tmp_path), "m")
     _train(store, range(5))
-    ms_version = store.publish(ms, "full")
+    ms_version = _publish(store, ms, "full")
     _train(store, range(5, 8))
     expected = _rows(store["t"])
-    future = store.publish(ms, "delta", background=True)
+    snapshot = store.snapshot("delta")  # what the publisher does: snapshot between steps, write on the writer thread
+    future = store.writer.submit(store.write, ms, "delta", snapshot, {}, None)
     _train(store, range(8, 20))  # keeps training while the delta is written
     assert future.result(timeout=30) == ms_version + 1
     loaded = ms.load()
@@ -188,9 +201,9 @@ def test_corrupt_or_incomplete_versions_are_refused(tmp_path):
     store = EmbeddingStore([TableConfig("t", 4)])
     ms = ModelStore(str(tmp_path), "m")
     _train(store, range(3))
-    store.publish(ms, "full")
+    _publish(store, ms, "full")
     _train(store, range(3, 5))
-    v2 = store.publish(ms, "delta")
+    v2 = _publish(store, ms, "delta")
     sparse = tmp_path / "m" / "versions" / f"{v2:012d}" / "sparse" / "t.arrow"
     data = bytearray(sparse.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -259,7 +272,7 @@ def test_checkpoint_restore_resumes_identically(tmp_path, device):
     assert _rows(store["u"]).keys() == _rows(restored["u"]).keys()
     for k, v in _rows(store["u"]).items():
         np.testing.assert_allclose(_rows(restored["u"])[k], v, rtol=0, atol=1e-6)
-    a, b = store["u"].take_delta(), restored["u"].take_delta()
+    a, b = _take_delta(store["u"]), _take_delta(restored["u"])
     assert sorted(a[0].tolist()) == sorted(b[0].tolist())
 
 

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.sample_wire import check_samples, decode_samples, encode_samples
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def table(sample_run):
 
 
 def test_round_trip_is_exact(table):
-    good, index, rejected = decode_samples(encode_samples(table))
+    good, index, rejected = decode_samples(encode_samples(table), FeatureSpec())
     assert rejected == []
     assert good.equals(table)
     assert index.tolist() == list(range(table.num_rows))
@@ -52,7 +52,7 @@ def test_every_bad_message_is_refused_with_its_reason_and_nothing_else_is_lost(t
     for i, (value, _) in bad.items():
         messages[i] = value
     messages[30] = orjson.dumps(orjson.loads(messages[30]), option=orjson.OPT_INDENT_2)  # multi-line but valid
-    good, index, rejected = decode_samples(messages)
+    good, index, rejected = decode_samples(messages, FeatureSpec())
     assert dict(rejected) == {i: reason for i, (_, reason) in bad.items()}
     assert index.tolist() == [i for i in range(table.num_rows) if i not in bad]
     assert good.equals(table.take(index))
@@ -60,4 +60,4 @@ def test_every_bad_message_is_refused_with_its_reason_and_nothing_else_is_lost(t
 
 def test_files_of_another_spec_are_refused_clearly(table):
     with pytest.raises(ValueError, match="lack columns"):
-        check_samples(table.drop(["user_imps_60s"]), SampleSpec())
+        check_samples(table.drop(["user_imps_60s"]), FeatureSpec())

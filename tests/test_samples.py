@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.generator.bad_events import EXPECTED_REASON
-from pipelines.samples import SampleBuilder, SampleSpec, read_run
+from pipelines.feature_spec import FeatureSpec
+from pipelines.samples import SampleBuilder, read_run
 from tests.conftest import run_cli
 
 NOW = 10**13
@@ -26,7 +27,7 @@ def click(eid, ts, user, item, req):
 
 
 def build(events, **spec):
-    builder = SampleBuilder(SampleSpec(windows_s=(60,), **spec))
+    builder = SampleBuilder(FeatureSpec(windows_s=(60,), **spec))
     for raw in events:
         builder.add(raw, NOW)
     table = builder.build()

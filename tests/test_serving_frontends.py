@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, free_port
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from streamrec.demo.resources import process_tree
 from test_serving_http import TOKEN, call
-from trainer.features import batch_from_table
-from trainer.inference import InferenceModel
+from model.batch import batch_from_table
+from model.inference import InferenceModel
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_frontends_answer_with_the_engines_model(engine, published_model, sample
     base, proc, versions = engine
     table = pq.read_table(sample_run / "samples.parquet").slice(60_000, 64).drop(["label", "click_ts"])
     model = InferenceModel.load(ModelStore(str(published_model[0]), "ctr"), versions[-1])
-    want = model.predict(batch_from_table(table, SampleSpec(), 50, with_labels=False))
+    want = model.predict(batch_from_table(table, FeatureSpec(), 50, with_labels=False))
     model.close()
     rows, answers = table.to_pylist(), {}
 

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, free_port
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
-from trainer.features import batch_from_table
-from trainer.inference import InferenceModel
+from model.batch import batch_from_table
+from model.inference import InferenceModel
 
 pytestmark = pytest.mark.slow
 TOKEN = "test-token"
@@ -53,7 +53,7 @@ def instances(sample_run):
 def expected(published_model, instances):
     """Reference scores of every version: the trainer's model loaded directly."""
     root, versions = published_model
-    batch = batch_from_table(instances, SampleSpec(), 50, with_labels=False)
+    batch = batch_from_table(instances, FeatureSpec(), 50, with_labels=False)
     out = {}
     for v in versions:
         model = InferenceModel.load(ModelStore(str(root), "ctr"), v)

@@ -1,5 +1,5 @@
 """Predict bodies decoded by serving/request.py give the same features as the training path
-(pipelines.sample_wire + trainer.features.batch_from_table) and refuse exactly the instances
+(pipelines.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
 the sample checks refuse, each with its reason."""
 
 import orjson
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from pipelines.sample_wire import decode_samples
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from serving.errors import ApiError
 from serving.request import InstanceDecoder
-from trainer.features import batch_from_columns, batch_from_table
+from model.batch import batch_from_columns, batch_from_table
 
-SPEC = SampleSpec()
+SPEC = FeatureSpec()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import CorruptVersion, ModelStore
 from serving.state import ServedModel
-from trainer.features import batch_from_table
-from trainer.inference import InferenceModel
+from model.batch import batch_from_table
+from model.inference import InferenceModel
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def published(published_model):
 
 @pytest.fixture(scope="module")
 def batch(sample_run):
-    return batch_from_table(pq.read_table(sample_run / "samples.parquet").slice(50_000, 512), SampleSpec(), 50)
+    return batch_from_table(pq.read_table(sample_run / "samples.parquet").slice(50_000, 512), FeatureSpec(), 50)
 
 
 def expected(root, version, batch):

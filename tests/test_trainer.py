@@ -12,20 +12,20 @@ import pytest
 import torch
 
 from conftest import make_sample_run, run_cli
-from pipelines.samples import SampleSpec
+from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from ps.table import TableConfig
 from streamrec.config import load_config
 from trainer.checkpoint import Checkpointer
 from trainer.engine import Trainer, TrainingError, TrainOptions, train
-from trainer.features import TABLES, batch_from_table
-from trainer.inference import InferenceModel
+from model.batch import TABLES, batch_from_table
+from model.inference import InferenceModel
 from trainer.prefetch import END, IDLE, Prefetcher, Skipped
 from trainer.sources import FileSampleSource
-from trainer.sparse import SparseFeatures
+from model.sparse import SparseFeatures
 
-SPEC = SampleSpec()
+SPEC = FeatureSpec()
 
 
 @pytest.fixture(scope="module")

@@ -33,20 +33,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipelines.samples import SampleSpec
+from model.batch import SampleBatch
+from model.device import pick_device
+from model.inference import InferenceModel
+from model.network import CTRModel, ModelSpec, table_configs
+from model.sparse import SparseFeatures
 from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
 from trainer.evaluation import TruthLookup, WindowMetrics
-from trainer.features import SampleBatch, dense_feature_names
-from trainer.inference import InferenceModel
-from trainer.model import CTRModel, ModelSpec, table_configs
 from trainer.prefetch import END, IDLE, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, Publisher
 from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
-from trainer.sparse import SparseFeatures
 
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
@@ -73,22 +73,13 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message says why and what state is safe."""
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device is cuda but no CUDA device is available")
-    return device
-
-
 class Trainer:
     def __init__(self, cfg: Config, opts: TrainOptions) -> None:
         self.cfg, self.opts = cfg, opts
         tcfg, mcfg = cfg.trainer, cfg.model
-        self.device = pick_device(tcfg.device)
-        self.sample_spec = SampleSpec(history_len=mcfg.history_len)
-        self.spec = ModelSpec.from_config(mcfg, len(dense_feature_names(self.sample_spec)))
+        self.device = pick_device(tcfg.device, "trainer.device")
+        self.feature_spec = cfg.features
+        self.spec = ModelSpec.from_config(mcfg, self.feature_spec)
         if opts.files:
             sample_files(opts.files)  # fail fast on a wrong path
         self.home = Path(tcfg.work_dir) / mcfg.name
@@ -176,8 +167,8 @@ class Trainer:
     def _source(self) -> SampleSource:
         positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
         if self.opts.files:
-            return FileSampleSource(self.opts.files, self.sample_spec, positions, loop=self.opts.loop_files)
-        return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.sample_spec,
+            return FileSampleSource(self.opts.files, self.feature_spec, positions, loop=self.opts.loop_files)
+        return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.feature_spec,
                                  positions, timeout_s=self.cfg.kafka.connect_timeout_s)
 
     def _announce(self, message: dict) -> None:
@@ -202,7 +193,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         tcfg = self.cfg.trainer
         source = self._source()
-        prefetch = Prefetcher(source, self.sample_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+        prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
                               pin_memory=self.device.type == "cuda").start()
         started = time.monotonic()
         last_data = time.monotonic()
@@ -361,7 +352,7 @@ class Trainer:
             "samples_trained": self.state["samples"],
             "step": self.state["step"],
             "model_spec": self.spec.to_json(),
-            "sample_spec": self.sample_spec.to_json(),
+            "feature_spec": self.feature_spec.to_json(),
         }
         self.publisher.begin(self.model.state_dict(), meta, kind)
         self.state["published_samples"] = self.state["samples"]

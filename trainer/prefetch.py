@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipelines.samples import SampleSpec
-from trainer.features import batch_from_table
+from model.batch import batch_from_table
+from pipelines.feature_spec import FeatureSpec
 from trainer.sources import SampleSource
 
 END = "end"  # the source is exhausted
@@ -39,7 +39,7 @@ class Skipped:
 
 
 class Prefetcher:
-    def __init__(self, source: SampleSource, spec: SampleSpec, batch_size: int, history_len: int, depth: int = 4,
+    def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
                  pin_memory: bool = False, max_delay_s: float = 1.0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

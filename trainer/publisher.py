@@ -97,7 +97,7 @@ class Publisher:
             if done:
                 tables, pending = self._task.result(), self._pending
                 self._task = None
-                self._future = self.store._writer.submit(self._write, pending, tables)
+                self._future = self.store.writer.submit(self._write, pending, tables)
         if self._future is not None and self._future.done():
             future, self._future = self._future, None
             try:

@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.feature_spec import FeatureSpec
 from pipelines.sample_wire import check_samples, decode_samples
-from pipelines.samples import SampleSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def sample_files(paths: list[str]) -> list[Path]:
 class FileSampleSource:
     """Parquet files of samples (``streamrec pipeline offline``), read in row order."""
 
-    def __init__(self, paths: list[str], spec: SampleSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
+    def __init__(self, paths: list[str], spec: FeatureSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
                  loop: bool = False) -> None:
         self.files = sample_files(paths)
         self.spec = spec
@@ -118,7 +118,7 @@ class KafkaSampleSource:
     handed to the polling loop (and done at ``close`` at the latest), lag is measured there.
     """
 
-    def __init__(self, bootstrap: str, topic: str, group: str, spec: SampleSpec, start: dict[int, int] | None = None,
+    def __init__(self, bootstrap: str, topic: str, group: str, spec: FeatureSpec, start: dict[int, int] | None = None,
                  timeout_s: float = 20.0, poll_ms: int = 200, max_records: int = 8192) -> None:
         from kafka import TopicPartition
 

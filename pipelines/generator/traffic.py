@@ -19,8 +19,8 @@ from typing import Iterator
 import numpy as np
 import orjson
 
-from pipelines.generator.bad_events import BadEvent, BadEventInjector
 from pipelines.events import encode_click, encode_impressions
+from pipelines.generator.bad_events import BadEvent, BadEventInjector
 from pipelines.generator.world import DEVICES, World, WorldConfig
 
 

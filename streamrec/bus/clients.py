@@ -8,7 +8,6 @@ from typing import Any
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
 
-
 MAX_FRAME_BYTES = 2**31 - 1  # the protocol's limit: a frame's size is an int32
 
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from model.batch import batch_from_table
+from model.inference import InferenceModel
 from pipelines.generator.sinks import decode_truth_message
 from pipelines.sample_wire import decode_samples
 from ps.model_store import ModelStore
 from streamrec.bus.clients import make_consumer, poll_records
-from trainer.features import batch_from_table
-from trainer.inference import InferenceModel
 
 log = logging.getLogger("streamrec.demo")
 CHUNK = 256  # instances per predict request
@@ -202,10 +202,10 @@ class ServingProbe:
         if frozen is None:
             self.records.unscored += len(values)
             return
-        table, index, rejected = decode_samples(values, frozen.sample_spec)
+        table, index, rejected = decode_samples(values, frozen.feature_spec)
         if rejected or len(index) != len(values):
             raise RuntimeError(f"the samples topic holds samples the trainer's decoder rejects: {rejected[:3]}")
-        batch = batch_from_table(table, frozen.sample_spec, frozen.model.spec.history_len)
+        batch = batch_from_table(table, frozen.feature_spec, frozen.model.spec.history_len)
         frozen_scores = frozen.predict(batch, now_ms=int(seen_ms))
         rec = self.records
         with self._lock:

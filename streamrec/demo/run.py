@@ -68,7 +68,7 @@ class DemoRun:
             "STREAMREC_FLINK__GROUP_ID": self.prefix, "STREAMREC_FLINK__JOB_NAME": self.prefix,
             "STREAMREC_FLINK__CHECKPOINT_DIR": str(self.work_dir / "flink-checkpoints"),
             "STREAMREC_FLINK__REST_PORT": str(self.rest_port), "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
-            "STREAMREC_FLINK__ATTRIBUTION_WINDOW_S": str(a.attribution_window),
+            "STREAMREC_FEATURES__ATTRIBUTION_WINDOW_S": str(a.attribution_window),
             "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(self.work_dir / "trainer"),
             "STREAMREC_TRAINER__GROUP": self.prefix, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": str(a.publish_interval),
             "STREAMREC_TRAINER__WARMUP_SAMPLES": str(a.warmup_samples),

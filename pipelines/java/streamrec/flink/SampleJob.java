@@ -83,7 +83,7 @@ public final class SampleJob {
                 .transform("item counters", EventTypeInfoFactory.INFO, new ItemStage(windowsMs).withStateCache(stateCacheKeys)).uid("item-stage");
         DataStream<Tuple2<byte[], byte[]>> samples = items.keyBy(new ByCategory(), Types.LONG)
                 .transform("category: counters, label join", CategoryStage.OUTPUT,
-                        new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), windowsS)).withStateCache(stateCacheKeys))
+                        new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), p.getProperty("sample_fields"), p.getProperty("counter_columns"), windowsS.length)).withStateCache(stateCacheKeys))
                 .uid("category-stage");
 
         String topic = p.getProperty("samples_topic");

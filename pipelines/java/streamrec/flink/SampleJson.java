@@ -3,46 +3,79 @@ package streamrec.flink;
 import java.io.Serializable;
 import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
+import java.util.HashMap;
+import java.util.Map;
+import java.util.TreeSet;
 
 /**
- * The sample's Kafka encoding (pipelines/sample_wire.py, schema version 1): one JSON object
- * per sample, keys = the schema's column names. Written by hand, straight into bytes: the
- * field set is fixed, and a StringBuilder + getBytes took a tenth of the job's CPU.
- * {@link #unlabelled} stops before the label; the category stage appends it and closes it.
+ * The sample's Kafka encoding (pipelines/sample_wire.py): one JSON object per sample, keys =
+ * the schema's column names. The field table is the feature spec's (pipelines/feature_spec.py,
+ * handed over at job build as {@code sample_fields} and {@code counter_columns}): this class
+ * knows how to write each fixed field of an {@link Event}, not which fields a sample has or
+ * what they are called. Written straight into bytes: a StringBuilder + getBytes took a tenth
+ * of the job's CPU. {@link #unlabelled} stops before the label; the category stage appends it
+ * and closes the object.
  */
 public final class SampleJson implements Serializable {
-    private static final long serialVersionUID = 1L;
-    private final int sampleVersion;
-    private final byte[][] counterNames; // per window: user imps/clicks, item imps/clicks, category imps/clicks
+    private static final long serialVersionUID = 2L;
 
-    public SampleJson(int sampleVersion, long[] windowsS) {
-        this.sampleVersion = sampleVersion;
-        this.counterNames = new byte[windowsS.length * 6][];
-        String[] entities = {"user", "item", "category"};
-        String[] what = {"imps", "clicks"};
-        int n = 0;
-        for (long w : windowsS) {
-            for (String entity : entities) {
-                for (String x : what) {
-                    counterNames[n++] = ascii(",\"" + entity + "_" + x + "_" + w + "s\":");
-                }
-            }
-        }
+    /** Writes one fixed field's value of an event. */
+    private interface Writer extends Serializable {
+        void write(Bytes b, Event e, int sampleVersion);
     }
 
-    private static final byte[] VERSION = ascii("{\"sample_version\":");
-    private static final byte[] EVENT_ID = ascii(",\"event_id\":");
-    private static final byte[] REQUEST_ID = ascii(",\"request_id\":");
-    private static final byte[] TS = ascii(",\"ts\":");
-    private static final byte[] USER_ID = ascii(",\"user_id\":");
-    private static final byte[] ITEM_ID = ascii(",\"item_id\":");
-    private static final byte[] POSITION = ascii(",\"position\":");
-    private static final byte[] DEVICE = ascii(",\"device\":");
-    private static final byte[] LOCAL_HOUR = ascii(",\"local_hour\":");
-    private static final byte[] CATEGORY_ID = ascii(",\"category_id\":");
-    private static final byte[] ADVERTISER_ID = ascii(",\"advertiser_id\":");
-    private static final byte[] HIST_ITEMS = ascii(",\"hist_item_ids\":");
-    private static final byte[] HIST_CATEGORIES = ascii(",\"hist_category_ids\":");
+    private static final Map<String, Writer> WRITERS = new HashMap<>();
+
+    static {
+        WRITERS.put("sample_version", (b, e, v) -> b.num(v));
+        WRITERS.put("event_id", (b, e, v) -> b.string(e.eventId));
+        WRITERS.put("request_id", (b, e, v) -> b.string(e.requestId));
+        WRITERS.put("ts", (b, e, v) -> b.num(e.ts));
+        WRITERS.put("user_id", (b, e, v) -> b.num(e.userId));
+        WRITERS.put("item_id", (b, e, v) -> b.num(e.itemId));
+        WRITERS.put("position", (b, e, v) -> b.num(e.position));
+        WRITERS.put("device", (b, e, v) -> b.string(e.device));
+        WRITERS.put("local_hour", (b, e, v) -> b.num(e.localHour));
+        WRITERS.put("category_id", (b, e, v) -> b.num(e.categoryId));
+        WRITERS.put("advertiser_id", (b, e, v) -> b.num(e.advertiserId));
+        WRITERS.put("hist_item_ids", (b, e, v) -> b.nums(e.histItems));
+        WRITERS.put("hist_category_ids", (b, e, v) -> b.nums(e.histCategories));
+    }
+
+    private final int sampleVersion;
+    private final byte[][] fieldNames; // "{\"name\":" for the first, ",\"name\":" for the others
+    private final Writer[] fieldWriters;
+    private final byte[][] counterNames; // per window: user imps/clicks, item imps/clicks, category imps/clicks
+
+    /**
+     * @param fields the fixed fields, in order (comma-separated)
+     * @param counterColumns the counter columns, window by window, each window's user, item
+     *     and category imps/clicks: the order of the stages' count arrays
+     */
+    public SampleJson(int sampleVersion, String fields, String counterColumns, int windows) {
+        this.sampleVersion = sampleVersion;
+        String[] names = fields.split(",");
+        this.fieldNames = new byte[names.length][];
+        this.fieldWriters = new Writer[names.length];
+        for (int i = 0; i < names.length; i++) {
+            Writer w = WRITERS.get(names[i]);
+            if (w == null) {
+                throw new IllegalArgumentException("the feature spec names a sample field '" + names[i]
+                        + "' this job cannot produce (it writes " + new TreeSet<>(WRITERS.keySet()) + ")");
+            }
+            fieldWriters[i] = w;
+            fieldNames[i] = ascii((i == 0 ? "{\"" : ",\"") + names[i] + "\":");
+        }
+        String[] counters = counterColumns.split(",");
+        if (counters.length != windows * 6) {
+            throw new IllegalArgumentException(counters.length + " counter columns for " + windows + " windows; expected "
+                    + windows * 6 + " (user, item, category x imps, clicks per window)");
+        }
+        this.counterNames = new byte[counters.length][];
+        for (int i = 0; i < counters.length; i++) {
+            counterNames[i] = ascii(",\"" + counters[i] + "\":");
+        }
+    }
 
     static byte[] ascii(String s) {
         return s.getBytes(StandardCharsets.US_ASCII);
@@ -55,19 +88,10 @@ public final class SampleJson implements Serializable {
     /** The sample without its label: {"sample_version":1, ..., "category_clicks_600s":N */
     public byte[] unlabelled(Event e, int[] categoryCounts) {
         Bytes b = new Bytes(768);
-        b.put(VERSION).num(sampleVersion);
-        b.put(EVENT_ID).string(e.eventId);
-        b.put(REQUEST_ID).string(e.requestId);
-        b.put(TS).num(e.ts);
-        b.put(USER_ID).num(e.userId);
-        b.put(ITEM_ID).num(e.itemId);
-        b.put(POSITION).num(e.position);
-        b.put(DEVICE).string(e.device);
-        b.put(LOCAL_HOUR).num(e.localHour);
-        b.put(CATEGORY_ID).num(e.categoryId);
-        b.put(ADVERTISER_ID).num(e.advertiserId);
-        b.put(HIST_ITEMS).nums(e.histItems);
-        b.put(HIST_CATEGORIES).nums(e.histCategories);
+        for (int i = 0; i < fieldWriters.length; i++) {
+            b.put(fieldNames[i]);
+            fieldWriters[i].write(b, e, sampleVersion);
+        }
         int[][] byEntity = {e.userCounts, e.itemCounts, categoryCounts};
         for (int w = 0; w < counterNames.length / 6; w++) {
             for (int entity = 0; entity < 3; entity++) {

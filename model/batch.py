@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipelines.samples import SampleSpec
-from trainer.columns import FeatureColumns, columns_from_table
+from model.columns import FeatureColumns, columns_from_table
+from pipelines.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES, FeatureSpec
 
 TABLES = ("user", "item", "category", "advertiser", "context")
 CONTEXT_FIELDS = ("device", "position", "local_hour")
@@ -86,9 +86,9 @@ class SampleBatch:
         return replace(self, hist_index=rows * length + positions, history_len=length)
 
 
-def dense_feature_names(spec: SampleSpec) -> list[str]:
+def dense_feature_names(spec: FeatureSpec) -> list[str]:
     names = [f"log1p_{c}" for c in spec.counter_columns()]
-    names += [f"ctr_{entity}_{w}s" for w in spec.windows_s for entity in ("user", "item", "category")]
+    names += [f"ctr_{entity}_{w}s" for w in spec.windows_s for entity in COUNTER_ENTITIES]
     return names
 
 
@@ -100,7 +100,7 @@ def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.n
     return out
 
 
-def batch_from_table(table: pa.Table, spec: SampleSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
+def batch_from_table(table: pa.Table, spec: FeatureSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
     """Tensors of a table of checked samples (see pipelines.sample_wire.check_samples)."""
     return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
 
@@ -112,7 +112,7 @@ def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.require(values, dtype, ["C", "W"]))
 
 
-def batch_from_columns(cols: FeatureColumns, spec: SampleSpec, history_len: int) -> SampleBatch:
+def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int) -> SampleBatch:
     """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
     (first) ``history_len`` ids."""
     n = len(cols.hist_lengths)
@@ -129,9 +129,8 @@ def batch_from_columns(cols: FeatureColumns, spec: SampleSpec, history_len: int)
     names = spec.counter_columns()
     rates = []
     for w in spec.windows_s:
-        for entity in ("user", "item", "category"):
-            imps = counters[:, names.index(f"{entity}_imps_{w}s")]
-            clicks = counters[:, names.index(f"{entity}_clicks_{w}s")]
+        for entity in COUNTER_ENTITIES:
+            imps, clicks = (counters[:, names.index(spec.counter_name(entity, counted, w))] for counted in COUNTED_EVENTS)
             rates.append(clicks / (imps + CTR_PRIOR_IMPS))
     dense = np.concatenate([np.log1p(counters), np.stack(rates, axis=1) if n else np.zeros((0, len(rates)), np.float32)], axis=1)
 

@@ -2,7 +2,7 @@
 network and a deep MLP over the field embeddings and dense features.
 
 Only the dense part is an ``nn.Module``; sparse rows live in ps/ tables and arrive as
-tensors (trainer/sparse.py looks them up). ``CTRModel.forward`` takes plain tensors of
+tensors (model/sparse.py looks them up). ``CTRModel.forward`` takes plain tensors of
 static shape and has no train/eval difference (no batch norm, no dropout: the
 online scores and the served scores of the same parameters agree), so serving can capture it in CUDA graphs or compile it per shape bucket.
 """
@@ -14,27 +14,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from model.batch import TABLES, dense_feature_names
+from pipelines.feature_spec import FeatureSpec
 from ps.table import TableConfig
-from trainer.features import TABLES
 
 N_FIELDS = 7  # user, item, category, advertiser, device, position, local_hour
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shapes and widths of the dense part; stored with every published version."""
+    """Shapes and widths of the dense part; stored with every published version. Built from
+    the [model] config section and the feature spec (whose counters make the dense inputs)."""
 
-    embedding_dim: int = 16
-    history_len: int = 50
-    n_dense: int = 18
-    attention_hidden: int = 64
-    cross_layers: int = 2
-    mlp: tuple[int, ...] = (256, 128)
+    embedding_dim: int
+    history_len: int
+    n_dense: int
+    attention_hidden: int
+    cross_layers: int
+    mlp: tuple[int, ...]
 
     @classmethod
-    def from_config(cls, model_cfg, n_dense: int) -> "ModelSpec":
-        return cls(model_cfg.embedding_dim, model_cfg.history_len, n_dense, model_cfg.attention_hidden,
-                   model_cfg.cross_layers, model_cfg.mlp_widths)
+    def from_config(cls, model_cfg, features: FeatureSpec) -> "ModelSpec":
+        return cls(model_cfg.embedding_dim, model_cfg.history_len, len(dense_feature_names(features)),
+                   model_cfg.attention_hidden, model_cfg.cross_layers, model_cfg.mlp_widths)
 
     def to_json(self) -> dict:
         return {**self.__dict__, "mlp": list(self.mlp)}

@@ -1,6 +1,6 @@
 """Checked samples as numpy columns (:class:`FeatureColumns`), without torch: the form
 both a table of training samples and a batch of predict instances take before
-``trainer.features.batch_from_columns`` makes tensors of them. Kept free of torch so the
+``model.batch.batch_from_columns`` makes tensors of them. Kept free of torch so the
 serving front-end processes, which build columns, do not load it."""
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.samples import SampleSpec
-
-INT_COLUMNS = ("ts", "user_id", "item_id", "category_id", "advertiser_id", "position", "local_hour")
+from pipelines.feature_spec import HISTORY_COLUMNS, INT_COLUMNS, FeatureSpec
 
 
 @dataclass
@@ -24,7 +22,7 @@ class FeatureColumns:
     and serving features come out of the same conversion (:func:`batch_from_columns`)."""
 
     ints: dict[str, np.ndarray]  # INT_COLUMNS -> [B] int64
-    counters: np.ndarray  # [B, C] in SampleSpec.counter_columns() order
+    counters: np.ndarray  # [B, C] in FeatureSpec.counter_columns() order
     device_hash: np.ndarray  # [B] int64, crc32 of the device string
     hist_items: np.ndarray  # flat int64, each row's sequence (most recent first)
     hist_categories: np.ndarray
@@ -60,18 +58,19 @@ def device_hashes(device: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
     return codes[pc.index_in(device, uniques).to_numpy()] if len(codes) else np.zeros(len(device), np.int64)
 
 
-def columns_from_table(table: pa.Table, spec: SampleSpec, with_labels: bool = True) -> FeatureColumns:
+def columns_from_table(table: pa.Table, spec: FeatureSpec, with_labels: bool = True) -> FeatureColumns:
     """The columns of a table of checked samples (see pipelines.sample_wire.check_samples)."""
     n = table.num_rows
+    items, categories = HISTORY_COLUMNS
     counters = (np.stack([table[c].to_numpy() for c in spec.counter_columns()], axis=1) if n
                 else np.zeros((0, len(spec.counter_columns())), np.int64))
     return FeatureColumns(
         ints={name: table[name].to_numpy().astype(np.int64) for name in INT_COLUMNS},
         counters=counters,
         device_hash=device_hashes(table["device"]),
-        hist_items=pc.list_flatten(table["hist_item_ids"]).to_numpy().astype(np.int64),
-        hist_categories=pc.list_flatten(table["hist_category_ids"]).to_numpy().astype(np.int64),
-        hist_lengths=pc.list_value_length(table["hist_item_ids"]).to_numpy().astype(np.int64),
+        hist_items=pc.list_flatten(table[items]).to_numpy().astype(np.int64),
+        hist_categories=pc.list_flatten(table[categories]).to_numpy().astype(np.int64),
+        hist_lengths=pc.list_value_length(table[items]).to_numpy().astype(np.int64),
         label=table["label"].to_numpy().astype(np.float32) if with_labels and "label" in table.column_names else None,
         event_ids=table["event_id"].combine_chunks() if "event_id" in table.column_names else None,
     )

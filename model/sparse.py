@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from model.batch import SampleBatch
 from ps.locks import RWLock
 from ps.store import EmbeddingStore
 from ps.table import EmbeddingTable, Pulled
-from trainer.features import SampleBatch
 
 
 @dataclass

@@ -1,0 +1,188 @@
+"""The serving engine: everything a serving node does apart from HTTP.
+
+In the spirit of vLLM's ``EngineCore``: the HTTP layer (serving/app.py, the front-end
+processes) only routes; the engine owns the served model and its versions (``load``,
+``apply``, ``rollback``, ``release``: serving/state.py), turns requests into batches
+(``score``, through the request batcher) and runs them (``execute``), and says what it is
+doing (``status``, ``metrics``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+
+from model.batch import batch_from_columns
+from model.columns import FeatureColumns
+from pipelines.feature_spec import FeatureSpec
+from serving.batcher import RequestBatcher
+from serving.errors import ApiError, not_loaded, unknown_model
+from serving.metrics import ServingMetrics
+from serving.pauses import GcPauses
+from serving.request import InstanceDecoder, invalid_instances
+from serving.state import ApplyReport, ServedModel
+from streamrec.config import ServingConfig
+
+
+class ServingEngine:
+    def __init__(self, served: ServedModel, settings: ServingConfig, gc_pauses: GcPauses | None = None) -> None:
+        self.served, self.settings, self.gc_pauses = served, settings, gc_pauses
+        self.model_name = served.model_store.model
+        self.metrics = ServingMetrics()
+        self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.workers)
+        self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
+
+    # ------------------------------------------------------------------ versions
+    def load(self, version: int | None = None, pin: bool = False) -> ApplyReport:
+        """Serve ``version`` (default: LATEST); ``pin``: and stay on it until released."""
+        return self.served.load(version, pin)
+
+    def apply(self) -> list[ApplyReport]:
+        """Apply every published version after the served one (deltas in place); never raises
+        for a bad version: it is recorded as refused."""
+        return self.served.catch_up()
+
+    def rollback(self, version: int | None = None) -> ApplyReport:
+        """Back to ``version`` (default: the previous one) from undo data, pinned."""
+        return self.served.rollback(version)
+
+    def release(self) -> None:
+        """Un-pin: the watcher follows LATEST again."""
+        self.served.release()
+
+    # ------------------------------------------------------------------ requests
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise unknown_model(model, self.model_name)
+
+    def decoder(self) -> InstanceDecoder:
+        """The request decoder of the served version's feature spec."""
+        current = self.served.current
+        if current is None:
+            raise not_loaded()
+        spec = current.feature_spec
+        if spec not in self._decoders:  # one per feature spec of the served versions (normally one)
+            self._decoders[spec] = InstanceDecoder(spec, self.settings.max_instances)
+        return self._decoders[spec]
+
+    async def predict(self, model: str, body: bytes) -> bytes:
+        """A predict body (size already checked by the reader) -> the JSON answer."""
+        self.check_model(model)
+        version, scores = await self.score(self.decoder().decode(body))
+        return orjson.dumps({"model_version": version, "scores": scores.tolist()})
+
+    async def score(self, payload) -> tuple[int, np.ndarray]:
+        """One request's (version, scores) through the batcher, counted in the metrics. A
+        payload is a request's decoded instances or, from a front-end process, its columns."""
+        t0 = time.perf_counter()
+        status = "error"
+        try:
+            result = await self.batcher.submit(payload)
+            self.metrics.queued.observe(result.queued_s)
+            self.metrics.instances.inc(len(payload))
+            status = "ok"
+            return result.version, result.scores
+        finally:
+            self.metrics.requests.labels(status).inc()
+            self.metrics.latency.observe(time.perf_counter() - t0)
+
+    def execute(self, payloads: list) -> list:
+        """Check, convert and score every request of a batch in one pass (a batcher worker).
+
+        Returns per request (version, scores) or the ApiError it gets: a request with an
+        invalid instance gets a 400 naming them; the others are scored."""
+        current = self.served.current
+        if current is None:
+            raise not_loaded()
+        decoder = self.decoder()
+        outcomes: list = [None] * len(payloads)
+        width = len(current.feature_spec.counter_columns())
+        for r, payload in enumerate(payloads):
+            mine = payload.counters.shape[1] == width if isinstance(payload, FeatureColumns) else type(payload[0]) is decoder.instance
+            if not mine:
+                outcomes[r] = ApiError(503, "the served model's feature spec changed while this request waited; send it again")
+        listed = [r for r, p in enumerate(payloads) if outcomes[r] is None and not isinstance(p, FeatureColumns)]
+        parts, order = [], []
+        if listed:
+            flat = [x for r in listed for x in payloads[r]]
+            columns, rejected = decoder.columns(flat)
+            if rejected:  # rare: name each bad instance to its request, score the other requests
+                where = [(r, j) for r in listed for j in range(len(payloads[r]))]
+                bad: dict[int, list[str]] = {}
+                for i, reason in rejected:
+                    r, j = where[i]
+                    bad.setdefault(r, []).append(f"instance {j}: {reason}")
+                for r, reasons in bad.items():
+                    outcomes[r] = invalid_instances(reasons)
+                listed = [r for r in listed if r not in bad]
+                columns = decoder.columns([x for r in listed for x in payloads[r]])[0] if listed else None
+            if listed:
+                parts.append(columns)
+                order.extend(listed)
+        for r, payload in enumerate(payloads):
+            if outcomes[r] is None and isinstance(payload, FeatureColumns):
+                parts.append(payload)
+                order.append(r)
+        version, scores = current.version, np.empty(0, np.float32)
+        if parts:
+            batch = batch_from_columns(FeatureColumns.concat(parts), current.feature_spec, current.network.spec.history_len)
+            version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000))
+        taken = 0
+        for r in order:
+            n = len(payloads[r])
+            outcomes[r] = (version, scores[taken: taken + n])
+            taken += n
+        return outcomes
+
+    def hello(self) -> tuple:
+        """What a front-end process needs to decode requests itself (serving/ipc.py)."""
+        current = self.served.current
+        return ("hello", self.model_name, current.feature_spec.to_json() if current is not None else None)
+
+    # ------------------------------------------------------------------ reporting
+    def status(self) -> dict[str, Any]:
+        """``GET /v1/models/{model}``: the served version, the versions rollback can reach, freshness."""
+        served, current = self.served, self.served.current
+        through = current.manifest.get("trained_through_ms") if current else None
+        return {
+            "model": self.model_name,
+            "model_version": served.version,
+            "kind": current.manifest.get("kind") if current else None,
+            "feature_spec": current.feature_spec.to_json() if current else None,
+            "trained_through_ms": through,
+            "freshness_s": (time.time() * 1000 - through) / 1000 if through else None,
+            "applied_at": served.applied_at.get(served.version) if served.version else None,
+            "rollback_to": sorted({u.version_before for u in served.undo}),
+            "pinned": served.pinned,
+            "refused": {str(v): why for v, why in served.refused.items()},
+            "latest_in_store": served.model_store.latest(),
+            "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
+            "batching": self.batcher.stats.as_json(),
+            "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
+        }
+
+    def observe_metrics(self) -> ServingMetrics:
+        """The metrics, with the gauges read now."""
+        current = self.served.current
+        if current is not None:
+            self.metrics.version.set(current.version)
+            through = current.manifest.get("trained_through_ms")
+            if through:
+                self.metrics.freshness.set(through)
+            if current.runner is not None:
+                self.metrics.observe_runtime(current.runner.stats.as_json())
+        return self.metrics
+
+    # ------------------------------------------------------------------ lifetime
+    async def start(self) -> None:
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+
+    def close(self) -> None:
+        """Release the served model (after :meth:`stop`)."""
+        self.served.close()
