@@ -29,17 +29,27 @@ log = logging.getLogger("streamrec.pipeline")
 
 @dataclass(frozen=True)
 class RunOptions:
+    """How the job runs; from the [flink] config section (:meth:`from_config`)."""
+
     jars_dir: Path
     checkpoint_dir: str | Path  # a local path or a URI the cluster writes (pipelines/checkpoints.py)
-    job_name: str = "streamrec-pipeline"
-    parallelism: int = 1
-    checkpoint_interval_ms: int = 2000
-    state_backend: str = "rocksdb"
-    jobmanager: str = ""  # host:port of a Flink cluster's REST endpoint; empty = embedded
-    rest_port: int = 8081  # the embedded mini-cluster's REST port
-    resume: bool = True
+    job_name: str
+    parallelism: int
+    checkpoint_interval_ms: int
+    state_backend: str
+    jobmanager: str  # host:port of a Flink cluster's REST endpoint; empty = embedded
+    rest_port: int  # the embedded mini-cluster's REST port
+    jvm_options: str  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
+    resume: bool = True  # from the newest complete checkpoint (`submit --fresh`: False)
     watermark_interval_ms: int = 200
-    jvm_options: str = ""  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
+
+    @classmethod
+    def from_config(cls, cfg, fresh: bool = False) -> "RunOptions":
+        f = cfg.flink
+        return cls(jars_dir=f.resolved_jars_dir(), checkpoint_dir=f.checkpoint_dir, job_name=f.job_name,
+                   parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
+                   state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port,
+                   jvm_options=f.jvm_options, resume=not fresh)
 
 
 def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:

@@ -27,19 +27,33 @@ class JobSpec:
     dlq_topic: str
     group_id: str
     feature_spec: FeatureSpec
-    out_of_orderness_ms: int = 1000
-    idle_timeout_ms: int = 5000
-    exactly_once: bool = True
-    transactional_prefix: str = "streamrec-pipeline"
+    out_of_orderness_ms: int
+    idle_timeout_ms: int
+    exactly_once: bool
+    transactional_prefix: str
+    # RocksDB only: recently used key states kept in memory per stage (StateCache.java); 0 = off
+    state_cache_keys: int
+    # sleep after an empty poll of a caught-up source reader (IdleBackoffSource.java); 0 = off
+    source_idle_backoff_ms: int
     bounded: bool = False  # stop at the topic's current end (tests, backfills)
     # One source reader per partition: a reader's watermark only covers the partitions it
     # has started reading, so a reader with several partitions of backlog would run its
     # watermark ahead of the partitions it has not reached yet and drop them as late.
     source_parallelism: int = 1
-    # RocksDB only: recently used key states kept in memory per stage (StateCache.java); 0 = off
-    state_cache_keys: int = 0
-    # sleep after an empty poll of a caught-up source reader (IdleBackoffSource.java); 0 = off
-    source_idle_backoff_ms: int = 0
+
+    @classmethod
+    def from_config(cls, cfg, source_parallelism: int = 1, bounded: bool = False) -> "JobSpec":
+        """The job of this config (``source_parallelism``: one reader per events partition)."""
+        k, t, f = cfg.kafka, cfg.topics, cfg.flink
+        return cls(
+            bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
+            group_id=f.group_id, feature_spec=cfg.features, out_of_orderness_ms=f.out_of_orderness_ms,
+            idle_timeout_ms=int(f.idle_timeout_s * 1000), exactly_once=f.delivery == "exactly-once",
+            transactional_prefix=f.job_name,
+            # the heap backend holds the objects already (and must not see them change under its snapshots)
+            state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
+            source_idle_backoff_ms=f.source_idle_backoff_ms, bounded=bounded, source_parallelism=source_parallelism,
+        )
 
     def properties(self) -> str:
         """The settings as java.util.Properties text, for SampleJob.build."""

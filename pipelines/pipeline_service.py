@@ -41,30 +41,10 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
     """The job for this config; creates the three topics if missing (one reader per events partition)."""
     from streamrec.bus.topics import describe_topics, ensure_topics
 
-    k, t, f = cfg.kafka, cfg.topics, cfg.flink
+    k, t = cfg.kafka, cfg.topics
     ensure_topics(k.bootstrap_servers, [t.events, t.samples, t.dlq], k.partitions, k.replication_factor, k.connect_timeout_s)
     partitions = {info.name: info.partitions for info in describe_topics(k.bootstrap_servers, [t.events], k.connect_timeout_s)}
-    return JobSpec(
-        bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
-        group_id=f.group_id,
-        feature_spec=cfg.features,
-        out_of_orderness_ms=f.out_of_orderness_ms, idle_timeout_ms=int(f.idle_timeout_s * 1000),
-        exactly_once=f.delivery == "exactly-once", transactional_prefix=f.job_name, bounded=bounded,
-        source_parallelism=partitions.get(t.events, 1),
-        # the heap backend holds the objects already (and must not see them change under its snapshots)
-        state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
-        source_idle_backoff_ms=f.source_idle_backoff_ms,
-    )
-
-
-def run_options(cfg, fresh: bool = False) -> RunOptions:
-    f = cfg.flink
-    return RunOptions(
-        jars_dir=f.resolved_jars_dir(), checkpoint_dir=f.checkpoint_dir, job_name=f.job_name,
-        parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
-        state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port, resume=not fresh,
-        jvm_options=f.jvm_options,
-    )
+    return JobSpec.from_config(cfg, source_parallelism=partitions.get(t.events, 1), bounded=bounded)
 
 
 def _progress(job: JobInfo, started: float) -> str:

@@ -46,7 +46,7 @@ class TableConfig:
     admit_after: int = 1  # sightings before a row is created; 1 = at first sight
     ttl_s: float = 0.0  # expire rows unseen this long (caller's clock); 0 = never
     dram_rows: int = 0  # DRAM budget in rows; 0 = unlimited (no SSD tier)
-    gpu_cache_rows: int = 0  # HBM cache capacity in rows; used only on CUDA
+    gpu_cache_rows: int = 1_000_000  # HBM cache capacity in rows; used only on CUDA (0 = no cache)
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):

@@ -442,13 +442,14 @@ def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
     if args.pipeline_command == "offline":
         return cmd_pipeline_offline(args, cfg)
     from pipelines import pipeline_service as service
+    from pipelines.flink_runner import RunOptions
 
     if args.pipeline_command == "submit":
         if args.detach:
             if cfg.flink.jobmanager:
                 raise ConfigError("--detach is for the embedded mini-cluster; a --jobmanager job runs on the cluster anyway")
             return service.detach(sys.argv[1:], cfg)
-        spec, opts = service.job_spec(cfg, bounded=args.bounded), service.run_options(cfg, fresh=args.fresh)
+        spec, opts = service.job_spec(cfg, bounded=args.bounded), RunOptions.from_config(cfg, fresh=args.fresh)
         return service.submit_remote(spec, opts) if cfg.flink.jobmanager else service.run_embedded(cfg, spec, opts)
     if args.pipeline_command == "cancel":
         cancelled = service.cancel(cfg, args.job_id)

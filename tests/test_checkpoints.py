@@ -4,6 +4,7 @@ S3 API server): what `streamrec pipeline submit` does before it hands Flink the 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pyarrow.fs as pafs
 
@@ -53,7 +54,7 @@ def test_latest_checkpoint_on_s3(s3_endpoint):
 
 def test_flink_is_given_uris_as_they_are_and_paths_as_file_uris(tmp_path):
     def checkpoint_dir_of(location) -> str:
-        opts = RunOptions(jars_dir=load_config().flink.resolved_jars_dir(), checkpoint_dir=location)
+        opts = replace(RunOptions.from_config(load_config()), checkpoint_dir=location)
         return flink_config(opts, None)["execution.checkpointing.dir"]
 
     assert checkpoint_dir_of("s3://ads/checkpoints/") == "s3://ads/checkpoints"

@@ -71,3 +71,36 @@ def test_the_production_example_is_a_valid_configuration():
     assert not cfg.kafka.embedded and cfg.kafka.replication_factor == 3
     assert cfg.flink.jobmanager and cfg.serving.follow_updates
     assert cfg.trainer.model_store.startswith("s3://") and cfg.serving.model_store == cfg.trainer.model_store
+
+
+def test_settings_objects_built_from_the_defaults_agree_with_their_constructor_defaults():
+    """defaults.toml is the only place a default lives: a settings class may keep a constructor
+    default (for tests and library use) only when it equals what the defaults file gives."""
+    import dataclasses
+
+    from model.network import ModelSpec, table_configs
+    from pipelines.flink_runner import RunOptions
+    from pipelines.job import JobSpec
+    from serving.runner import RuntimeConfig
+
+    cfg = load_config(environ={})
+    built = [cfg.features, cfg.generator.world, ModelSpec.from_config(cfg.model, cfg.features),
+             *table_configs(cfg.model), RunOptions.from_config(cfg), JobSpec.from_config(cfg),
+             RuntimeConfig.from_serving(cfg.serving)]
+    disagree = []
+    for settings in built:
+        for f in dataclasses.fields(settings):
+            if f.default is not dataclasses.MISSING and f.default != getattr(settings, f.name):
+                disagree.append(f"{type(settings).__name__}.{f.name}: constructor {f.default!r}, defaults.toml {getattr(settings, f.name)!r}")
+    assert disagree == []
+
+
+def test_one_validation_place_names_every_bad_setting():
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={}, overrides={"features.windows_s": "60,0", "model.history_len": 80, "serving.compile": "fast",
+                                           "serving.batch_buckets": "1,x", "flink.delivery": "maybe"})
+    for expected in ("windows_s must be positive whole seconds", "model.history_len (80) must be within 1..features.history_len (50)",
+                     "serving.compile must be one of", "serving.batch_buckets must be comma-separated", "flink.delivery must be"):
+        assert expected in str(err.value)
+    with pytest.raises(ConfigError, match="features.windows_s' must be a list of int"):
+        load_config(environ={"STREAMREC_FEATURES__WINDOWS_S": "60,ten"})

@@ -39,21 +39,24 @@ def _env(broker, tmp_path, name):
         "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
         "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
         "STREAMREC_FLINK__REST_PORT": str(free_port()),
-        "STREAMREC_FLINK__ATTRIBUTION_WINDOW_S": str(WINDOW_S),
+        "STREAMREC_FEATURES__ATTRIBUTION_WINDOW_S": str(WINDOW_S),
         "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
     }
 
 
-def _oracle(broker, events_topic):
+SPEC = FeatureSpec(attribution_window_s=WINDOW_S)
+
+
+def _oracle(broker, events_topic, spec: FeatureSpec = SPEC):
     """The reference samples and rejections of exactly what the events topic holds."""
     records = _read(broker, events_topic, committed=False)
-    builder = SampleBuilder(FeatureSpec(attribution_window_s=WINDOW_S)).add_all((r.value, r.timestamp) for r in records)
+    builder = SampleBuilder(spec).add_all((r.value, r.timestamp) for r in records)
     return builder.build(), builder
 
 
-def _samples(broker, topic):
+def _samples(broker, topic, spec: FeatureSpec = SPEC):
     values = [r.value for r in _read(broker, topic)]
-    table, _, rejected = decode_samples(values, FeatureSpec(attribution_window_s=WINDOW_S))
+    table, _, rejected = decode_samples(values, spec)
     assert not rejected, rejected[:3]  # the job's output passes the trainer's strict decoder
     return table
 
@@ -105,6 +108,24 @@ def test_generator_to_samples_matches_the_reference_exactly(broker, tmp_path):
         t = truth[row["event_id"]]
         clicked_in_window = bool(t["clicked"]) and t["click_ts"] - row["ts"] <= WINDOW_S * 1000
         assert row["label"] == int(clicked_in_window), row["event_id"]
+
+
+def test_a_new_counter_window_is_a_config_change_only(broker, tmp_path):
+    """[features] windows_s gains 3600 and history_len shrinks, by configuration alone: the job
+    writes the new columns and its samples equal the reference builder's with that spec."""
+    name = f"fs-{uuid.uuid4().hex[:8]}"
+    env = {**_env(broker, tmp_path, name), "STREAMREC_FEATURES__WINDOWS_S": "60,600,3600", "STREAMREC_FEATURES__HISTORY_LEN": "5",
+           "STREAMREC_MODEL__HISTORY_LEN": "5"}
+    spec = FeatureSpec(history_len=5, windows_s=(60, 600, 3600), attribution_window_s=WINDOW_S)
+    gen = run_cli("generate", "--duration", "15", "--rate", "1500", "--fast", env=env)
+    assert gen.returncode == 0, gen.stderr
+    run = run_cli("pipeline", "submit", "--bounded", "--fresh", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    want, _ = _oracle(broker, f"{name}.events", spec)
+    got = _samples(broker, f"{name}.samples", spec)
+    assert got.schema.names == spec.schema().names and "user_clicks_3600s" in got.schema.names
+    assert want.num_rows > 10_000 and max(len(h) for h in got.column("hist_item_ids").to_pylist()) == 5
+    _assert_same(got, want)
 
 
 def _imp(eid, ts, user, item, req, cat=1, pos=1):

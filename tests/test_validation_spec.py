@@ -2,6 +2,8 @@
 generated from pipelines/events.py) agrees with the Python contract on every event kind the
 generator can produce and on hand-made edge cases, run in PyFlink's JVM."""
 
+from dataclasses import replace
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -85,7 +87,7 @@ def test_job_and_python_validators_agree(tmp_path):
     expected = [python_key(raw, arrival) for raw, arrival in rows]
     assert sum(e is not None for e in expected) > 200  # the bad events are really there
 
-    add_jars_to_context_class_loader(job_jars(RunOptions(jars_dir=load_config().flink.resolved_jars_dir(), checkpoint_dir=tmp_path)))
+    add_jars_to_context_class_loader(job_jars(replace(RunOptions.from_config(load_config()), checkpoint_dir=tmp_path)))
     parser = get_gateway().jvm.streamrec.flink.EventParser(validation_spec(), ev.MAX_FUTURE_SKEW_MS)
     got = [parser.check(bytearray(raw), arrival) for raw, arrival in rows]
     mismatches = [(rows[n][0][:120], expected[n], got[n]) for n in range(len(rows)) if got[n] != expected[n]]

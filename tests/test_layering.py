@@ -1,0 +1,47 @@
+"""The package layering of pyproject.toml ([tool.importlinter]; docs/architecture.md) holds,
+and a wrong arrow really fails it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("streamrec", "pipelines", "ps", "model", "trainer", "serving")
+LINT = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([LINT, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contracts_are_kept():
+    result = _lint(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+def test_trainer_importing_serving_breaks_the_layering(tmp_path):
+    for name in (*PACKAGES, "pyproject.toml"):
+        src = REPO / name
+        (shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
+         else shutil.copy(src, tmp_path / name))
+    engine = tmp_path / "trainer" / "engine.py"
+    engine.write_text(engine.read_text() + "\nfrom serving.app import create_app  # noqa: E402,F401\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert "trainer.engine -> serving.app" in result.stdout and "1 broken" in result.stdout
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycles between our modules (each would make the import order matter)."""
+    graph = grimp.build_graph(*PACKAGES)
+    cycles = sorted((a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                    if graph.chain_exists(importer=b, imported=a))
+    assert cycles == []
