@@ -10,7 +10,7 @@ import pytest
 
 from pipelines.feature_spec import FeatureSpec
 from ps.model_store import CorruptVersion, ModelStore
-from serving.state import ServedModel
+from serving.state import IncompatibleVersion, ServedModel
 from model.batch import batch_from_table
 from model.inference import InferenceModel
 
@@ -116,3 +116,16 @@ def test_every_batch_sees_exactly_one_version_while_versions_change(published, b
     assert not errors, errors[:5]
     assert len(set(seen)) >= 3 and len(seen) > 20
     served.close()
+
+
+def test_a_version_of_another_feature_spec_is_refused_with_the_difference(published):
+    root, versions = published
+    other = FeatureSpec(windows_s=(60, 600, 3600))
+    served = ServedModel(ModelStore(str(root), "ctr"), feature_spec=other)
+    assert served.catch_up() == [] and served.version is None
+    assert "windows_s (60, 600) vs (60, 600, 3600)" in served.refused[versions[-1]]
+    with pytest.raises(IncompatibleVersion, match=r"trained with another feature spec than this node serves \(\[features\]: windows_s"):
+        served.load(versions[0])
+    same = ServedModel(ModelStore(str(root), "ctr"), feature_spec=FeatureSpec())
+    assert same.catch_up()[-1].version == versions[-1] and not same.refused
+    same.close()
