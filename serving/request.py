@@ -41,17 +41,19 @@ _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.in
 
 
 def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
-    """The typed predict instance of ``spec``: the fields of ``spec.schema(with_label=False)``,
-    counters never negative, the meta fields (sample_version, ids) optional."""
+    """The typed predict instance of ``spec``: the fields of ``spec.schema()``, counters never
+    negative, the meta fields (sample_version, ids) and the label optional (a replayed sample
+    is an instance). Any other field is refused: an instance built for another feature spec
+    (another counter window, say) must not be scored as if it were of this one."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
-    for f in spec.fields(with_label=False):
+    for f in spec.fields(with_label=True):
         if f.role == "counter":
             fields.append((f.name, COUNT))
-        elif f.role == "meta":
+        elif f.role in ("meta", "label"):
             fields.append((f.name, int | None if pa.types.is_integer(f.type) else str | None, None))
         else:
             fields.append((f.name, _TYPES[f.type]))
-    return msgspec.defstruct("Instance", fields, kw_only=True)
+    return msgspec.defstruct("Instance", fields, kw_only=True, forbid_unknown_fields=True)
 
 
 def reason_of(error: msgspec.ValidationError) -> str:
@@ -60,6 +62,9 @@ def reason_of(error: msgspec.ValidationError) -> str:
     missing = re.match(r"Object missing required field `([A-Za-z0-9_]+)`", message)
     if missing:
         return f"missing_field:{missing.group(1)}"
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
+    if unknown:
+        return f"unknown_field:{unknown.group(1)}"
     field = _FIELD.search(message)
     name = field.group(1) if field else "?"
     if "got `null`" in message:
@@ -119,7 +124,12 @@ class InstanceDecoder:
                 reasons[i] = reason_of(exc)
         if typed:  # the cross-field checks too, so one answer names every bad instance
             reasons.update((where[j], reason) for j, reason in self.columns(typed)[1])
-        return invalid_instances([f"instance {i}: {reasons[i]}" for i in sorted(reasons)])
+        error = invalid_instances([f"instance {i}: {reasons[i]}" for i in sorted(reasons)])
+        if any(r.startswith(("unknown_field:", "missing_field:")) for r in reasons.values()):
+            s = self.spec
+            error.message += (f"; this node serves feature spec windows_s {list(s.windows_s)}, history_len {s.history_len}: "
+                              f"counters {', '.join(s.counter_columns())}")
+        return error
 
     def columns(self, instances: list) -> tuple[FeatureColumns, list[tuple[int, str]]]:
         """Columns of decoded instances, and [(index, reason)] of those the batch checks refuse

@@ -89,3 +89,22 @@ def test_bad_bodies_get_clear_messages(body, status, message):
     with pytest.raises(ApiError) as info:
         InstanceDecoder(SPEC, max_instances=10).decode(body)
     assert info.value.status == status and message in info.value.message, info.value.message
+
+
+def test_an_instance_of_another_feature_spec_is_refused_naming_the_nodes_spec(rows):
+    wider = FeatureSpec(windows_s=(60, 600, 3600))
+    row = {**rows[0], **{name: 1 for name in wider.counter_columns()}}  # built for a node with a 3600 s window
+    with pytest.raises(ApiError) as info:
+        InstanceDecoder(SPEC, max_instances=10).decode(orjson.dumps({"instances": [rows[1], row]}))
+    message = info.value.message
+    assert info.value.status == 400 and "instance 1: unknown_field:user_imps_3600s" in message, message
+    assert "this node serves feature spec windows_s [60, 600], history_len 50" in message
+    with pytest.raises(ApiError, match="instance 0: missing_field:user_imps_3600s"):  # and the other way round
+        InstanceDecoder(wider, max_instances=10).decode(orjson.dumps({"instances": [rows[1]]}))
+
+
+def test_a_replayed_sample_with_its_label_is_an_instance(sample_run):
+    sample = pq.read_table(sample_run / "samples.parquet").slice(0, 3).to_pylist()
+    decoder = InstanceDecoder(SPEC, max_instances=10)
+    columns, rejected = decoder.columns(decoder.decode(orjson.dumps({"instances": sample})))
+    assert rejected == [] and len(columns) == 3
