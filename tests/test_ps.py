@@ -19,7 +19,7 @@ from ps.optimizers import make_optimizer
 from ps.store import EmbeddingStore
 from ps.table import EmbeddingTable, TableConfig
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA: the Triton probe and CAS-insert kernels
