@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,8 @@ from output import write_result
 from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from serving.runner import RuntimeConfig
+from serving.version import ServedVersion
+from streamrec.config import load_config
 from model.batch import SampleBatch, batch_from_table
 from model.inference import InferenceModel
 from trainer.sources import sample_files
@@ -69,7 +72,14 @@ def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:
     return np.array(times) * 1000
 
 
-def device_ms(model: InferenceModel, before: dict) -> dict:
+def served(store: ModelStore, mode: str | None, device: str, workers: int) -> ServedVersion:
+    """The latest version as a serving node runs it: ``mode`` (None: eager, no runner), the
+    other runner settings from the defaults."""
+    runtime = None if mode is None else replace(RuntimeConfig.from_serving(load_config(environ={}).serving), mode=mode, workers=workers)
+    return ServedVersion.load(store, None, torch.device(device), 1_000_000, runtime)
+
+
+def device_ms(model: ServedVersion, before: dict) -> dict:
     """Mean forward device time per batch since ``before`` ({bucket: (batches, device_s)}), by bucket."""
     out = {}
     for bucket, s in model.runner.stats.buckets.items():
@@ -79,15 +89,14 @@ def device_ms(model: InferenceModel, before: dict) -> dict:
     return out
 
 
-def bucket_counters(model: InferenceModel) -> dict:
+def bucket_counters(model: ServedVersion) -> dict:
     return {b: (s.batches, s.device_s) for b, s in model.runner.stats.buckets.items()} if model.runner is not None else {}
 
 
 def measure_mode(store: ModelStore, mode: str | None, device: str, data: dict[int, SampleBatch], reference: dict[int, np.ndarray],
                  seconds: float, workers: int) -> dict:
     t0 = time.perf_counter()
-    runtime = None if mode is None else RuntimeConfig(mode, workers=workers)
-    model = InferenceModel.load(store, None, device, runtime=runtime)
+    model = served(store, mode, device, workers)
     load_s = time.perf_counter() - t0
     row: dict = {"mode": mode or "baseline (eager, no runtime)", "load_s": round(load_s, 3)}
     if model.runner is not None:
@@ -123,7 +132,7 @@ def measure_mode(store: ModelStore, mode: str | None, device: str, data: dict[in
 
 
 def measure_streams(store: ModelStore, mode: str, device: str, table, seconds: float, workers: int, sizes: tuple[int, ...]) -> dict:
-    model = InferenceModel.load(store, None, device, runtime=RuntimeConfig(mode, workers=workers))
+    model = served(store, mode, device, workers)
     data = [batches(table, sizes, start=k * 5000) for k in range(workers)]
     counts = [0] * workers
     stop = time.perf_counter() + seconds

@@ -34,7 +34,7 @@ class InferenceModel:
 
     @classmethod
     def load(cls, model_store: ModelStore, version: int | None = None, device: torch.device | str = "cpu",
-             gpu_cache_rows: int = 0) -> "InferenceModel":
+             gpu_cache_rows: int = 1_000_000) -> "InferenceModel":
         """``gpu_cache_rows``: rows per table kept in the GPU cache (CUDA only; 0 = none)."""
         loaded = model_store.load(version)
         manifest = loaded.manifest

@@ -79,7 +79,7 @@ class IncompatibleVersion(CorruptVersion):
 
 
 class ServedModel:
-    def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 0,
+    def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
                  undo_depth: int = 8, runtime: RuntimeConfig | None = None, feature_spec: FeatureSpec | None = None) -> None:
         """``runtime``: how versions run (buckets, compile mode, workers); None runs them eagerly.
         ``feature_spec``: the node's (``[features]``); None: the first version's, kept from then on."""
