@@ -30,6 +30,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +39,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bench_serving import run_clients
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
 from pipelines.feature_spec import FeatureSpec
@@ -61,6 +61,17 @@ def batches(table, sizes, start: int = 0) -> dict[int, SampleBatch]:
         out[n] = batch_from_table(table.slice(offset, n), FeatureSpec(), 50, with_labels=False)
         offset += n
     return out
+
+
+def run_clients(client, n: int) -> float:
+    """Run ``client(k)`` on ``n`` threads at once; seconds until the last one returns."""
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def timed(fn, seconds: float, min_runs: int = 5) -> np.ndarray:
