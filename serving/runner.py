@@ -38,7 +38,7 @@ import torch
 
 from model.network import N_FIELDS, CTRModel
 from model.sparse import ModelInputs
-from streamrec.config import SERVING_MODES, ServingConfig, parse_sizes
+from streamrec.config import ServingConfig, check_serving_mode, parse_sizes
 
 log = logging.getLogger("streamrec.serving")
 
@@ -68,8 +68,7 @@ class RuntimeConfig:
                    parse_sizes(s.history_buckets, "serving.history_buckets"), s.max_extra_buckets, s.workers)
 
     def resolved_mode(self, device: torch.device) -> str:
-        if self.mode not in SERVING_MODES:
-            raise ValueError(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {self.mode!r}")
+        check_serving_mode(self.mode)
         if self.mode == "auto":
             return "graph" if device.type == "cuda" else "eager"
         if "graph" in self.mode and device.type != "cuda":

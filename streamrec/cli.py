@@ -40,6 +40,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    defaults = tomllib.loads(default_config_text())  # shown in the flags' help
     parser = argparse.ArgumentParser(
         prog="streamrec",
         description="Streaming online learning for large sparse recommendation models.",
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     jars.add_argument("--wheel", help="use this already-downloaded wheel instead of pip download")
     jars.add_argument("--verify", action="store_true", help="only verify the cached jars; exit 1 if wrong")
 
-    g = tomllib.loads(default_config_text())["generator"]
+    g = defaults["generator"]
     gen = add("generate", "synthetic ad traffic with a known click model, to Kafka or files")
     gen.add_argument("--seed", type=int, help=f"random seed; same seed + start = same stream (generator.seed: {g['seed']})")
     gen.add_argument("--rate", type=float, help=f"events/s, impressions + clicks (generator.rate: {g['rate']:g})")
@@ -119,12 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(offline)
     offline.add_argument("run", help="directory written by `streamrec generate --out`")
     offline.add_argument("--out", help="output directory (default: the run directory)")
-    feats = tomllib.loads(default_config_text())["features"]
+    feats = defaults["features"]
     offline.add_argument("--attribution-window-s", type=float,
                          help=f"click-to-impression window (features.attribution_window_s: {feats['attribution_window_s']:g})")
     offline.add_argument("--history-len", type=int, help=f"clicked items remembered per user (features.history_len: {feats['history_len']})")
     offline.add_argument("--windows-s", metavar="S,S", help=f"counter windows (features.windows_s: {','.join(map(str, feats['windows_s']))})")
-    f = tomllib.loads(default_config_text())["flink"]
+    f = defaults["flink"]
     sub_p = psub.add_parser(
         "submit", help="run the Flink job: events topic -> samples topic + DLQ",
         description="Submit the streaming job (docs/pipeline.md) to the embedded Flink mini-cluster (default; runs in "
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    t = tomllib.loads(default_config_text())["trainer"]
+    t = defaults["trainer"]
     train = add("train", "continuous training from the samples topic (or sample files), publishing versions",
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Resumes from the newest checkpoint under trainer.work_dir/<model>/checkpoints when one exists.\n"
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
     train.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
-    sv = tomllib.loads(default_config_text())["serving"]
+    sv = defaults["serving"]
     serve = add("serve", "serve predictions over HTTP; follows new model versions, hot-swaps them, rolls back on request")
     serve.add_argument("--host", help=f"listen address (serving.host: {sv['host']})")
     serve.add_argument("--port", type=int, help=f"listen port (serving.port: {sv['port']})")

@@ -342,8 +342,10 @@ def validate(config: Config) -> None:
         problems.append(f"flink.delivery must be exactly-once or at-least-once, got {f.delivery!r}")
     if f.state_backend not in ("rocksdb", "hashmap"):
         problems.append(f"flink.state_backend must be rocksdb or hashmap, got {f.state_backend!r}")
-    if s.compile not in SERVING_MODES:
-        problems.append(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {s.compile!r}")
+    try:
+        check_serving_mode(s.compile)
+    except ConfigError as exc:
+        problems.append(str(exc))
     if s.switch_interval_us <= 0:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
@@ -358,6 +360,11 @@ def validate(config: Config) -> None:
 
 
 SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
+
+
+def check_serving_mode(mode: str) -> None:
+    if mode not in SERVING_MODES:
+        raise ConfigError(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {mode!r}")
 
 
 def parse_sizes(text: str, name: str) -> tuple[int, ...]:
