@@ -23,6 +23,17 @@ from ps.store import EmbeddingStore
 from ps.table import TableConfig
 
 
+def manifest_spec(manifest: dict, key: str, where: str) -> ModelSpec | FeatureSpec:
+    """The ``model_spec`` or ``feature_spec`` a version's manifest records; CorruptVersion when
+    it is missing or unreadable (``where`` names the version in the message)."""
+    if key not in manifest:
+        raise CorruptVersion(f"{where} lacks '{key}': not written by streamrec train")
+    try:
+        return (ModelSpec if key == "model_spec" else FeatureSpec).from_json(manifest[key])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptVersion(f"{where} has an unreadable '{key}': {exc!r}") from None
+
+
 @dataclass
 class InferenceModel:
     version: int
@@ -38,11 +49,8 @@ class InferenceModel:
         """``gpu_cache_rows``: rows per table kept in the GPU cache (CUDA only; 0 = none)."""
         loaded = model_store.load(version)
         manifest = loaded.manifest
-        for key in ("model_spec", "feature_spec"):
-            if key not in manifest:
-                raise CorruptVersion(f"version {loaded.version} of {model_store.model} lacks '{key}': not written by streamrec train")
-        spec = ModelSpec.from_json(manifest["model_spec"])
-        feature_spec = FeatureSpec.from_json(manifest["feature_spec"])
+        where = f"version {loaded.version} of {model_store.model}"
+        spec, feature_spec = manifest_spec(manifest, "model_spec", where), manifest_spec(manifest, "feature_spec", where)
         device = torch.device(device)
         configs = [TableConfig(name, info["dim"], gpu_cache_rows=gpu_cache_rows if device.type == "cuda" else 0)
                    for name, info in manifest["tables"].items()]

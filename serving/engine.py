@@ -58,12 +58,8 @@ class ServingEngine:
         if model != self.model_name:
             raise unknown_model(model, self.model_name)
 
-    def decoder(self) -> InstanceDecoder:
-        """The request decoder of the served version's feature spec."""
-        current = self.served.current
-        if current is None:
-            raise not_loaded()
-        spec = current.feature_spec
+    def decoder(self, spec: FeatureSpec) -> InstanceDecoder:
+        """The request decoder of ``spec``."""
         if spec not in self._decoders:  # one per feature spec of the served versions (normally one)
             self._decoders[spec] = InstanceDecoder(spec, self.settings.max_instances)
         return self._decoders[spec]
@@ -71,7 +67,10 @@ class ServingEngine:
     async def predict(self, model: str, body: bytes) -> bytes:
         """A predict body (size already checked by the reader) -> the JSON answer."""
         self.check_model(model)
-        version, scores = await self.score(self.decoder().decode(body))
+        current = self.served.current
+        if current is None:
+            raise not_loaded()
+        version, scores = await self.score(self.decoder(current.feature_spec).decode(body))
         return orjson.dumps({"model_version": version, "scores": scores.tolist()})
 
     async def score(self, payload) -> tuple[int, np.ndarray]:
@@ -97,7 +96,7 @@ class ServingEngine:
         current = self.served.current
         if current is None:
             raise not_loaded()
-        decoder = self.decoder()
+        decoder = self.decoder(current.feature_spec)
         outcomes: list = [None] * len(payloads)
         width = len(current.feature_spec.counter_columns())
         for r, payload in enumerate(payloads):

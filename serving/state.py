@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from model.batch import SampleBatch
+from model.inference import manifest_spec
 from pipelines.feature_spec import FeatureSpec
 from ps.locks import RWLock
 from ps.model_store import CorruptVersion, ModelStore, sparse_arrays
@@ -167,10 +168,7 @@ class ServedModel:
         """Refuse a version trained with another feature spec than this node's."""
         if self.feature_spec is None:
             return
-        try:
-            spec = FeatureSpec.from_json(manifest["feature_spec"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptVersion(f"version {version} of {self.model_store.model} has no readable feature spec: {exc}") from None
+        spec = manifest_spec(manifest, "feature_spec", f"version {version} of {self.model_store.model}")
         differences = self.feature_spec.differences(spec)
         if differences:
             raise IncompatibleVersion(
@@ -239,7 +237,7 @@ class ServedModel:
                 for name, tensor in dense.items():
                     record.dense[name] = params[name].detach().clone()
                     params[name].copy_(tensor.to(params[name].device))
-            model.version, model.manifest = version, manifest
+            model.inference.version, model.inference.manifest = version, manifest
             self._push_undo(record)
             self._settle()
         self.applied_at[version] = time.time()
@@ -291,7 +289,7 @@ class ServedModel:
         with torch.no_grad():
             for name, tensor in record.dense.items():
                 params[name].copy_(tensor)
-        model.version, model.manifest = record.version_before, record.manifest_before
+        model.inference.version, model.inference.manifest = record.version_before, record.manifest_before
 
     def close(self) -> None:
         with self.lock.write():

@@ -129,3 +129,26 @@ def test_a_version_of_another_feature_spec_is_refused_with_the_difference(publis
     same = ServedModel(ModelStore(str(root), "ctr"), feature_spec=FeatureSpec())
     assert same.catch_up()[-1].version == versions[-1] and not same.refused
     same.close()
+
+
+def test_a_version_with_an_unreadable_feature_spec_is_refused_not_fatal(published, tmp_path):
+    import json
+
+    root, versions = published
+    copy = tmp_path / "models"
+    shutil.copytree(root, copy)
+    manifest_path = copy / "ctr" / "versions" / f"{versions[-1]:012d}" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["feature_spec"] = {"history_len": "fifty", "windows_s": [60, 600], "attribution_window_s": 10}
+    manifest_path.write_text(json.dumps(manifest))
+    checked = ServedModel(ModelStore(str(copy), "ctr"), feature_spec=FeatureSpec())
+    checked.catch_up()  # a first load tries LATEST only
+    assert checked.version is None and "unreadable 'feature_spec'" in checked.refused[versions[-1]]
+    checked.load(versions[0])
+    checked.catch_up()  # the deltas up to the bad one apply; the bad one stays refused
+    assert checked.version == versions[-2] and list(checked.refused) == [versions[-1]]
+    unchecked = ServedModel(ModelStore(str(copy), "ctr"))  # the first version's spec becomes the node's
+    with pytest.raises(CorruptVersion, match=f"version {versions[-1]} of ctr has an unreadable 'feature_spec'"):
+        unchecked.load(versions[-1])
+    checked.close()
+    unchecked.close()
