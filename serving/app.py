@@ -42,7 +42,7 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
     """The engine's API; with ``frontends`` it also starts those processes and answers the
     predict requests they send over the Unix socket (serving/frontend.py)."""
     settings = engine.settings
-    link = EngineLink(frontends.socket_path, engine.hello, engine.score) if frontends else None
+    link = EngineLink(frontends.socket_path, engine.hello, engine.score, engine.predict) if frontends else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -107,7 +107,8 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
 
     @app.post("/v1/models/{model}:predict")
     async def predict(model: str, request: Request) -> Response:
-        """Scores for ``{"instances": [sample without label, ...]}``. (`streamrec serve` answers
+        """Scores for ``{"user_id", "context", "candidates"}`` (features from the online feature
+        store) or ``{"instances": [sample without label, ...]}``. (`streamrec serve` answers
         this route through :class:`PredictShortcut`, with the same code and errors.)"""
         body = await read_body(request.scope, request.receive, settings.max_body_bytes)
         return Response(await engine.predict(model, body), media_type="application/json")
@@ -147,8 +148,9 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        if engine.served.version is None:
-            return _error(ApiError(503, "no model version loaded yet"))
+        why = engine.ready()
+        if why is not None:
+            return _error(ApiError(503, why))
         if link is not None and link.connected < frontends.count:
             return _error(ApiError(503, f"{link.connected} of {frontends.count} HTTP front-ends connected"))
         return JSONResponse({"status": "ready", "model_version": engine.served.version})

@@ -17,19 +17,24 @@ import orjson
 
 from model.batch import batch_from_columns
 from model.columns import FeatureColumns
+from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.feature_spec import FeatureSpec
 from serving.batcher import RequestBatcher
 from serving.errors import ApiError, not_loaded, unknown_model
+from serving.feature_store import REPLAY_HORIZON_MS, OnlineFeatureStore
 from serving.metrics import ServingMetrics
 from serving.pauses import GcPauses
-from serving.request import InstanceDecoder, invalid_instances
+from serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
 from serving.state import ApplyReport, ServedModel
 from streamrec.config import ServingConfig
 
 
 class ServingEngine:
-    def __init__(self, served: ServedModel, settings: ServingConfig, gc_pauses: GcPauses | None = None) -> None:
-        self.served, self.settings, self.gc_pauses = served, settings, gc_pauses
+    def __init__(self, served: ServedModel, settings: ServingConfig, gc_pauses: GcPauses | None = None,
+                 features: OnlineFeatureStore | None = None) -> None:
+        self.served, self.settings, self.gc_pauses, self.features = served, settings, gc_pauses, features
+        self.ids_decoder = ByIdsDecoder(settings.max_instances, MAX_FUTURE_SKEW_MS)
+        self._started_at = time.monotonic()
         self.model_name = served.model_store.model
         self.metrics = ServingMetrics()
         self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.workers)
@@ -65,13 +70,51 @@ class ServingEngine:
         return self._decoders[spec]
 
     async def predict(self, model: str, body: bytes) -> bytes:
-        """A predict body (size already checked by the reader) -> the JSON answer."""
+        """A predict body (size already checked by the reader) -> the JSON answer: by ids
+        (features from the online store) or with every feature in ``instances``."""
         self.check_model(model)
         current = self.served.current
         if current is None:
             raise not_loaded()
+        if is_by_ids(body):
+            return await self.predict_by_ids(body)
         version, scores = await self.score(self.decoder(current.feature_spec).decode(body))
         return orjson.dumps({"model_version": version, "scores": scores.tolist()})
+
+    async def predict_by_ids(self, body: bytes) -> bytes:
+        """``{"user_id", "context", "candidates", "ts"?}`` -> scores in candidate order, with
+        the time the features are complete to (``features_as_of``)."""
+        store = self.features
+        if store is None:
+            raise ApiError(400, "this node has no online feature store (serving.feature_store = false): "
+                                'send {"instances": [...]} with every feature')
+        now = int(time.time() * 1000)
+        request = self.ids_decoder.decode(body, now)
+        ts = now if request.ts is None else request.ts
+        as_of = store.as_of()
+        if as_of is not None and ts < as_of - REPLAY_HORIZON_MS:
+            raise ApiError(400, f"'ts' {ts} is {as_of - ts:,} ms before the feature store's state ({as_of}); "
+                                f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
+        t0 = time.perf_counter()
+        assembled = store.assemble(request.user_id, ts, request.context.device, request.context.local_hour,
+                                   request.candidates, request.return_features)
+        self.metrics.assembly.observe(time.perf_counter() - t0)
+        version, scores = await self.score(assembled.columns)
+        answer = {"model_version": version, "features_as_of": assembled.as_of, "ts": ts, "scores": scores.tolist()}
+        if assembled.features is not None:
+            answer["features"] = assembled.features
+        return orjson.dumps(answer)
+
+    def ready(self) -> str | None:
+        """Why the node is not ready (None: ready): no model yet, or the feature store is still
+        catching up with its topic (for at most serving.feature_store_ready_timeout_s)."""
+        if self.served.version is None:
+            return "no model version loaded yet"
+        store = self.features
+        if store is not None and not store.caught_up.is_set():
+            if time.monotonic() - self._started_at < self.settings.feature_store_ready_timeout_s:
+                return f"the online feature store is catching up with {store.topic} ({store.lag_records():,} records behind)"
+        return None
 
     async def score(self, payload) -> tuple[int, np.ndarray]:
         """One request's (version, scores) through the batcher, counted in the metrics. A
@@ -161,6 +204,7 @@ class ServingEngine:
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
             "batching": self.batcher.stats.as_json(),
             "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
+            "features": self.features.status() if self.features is not None else None,
         }
 
     def observe_metrics(self) -> ServingMetrics:
@@ -173,6 +217,8 @@ class ServingEngine:
                 self.metrics.freshness.set(through)
             if current.runner is not None:
                 self.metrics.observe_runtime(current.runner.stats.as_json())
+        if self.features is not None:
+            self.metrics.observe_features(self.features.status())
         return self.metrics
 
     # ------------------------------------------------------------------ lifetime
@@ -183,5 +229,7 @@ class ServingEngine:
         await self.batcher.stop()
 
     def close(self) -> None:
-        """Release the served model (after :meth:`stop`)."""
+        """Release the served model and the feature store (after :meth:`stop`)."""
         self.served.close()
+        if self.features is not None:
+            self.features.close()

@@ -38,7 +38,7 @@ from pipelines.feature_spec import FeatureSpec
 from serving.errors import ApiError, not_loaded, unknown_model
 from serving.ipc import frame, pack_columns, read_frame
 from serving.pauses import freeze_heap
-from serving.request import InstanceDecoder, invalid_instances
+from serving.request import InstanceDecoder, invalid_instances, is_by_ids
 from serving.shortcut import PredictShortcut, read_body, send_answer
 
 log = logging.getLogger("streamrec.serving.frontend")
@@ -101,14 +101,23 @@ class EngineClient:
             await self.hello()
             if self.decoder is None:
                 raise not_loaded()
-        instances = self.decoder.decode(body)
-        columns, rejected = self.decoder.columns(instances)
-        if rejected:
-            raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        self._writer.write(frame(("predict", request_id, *pack_columns(columns))))
+        if is_by_ids(body):  # the features are in the engine's store: it decodes these itself
+            self._writer.write(frame(("predict_body", request_id, model, body)))
+        else:
+            try:
+                instances = self.decoder.decode(body)
+                columns, rejected = self.decoder.columns(instances)
+                if rejected:
+                    raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
+            except ApiError:
+                del self._pending[request_id]
+                raise
+            self._writer.write(frame(("predict", request_id, *pack_columns(columns))))
         answer = await future
+        if answer[0] == "body":
+            return answer[2]
         if answer[0] == "error":
             if answer[2] == 503:
                 await self.hello()  # maybe a new sample schema

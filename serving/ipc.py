@@ -8,6 +8,9 @@ and a pickle (protocol 5: numpy arrays travel as raw buffers). Messages:
 - front-end -> engine ``("predict", id, rows, history ids, counters, packed columns)``; engine ->
   ``("ok", id, version, float32 scores as bytes)`` or ``("error", id, http status, message)``;
   answers come in completion order, matched by id.
+- front-end -> engine ``("predict_body", id, model, body)`` (predict by ids: the features
+  live in the engine's online feature store); engine -> ``("body", id, JSON answer)`` or an
+  ``"error"`` as above.
 
 A request's feature columns travel as one int64 buffer (:func:`pack_columns`): the engine
 rebuilds it in ~6 us, a pickled dataclass of a dozen numpy arrays in ~23 us
@@ -74,8 +77,9 @@ def unpack_columns(n: int, m: int, k: int, data: bytes) -> FeatureColumns:
 class EngineLink:
     """Engine side: answers the front-ends' predict messages through ``score(columns)``."""
 
-    def __init__(self, path: str, hello: Callable[[], tuple], score: Callable[[Any], Awaitable[tuple[int, Any]]]) -> None:
-        self.path, self.hello, self.score = path, hello, score
+    def __init__(self, path: str, hello: Callable[[], tuple], score: Callable[[Any], Awaitable[tuple[int, Any]]],
+                 predict: Callable[[str, bytes], Awaitable[bytes]]) -> None:
+        self.path, self.hello, self.score, self.predict = path, hello, score, predict
         self.connected = 0
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -95,8 +99,8 @@ class EngineLink:
                 message = await read_frame(reader)
                 if message[0] == "hello":
                     writer.write(frame(self.hello()))
-                elif message[0] == "predict":
-                    task = asyncio.create_task(self._answer(writer, message[1], message[2:]))
+                elif message[0] in ("predict", "predict_body"):
+                    task = asyncio.create_task(self._answer(writer, message[0], message[1], message[2:]))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -107,10 +111,13 @@ class EngineLink:
             self.connected -= 1
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, packed: tuple) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, kind: str, request_id: int, packed: tuple) -> None:
         try:
-            version, scores = await self.score(unpack_columns(*packed))
-            answer = ("ok", request_id, version, np.asarray(scores, np.float32).tobytes())
+            if kind == "predict_body":
+                answer = ("body", request_id, await self.predict(*packed))
+            else:
+                version, scores = await self.score(unpack_columns(*packed))
+                answer = ("ok", request_id, version, np.asarray(scores, np.float32).tobytes())
         except ApiError as exc:
             answer = ("error", request_id, exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer

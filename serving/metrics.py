@@ -21,6 +21,27 @@ class ServingMetrics:
         self.device_ms = Gauge("streamrec_serving_device_ms_per_batch", "mean forward time per batch on the device, by bucket",
                                ["bucket"], registry=r)
 
+        self.assembly = Histogram("streamrec_features_assembly_seconds", "online feature assembly per predict-by-ids request",
+                                  registry=r, buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
+        self.features_as_of = Gauge("streamrec_features_as_of_ms", "every event before this time is in the feature store", registry=r)
+        self.features_lag = Gauge("streamrec_features_lag_ms", "wall clock minus features_as_of", registry=r)
+        self.features_lag_records = Gauge("streamrec_features_lag_records", "features-topic records not yet applied", registry=r)
+        self.features_entities = Gauge("streamrec_features_entities", "entities in the feature store", ["kind"], registry=r)
+        self.features_memory = Gauge("streamrec_features_memory_bytes", "feature store memory (estimate)", registry=r)
+        self.features_spilled = Gauge("streamrec_features_spilled_entities", "entities spilled to RocksDB", registry=r)
+        self.features_corrupt = Gauge("streamrec_features_corrupt_messages", "corrupt features-topic messages skipped", registry=r)
+
+    def observe_features(self, status: dict) -> None:
+        if status["features_as_of"] is not None:
+            self.features_as_of.set(status["features_as_of"])
+            self.features_lag.set(status["lag_ms"])
+        self.features_lag_records.set(status["lag_records"])
+        for kind, n in status["entities"].items():
+            self.features_entities.labels(kind).set(n)
+        self.features_memory.set(status["memory_bytes"])
+        self.features_spilled.set(status["spilled"])
+        self.features_corrupt.set(status["corrupt"])
+
     def observe_runtime(self, stats: dict) -> None:
         self.buckets.set(stats["compiled_buckets"])
         self.eager.set(stats["eager_batches"])

@@ -176,3 +176,69 @@ class InstanceDecoder:
 def invalid_instances(reasons: list[str]) -> ApiError:
     shown = "; ".join(reasons[:10])
     return ApiError(400, f"{len(reasons)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
+
+
+# ---------------------------------------------------------------------- predict by ids
+class Context(msgspec.Struct, forbid_unknown_fields=True):
+    device: str
+    local_hour: INT32
+
+
+class CandidateAd(msgspec.Struct, forbid_unknown_fields=True):
+    item_id: INT64
+    category_id: INT64
+    advertiser_id: INT64
+    position: INT32
+
+
+class ByIdsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``{"user_id", "context", "candidates", "ts"?, "return_features"?}``: what an ad
+    server has; the features come from the node's online feature store."""
+
+    user_id: INT64
+    context: Context
+    candidates: list[CandidateAd]
+    ts: INT64 | None = None  # the request's event time (ms); default: the server's clock
+    return_features: bool = False  # answer with the feature values used, per candidate
+
+
+BY_IDS_FORM = ('{"user_id": U, "context": {"device": str, "local_hour": int}, '
+               '"candidates": [{"item_id", "category_id", "advertiser_id", "position"}, ...], "ts"?: ms}')
+
+
+def is_by_ids(body: bytes) -> bool:
+    """Which form a predict body is: the full-feature form has an "instances" key."""
+    return b'"instances"' not in body
+
+
+class ByIdsDecoder:
+    """Decodes and checks predict-by-ids bodies (400/413 with what is wrong)."""
+
+    def __init__(self, max_candidates: int, max_future_skew_ms: int) -> None:
+        self.max_candidates, self.max_future_skew_ms = max_candidates, max_future_skew_ms
+        self._decoder = msgspec.json.Decoder(ByIdsRequest)
+
+    def decode(self, body: bytes, now_ms: int) -> ByIdsRequest:
+        try:
+            request = self._decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, f"invalid predict-by-ids request: {exc} (expected {BY_IDS_FORM}, "
+                                'or {"instances": [...]} with every feature)') from None
+        if not request.candidates:
+            raise ApiError(400, "'candidates' must be a non-empty list of candidate ads")
+        if len(request.candidates) > self.max_candidates:
+            raise ApiError(413, f"{len(request.candidates):,} candidates in one request; the limit is serving.max_instances "
+                                f"({self.max_candidates:,})")
+        if request.ts is not None and request.ts > now_ms + self.max_future_skew_ms:
+            raise ApiError(400, f"'ts' {request.ts} is {request.ts - now_ms:,} ms ahead of this server's clock "
+                                f"(at most {self.max_future_skew_ms:,} ms is accepted, as for events)")
+        reserved = set(RESERVED_IDS)
+        bad = [f"user_id {request.user_id}"] if request.user_id in reserved else []
+        for i, c in enumerate(request.candidates):
+            bad.extend(f"candidates[{i}].{name} {getattr(c, name)}" for name in ("item_id", "category_id", "advertiser_id")
+                       if getattr(c, name) in reserved)
+        if bad:
+            raise ApiError(400, f"reserved ids ({', '.join(map(str, RESERVED_IDS))}) are not entity ids: {'; '.join(bad[:10])}")
+        return request

@@ -16,6 +16,7 @@ from model.device import pick_device
 from ps.model_store import ModelStore
 from serving.app import create_app
 from serving.engine import ServingEngine
+from serving.feature_store import OnlineFeatureStore
 from serving.frontend import FrontendPlan
 from serving.pauses import GcPauses, freeze_heap
 from serving.runner import RuntimeConfig
@@ -61,7 +62,12 @@ def serve(cfg: Config) -> None:
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
                         s.max_instances, s.switch_interval_us) if private else None
-    engine = ServingEngine(served, s, GcPauses().install())
+    features = None
+    if s.feature_store:
+        features = OnlineFeatureStore(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
+                                      s.feature_store_dir, cfg.kafka.connect_timeout_s).start()
+        log.info("online feature store: materialising %s (ready once caught up)", cfg.topics.features)
+    engine = ServingEngine(served, s, GcPauses().install(), features)
     app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
     if plan is not None:
         log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)

@@ -58,6 +58,7 @@ class TopicsConfig:
     samples: str
     model_updates: str
     truth: str
+    features: str
 
     def all(self) -> list[str]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -80,6 +81,8 @@ class FlinkConfig:
     out_of_orderness_ms: int
     idle_timeout_s: float
     source_idle_backoff_ms: int
+    feature_state: bool
+    feature_bucket_s: int
 
     def resolved_jars_dir(self) -> Path:
         if self.jars_dir:
@@ -166,6 +169,10 @@ class ServingConfig:
     history_buckets: str
     max_extra_buckets: int
     follow_updates: bool
+    feature_store: bool
+    feature_store_memory_mb: int
+    feature_store_dir: str
+    feature_store_ready_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,10 @@ def validate(config: Config) -> None:
         check_serving_mode(s.compile)
     except ConfigError as exc:
         problems.append(str(exc))
+    if f.feature_bucket_s < 1:
+        problems.append(f"flink.feature_bucket_s must be >= 1, got {f.feature_bucket_s}")
+    if s.feature_store_memory_mb < 1:
+        problems.append(f"serving.feature_store_memory_mb must be >= 1, got {s.feature_store_memory_mb}")
     if s.switch_interval_us <= 0:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
