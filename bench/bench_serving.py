@@ -53,7 +53,7 @@ def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, wo
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
-           "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
+           "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false", "STREAMREC_SERVING__FEATURE_STORE": "false",
            "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us)}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -124,6 +124,10 @@ class FeatureSpec:
         counters = [Field(name, pa.int32(), "counter") for name in self.counter_columns()]
         return [*FIELDS, *counters, *([Field(*f) for f in _LABEL] if with_label else [])]
 
+    def feature_names(self) -> list[str]:
+        """The model's inputs of one sample, in field order: what predict by ids assembles."""
+        return [f.name for f in self.fields(with_label=False) if f.role != "meta"]
+
     def schema(self, with_label: bool = True) -> pa.Schema:
         """The sample schema; without the label (and click_ts) it is a predict instance's."""
         meta = {b"sample_version": str(SAMPLE_VERSION).encode(), b"feature_spec": repr(self).encode()}

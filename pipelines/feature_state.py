@@ -33,6 +33,7 @@ from kafka.partitioner.default import murmur2
 
 from pipelines.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES, FeatureSpec
 
+END_OF_INPUT = 2**63 - 1  # Flink's final watermark (Long.MAX_VALUE)
 ENTITIES = COUNTER_ENTITIES  # user | item | category: the job's keyed stages, in order
 
 
@@ -227,6 +228,8 @@ class Watermarks:
     parallelism: dict[str, int] = field(default_factory=dict)
 
     def put(self, mark: StageWatermark) -> None:
+        if mark.watermark_ms >= END_OF_INPUT:
+            return  # a bounded job's last watermark: says nothing about event time, keeps the last real one
         self.marks[(mark.partition, mark.stage, mark.subtask)] = mark.watermark_ms
         self.parallelism[mark.stage] = mark.parallelism
 
@@ -253,6 +256,12 @@ class Candidate:
     category_id: int
     advertiser_id: int
     position: int
+
+
+def differing_features(spec: FeatureSpec, served: dict, sample: dict) -> list[str]:
+    """The names of the model inputs whose values differ between two forms of one impression
+    (e.g. what serving assembled by ids and the job's sample)."""
+    return [name for name in spec.feature_names() if served.get(name) != sample.get(name)]
 
 
 def counter_row(spec: FeatureSpec, user: list[int], item: list[int], category: list[int]) -> list[int]:

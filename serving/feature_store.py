@@ -150,7 +150,8 @@ class OnlineFeatureStore:
         partitions = sorted(consumer.partitions_for_topic(self.topic) or [])
         if not partitions:
             consumer.close()
-            self.error = f"topic {self.topic} does not exist yet (the pipeline job creates it)"
+            self.error = f"topic {self.topic} does not exist yet (the pipeline job creates it); cold-start features until it does"
+            self.caught_up.set()  # nothing to catch up with: readiness does not wait for a topic that may never come
             return None
         parts = [TopicPartition(self.topic, p) for p in partitions]
         consumer.assign(parts)

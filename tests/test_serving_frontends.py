@@ -33,7 +33,8 @@ def engine(published_model):
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(root), "--port", str(port), "--device", "cpu",
          "--compile", "eager", "--frontends", "2"],
-        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FOLLOW_UPDATES": "false"},
+        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
+             "STREAMREC_SERVING__FEATURE_STORE": "false"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -75,7 +75,7 @@ def server(published_model, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port),
          "--device", "cpu", "--poll-interval", "0.2", "--compile", "compile", "--workers", "2"],
-        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__BATCH_BUCKETS": "8,16",
+        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FEATURE_STORE": "false", "STREAMREC_SERVING__BATCH_BUCKETS": "8,16",
                        "STREAMREC_SERVING__HISTORY_BUCKETS": "16", "STREAMREC_SERVING__MAX_EXTRA_BUCKETS": "3"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -219,6 +219,11 @@ class ServingProbe:
             rec.sample_offset.extend(r.offset for r in records)
 
     # ------------------------------------------------------------------ results
+    def scores_by_event(self) -> dict[str, float]:
+        """Impression event_id -> the server's score of its sample (every feature supplied)."""
+        with self._lock:
+            return dict(zip(self.records.event_id, self.records.online))
+
     def snapshot(self) -> dict:
         """Columns of everything scored so far, with the Bayes probability joined (NaN if unknown)."""
         with self._lock:

@@ -130,6 +130,8 @@ the same model <b>frozen</b> after warm-up (the first version trained on the war
 {fresh}
 {_bars(f['stages_ms'])}
 <p>Dark: p50, light: p99. <i>sample_to_trained</i> includes waiting for the next publish tick.</p>
+<h2>Training/serving skew: features by ids against the job's samples</h2>
+{_skew(r.get('feature_skew') or {})}
 <h2>Throughput</h2>
 {_table([(k, _value(val)) for k, val in t.items()], ('what', 'value'))}
 <h2>Resources</h2>
@@ -145,6 +147,26 @@ resident memory. Everything shares the machine's cores.</p>
 <h2>Processes</h2>
 {_table(procs, ('process', 'exit status', 'processes left'))}
 </body></html>"""
+
+
+def _skew(k: dict) -> str:
+    if not k.get("impressions"):
+        return "<p>No impression was scored by ids and matched with its sample.</p>"
+    replayed = k.get("replayed") or {}
+    rows = [(name, pct, (replayed.get("per_feature_identical_pct") or {}).get(name, "")) for name, pct in k["per_feature_identical_pct"].items()]
+    r, lag, a = k["mismatched_impressions_by_reason"], k.get("features_behind_request_ms") or {}, k.get("auc") or {}
+    return (f"<p>An ad-server probe scored each request's impressions <b>by ids</b> when they happened; the serving node "
+            f"assembled the features from its online feature store. Compared with the Flink job's sample of the same "
+            f"impression: <b>{k['identical_pct']}%</b> of feature values identical over {k['impressions']:,} impressions "
+            f"({k['impressions_all_identical_pct']}% of impressions identical in every feature). Mismatched impressions: "
+            f"{r['in_flight']:,} whose request came before the node's state was complete to its time (events still in flight: "
+            f"out-of-orderness bound, watermark interval, checkpoint), {r['unexplained']:,} unexplained. "
+            + (f"The node's features were p50 {lag['p50'] / 1000:.1f} s, p99 {lag['p99'] / 1000:.1f} s behind the request. " if lag else "")
+            + (f"Replayed by ids at the sample's time once the state was complete: <b>{replayed['identical_pct']}%</b> identical "
+               f"({replayed['impressions']:,} impressions). " if replayed else "")
+            + (f"AUC of the scores by ids {a['by_ids']} vs {a['sample_features']} with the samples' features "
+               f"({a['impressions']:,} impressions; mean |score difference| {a['mean_abs_score_diff']})." if a else "")
+            + "</p>" + _table(rows, ("feature", "% identical at request time", "% identical replayed")))
 
 
 def _value(val) -> str:

@@ -11,6 +11,7 @@ the Flink JVM and the broker included) and the report is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import time
@@ -18,6 +19,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from pipelines.feature_spec import FeatureSpec
 from pipelines.flink_rest import FlinkRest
 from ps.model_store import ModelStore
 from streamrec.bus.broker import EmbeddedBroker, free_port
@@ -29,6 +31,7 @@ from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
 from streamrec.demo.resources import ResourceMonitor
+from streamrec.demo.skew import AdServerProbe, feature_skew, skew_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +60,11 @@ class DemoRun:
         self.admin_token = secrets.token_hex(16)
         self.topics = {"events": f"{self.prefix}.events", "samples": f"{self.prefix}.samples",
                        "dlq": f"{self.prefix}.events.dlq", "truth": f"{self.prefix}.truth",
-                       "model_updates": f"{self.prefix}.model-updates"}
+                       "model_updates": f"{self.prefix}.model-updates", "features": f"{self.prefix}.features"}
+
+    def feature_spec(self) -> FeatureSpec:
+        """The spec every process of the run uses (the demo sets its attribution window)."""
+        return dataclasses.replace(self.cfg.features, attribution_window_s=float(self.args.attribution_window))
 
     def env(self) -> dict[str, str]:
         a, store = self.args, str(self.work_dir / "models")
@@ -74,6 +81,7 @@ class DemoRun:
             "STREAMREC_TRAINER__WARMUP_SAMPLES": str(a.warmup_samples),
             "STREAMREC_SERVING__MODEL_STORE": store, "STREAMREC_SERVING__PORT": self.serve_address.rsplit(":", 1)[1],
             "STREAMREC_SERVING__ADMIN_TOKEN": self.admin_token, "STREAMREC_SERVING__POLL_INTERVAL_S": "0.5",
+            "STREAMREC_SERVING__FEATURE_STORE_DIR": str(self.work_dir / "serving-features"),
             # a short run has few samples: smaller steps, a faster dense learning rate
             "STREAMREC_TRAINER__BATCH_SIZE": "256", "STREAMREC_MODEL__DENSE_LR": "0.005",
             "OMP_NUM_THREADS": "1",  # trainer and server share the cores with Flink and the broker
@@ -88,7 +96,7 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
     started_broker = False
     processes: dict[str, ManagedProcess] = {}
-    probe = timeline = run = monitor = None
+    probe = ad_server = timeline = run = monitor = None
     try:
         if k.embedded:
             state, started_broker = broker.up(k.connect_timeout_s)
@@ -96,7 +104,9 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         else:
             print(f"[1/6] using external Kafka at {k.bootstrap_servers}", flush=True)
         run = DemoRun(cfg, args)
-        ensure_topics(k.bootstrap_servers, list(run.topics.values()), k.partitions, k.replication_factor, k.connect_timeout_s)
+        # the features topic is the job's to create (compacted: pipelines/pipeline_service.py)
+        ensure_topics(k.bootstrap_servers, [t for name, t in run.topics.items() if name != "features"], k.partitions,
+                      k.replication_factor, k.connect_timeout_s)
         print(f"[2/6] run {run.run_id}: topics {run.prefix}.*, work dir {run.work_dir}, logs {run.log_dir}", flush=True)
 
         env = run.env()
@@ -116,20 +126,24 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
         probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
                              args.warmup_samples).start()
+        ad_server = AdServerProbe(k.bootstrap_servers, run.topics["events"], run.topics["samples"],
+                                  ServingClient(run.serve_address, cfg.model.name), run.feature_spec()).start()
         timeline = VersionTimeline(ServingClient(run.serve_address, cfg.model.name), store).start()
         start_ms = int(time.time() * 1000)
         start("generator", "generate", "--duration", str(args.duration), "--rate", str(args.rate),
               "--bad-fraction", str(args.bad_fraction), "--start-ms", str(start_ms))
         print(f"[4/6] live traffic: {args.duration:g} s at ~{args.rate:g} events/s; trainer publishes every "
               f"{args.publish_interval:g} s; the probe scores every sample at the serving node", flush=True)
-        rollback = _drive(args, run, processes, probe, timeline, client, start_ms)
+        rollback = _drive(args, run, processes, probe, ad_server, timeline, client, start_ms)
 
         print("[5/6] traffic done; stopping every process", flush=True)
         monitor.stop()
         probe.stop()
+        ad_server.stop()
         timeline.stop()
         stopped = _stop_all(processes)
         snapshot = probe.snapshot()
+        skew = feature_skew(ad_server.snapshot(), run.feature_spec(), probe.scores_by_event())
         result = {
             "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
             "publish_interval_s": args.publish_interval, "topics": run.topics,
@@ -139,20 +153,25 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
             "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
                          "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
             "rollback": rollback,
-            "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"]},
+            "feature_skew": skew,
+            "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
+                        "failed_requests_by_ids": ad_server.failed_requests},
             "throughput": _throughput(k.bootstrap_servers, run, args.duration, snapshot),
             "resources": monitor.report(),
             "processes": stopped,
         }
         paths = write_report(run.report_dir, result)
         _print_summary(result, paths)
-        ok = result["versions"]["applied"] >= 1 and not snapshot["failed_requests"] and all(s["left"] == 0 for s in stopped.values())
+        ok = (result["versions"]["applied"] >= 1 and not snapshot["failed_requests"] and not ad_server.failed_requests
+              and all(s["left"] == 0 for s in stopped.values()))
         return 0 if ok else 1
     finally:
         if monitor is not None:
             monitor.stop()
         if probe is not None:
             probe.stop()
+        if ad_server is not None:
+            ad_server.stop()
         if timeline is not None:
             timeline.stop()
         _stop_all(processes)
@@ -174,7 +193,8 @@ def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
               f"delete them with `streamrec kafka prune`", flush=True)
 
 
-def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: ServingProbe, timeline: VersionTimeline,
+def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: ServingProbe, ad_server: AdServerProbe,
+           timeline: VersionTimeline,
            client: ServingClient, start_ms: int) -> dict:
     """Progress lines while the traffic runs; one rollback (and release) mid-run; then
     a drain so the last clicks reach a served version."""
@@ -186,6 +206,8 @@ def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: Serv
         now = time.monotonic() - t0
         if probe.error:
             raise RuntimeError(f"the serving probe failed: {probe.error}")
+        if ad_server.error:
+            raise RuntimeError(f"the ad-server probe (predict by ids) failed: {ad_server.error}")
         for name in ("pipeline", "trainer", "serving"):
             processes[name].check_alive()
         gen = processes["generator"]
@@ -297,6 +319,7 @@ def _print_summary(result: dict, paths: dict) -> None:
             print(f"    second half of the run ({s['n']} clicks): p50 {s['p50'] / 1000:.1f} s, p99 {s['p99'] / 1000:.1f} s")
         for stage, s in f["stages_ms"].items():
             print(f"    {stage:22s} p50 {s['p50'] / 1000:6.1f} s  p99 {s['p99'] / 1000:6.1f} s")
+    print(f"  {skew_line(result['feature_skew'])}")
     print(f"  {result['quality']['left_out_trained_on']:,} scored samples left out of the AUCs: the answering version "
           "had already trained on them")
     print(f"  report: {paths['html']}  (data: {paths['data']}; `streamrec report {paths['dir']}` re-renders it)")
