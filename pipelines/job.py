@@ -1,4 +1,5 @@
-"""The streaming job's settings: raw events in, labelled samples and rejected events out.
+"""The streaming job's settings: raw events in; labelled samples, rejected events and the
+per-entity feature state out.
 
 The job itself is Java (``pipelines/java/streamrec/flink/SampleJob.java``; docs/pipeline.md
 has the graph, the state and the late-data policy): a DataStream program whose keyed
@@ -35,6 +36,12 @@ class JobSpec:
     state_cache_keys: int
     # sleep after an empty poll of a caught-up source reader (IdleBackoffSource.java); 0 = off
     source_idle_backoff_ms: int
+    # the stages' per-entity state to features_topic after each watermark (FeatureState.java); its
+    # event times in buckets of feature_bucket_ms; features_partitions: that topic's partitions
+    features_topic: str
+    feature_state: bool
+    feature_bucket_ms: int
+    features_partitions: int
     bounded: bool = False  # stop at the topic's current end (tests, backfills)
     # One source reader per partition: a reader's watermark only covers the partitions it
     # has started reading, so a reader with several partitions of backlog would run its
@@ -42,8 +49,9 @@ class JobSpec:
     source_parallelism: int = 1
 
     @classmethod
-    def from_config(cls, cfg, source_parallelism: int = 1, bounded: bool = False) -> "JobSpec":
-        """The job of this config (``source_parallelism``: one reader per events partition)."""
+    def from_config(cls, cfg, source_parallelism: int = 1, bounded: bool = False, features_partitions: int | None = None) -> "JobSpec":
+        """The job of this config (``source_parallelism``: one reader per events partition;
+        ``features_partitions``: of the features topic, default kafka.partitions)."""
         k, t, f = cfg.kafka, cfg.topics, cfg.flink
         return cls(
             bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
@@ -53,6 +61,8 @@ class JobSpec:
             # the heap backend holds the objects already (and must not see them change under its snapshots)
             state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
             source_idle_backoff_ms=f.source_idle_backoff_ms, bounded=bounded, source_parallelism=source_parallelism,
+            features_topic=t.features, feature_state=f.feature_state, feature_bucket_ms=f.feature_bucket_s * 1000,
+            features_partitions=features_partitions or k.partitions,
         )
 
     def properties(self) -> str:
@@ -60,6 +70,9 @@ class JobSpec:
         self.feature_spec.validate()
         if self.state_cache_keys < 0:
             raise ValueError(f"state_cache_keys must be >= 0 (0 = off), got {self.state_cache_keys}")
+        if self.feature_bucket_ms < 1000 or self.features_partitions < 1:
+            raise ValueError(f"feature_bucket_ms must be >= 1000 and features_partitions >= 1, got "
+                             f"{self.feature_bucket_ms} and {self.features_partitions}")
         if not 0 <= self.source_idle_backoff_ms <= 1000:
             raise ValueError(f"source_idle_backoff_ms must be within 0..1000 (0 = off), got {self.source_idle_backoff_ms}")
         values = {
@@ -71,6 +84,8 @@ class JobSpec:
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
             **self.feature_spec.job_properties(),
             "state_cache_keys": str(self.state_cache_keys), "source_idle_backoff_ms": str(self.source_idle_backoff_ms),
+            "features_topic": self.features_topic, "feature_state": str(self.feature_state).lower(),
+            "feature_bucket_ms": str(self.feature_bucket_ms), "features_partitions": str(self.features_partitions),
         }
         return "".join(f"{key}={_escape(value)}\n" for key, value in values.items())
 

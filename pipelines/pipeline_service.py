@@ -38,13 +38,16 @@ def rest_address(cfg) -> str:
 
 
 def job_spec(cfg, bounded: bool = False) -> JobSpec:
-    """The job for this config; creates the three topics if missing (one reader per events partition)."""
-    from streamrec.bus.topics import describe_topics, ensure_topics
+    """The job for this config; creates its topics if missing (the features topic compacted;
+    one reader per events partition)."""
+    from streamrec.bus.topics import COMPACTED, describe_topics, ensure_topics
 
     k, t = cfg.kafka, cfg.topics
-    ensure_topics(k.bootstrap_servers, [t.events, t.samples, t.dlq], k.partitions, k.replication_factor, k.connect_timeout_s)
-    partitions = {info.name: info.partitions for info in describe_topics(k.bootstrap_servers, [t.events], k.connect_timeout_s)}
-    return JobSpec.from_config(cfg, source_parallelism=partitions.get(t.events, 1), bounded=bounded)
+    ensure_topics(k.bootstrap_servers, [t.events, t.samples, t.dlq, t.features], k.partitions, k.replication_factor,
+                  k.connect_timeout_s, configs={t.features: COMPACTED})
+    partitions = {info.name: info.partitions for info in describe_topics(k.bootstrap_servers, [t.events, t.features], k.connect_timeout_s)}
+    return JobSpec.from_config(cfg, source_parallelism=partitions.get(t.events, 1), bounded=bounded,
+                               features_partitions=partitions.get(t.features))
 
 
 def _progress(job: JobInfo, started: float) -> str:

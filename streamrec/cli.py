@@ -278,7 +278,7 @@ def _config_from(args: argparse.Namespace) -> Config:
 # ---------------------------------------------------------------- kafka
 def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
     from streamrec.bus.broker import EmbeddedBroker
-    from streamrec.bus.topics import delete_topics, describe_topics, ensure_topics, list_topics
+    from streamrec.bus.topics import COMPACTED, delete_topics, describe_topics, ensure_topics, list_topics
 
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
@@ -293,7 +293,8 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
                       f"which costs CPU; `streamrec kafka prune` deletes old demo/bench topics", file=sys.stderr)
         else:
             print(f"using external Kafka at {k.bootstrap_servers} (nothing to start)")
-        created = ensure_topics(k.bootstrap_servers, cfg.topics.all(), k.partitions, k.replication_factor, k.connect_timeout_s)
+        created = ensure_topics(k.bootstrap_servers, cfg.topics.all(), k.partitions, k.replication_factor, k.connect_timeout_s,
+                                configs={cfg.topics.features: COMPACTED})
         for name in cfg.topics.all():
             print(f"  topic {name}: {'created' if name in created else 'exists'}")
         return 0

@@ -18,8 +18,13 @@ class TopicInfo:
     messages: int  # sum over partitions of (end offset - beginning offset)
 
 
-def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1, timeout_s: float = 20.0) -> list[str]:
-    """Create the topics that do not exist yet; return the names created.
+COMPACTED = {"cleanup.policy": "compact"}  # a topic whose latest value per key is the state (streamrec.features)
+
+
+def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1, timeout_s: float = 20.0,
+                  configs: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """Create the topics that do not exist yet (``configs``: topic settings by name); return
+    the names created.
 
     Existing topics are left as they are (even with another partition count: changing
     it would reshuffle keys, which is an operator's decision, not a side effect).
@@ -33,7 +38,8 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication
         created = []
         for name in missing:
             try:
-                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor)])
+                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor,
+                                              topic_configs=(configs or {}).get(name, {}))])
                 created.append(name)
             except TopicAlreadyExistsError:
                 pass  # created concurrently by someone else: fine

@@ -21,6 +21,11 @@ public abstract class CounterStage<OUT> extends EventTimeStage<WindowCounter, OU
     }
 
     @Override
+    protected WindowCounter counterOf(WindowCounter state) {
+        return state;
+    }
+
+    @Override
     protected WindowCounter newState() {
         return new WindowCounter();
     }

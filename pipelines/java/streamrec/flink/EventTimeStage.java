@@ -10,6 +10,7 @@ import java.util.TreeMap;
 import org.apache.flink.api.common.state.ValueState;
 import org.apache.flink.api.common.state.ValueStateDescriptor;
 import org.apache.flink.api.common.typeutils.TypeSerializer;
+import org.apache.flink.api.java.tuple.Tuple3;
 import org.apache.flink.runtime.state.StateInitializationContext;
 import org.apache.flink.runtime.state.StateSnapshotContext;
 import org.apache.flink.runtime.state.VoidNamespace;
@@ -45,6 +46,29 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     private transient StreamRecord<OUT> outRecord;
     private int stateCacheKeys; // 0: every key's state is read and written on each watermark
     private transient StateCache<S> cache;
+    private FeatureState features; // null: the stage publishes no feature state
+    private transient StreamRecord<Tuple3<Integer, byte[], byte[]>> featureRecord;
+    private transient long publishedWatermark = Long.MIN_VALUE;
+
+    /** Publish each changed key's feature state after every watermark (FeatureState). */
+    public final EventTimeStage<S, OUT> withFeatureState(FeatureState features) {
+        this.features = features;
+        return this;
+    }
+
+    /** The key's counter in {@code state} (the feature state's event times). */
+    protected abstract WindowCounter counterOf(S state);
+
+    /** More feature records of a key after its run (the user stage: its click sequence). */
+    protected void publishMore(long key, S state, List<Event> run) {}
+
+    protected final FeatureState features() {
+        return features;
+    }
+
+    protected final void emitFeature(Tuple3<Integer, byte[], byte[]> record) {
+        output.collect(FeatureState.TAG, featureRecord.replace(record, watermark));
+    }
 
     /** Keep up to {@code keys} key states in memory, written back on eviction and at checkpoints
      *  (RocksDB only: see {@link StateCache}). */
@@ -97,6 +121,7 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         state = getPartitionedState(VoidNamespace.INSTANCE, VoidNamespaceSerializer.INSTANCE,
                 new ValueStateDescriptor<>("state", stateSerializer()));
         outRecord = new StreamRecord<>(null);
+        featureRecord = new StreamRecord<>(null);
         if (stateCacheKeys > 0) {
             cache = new StateCache<>(stateCacheKeys);
             getRuntimeContext().getMetricGroup().gauge("stateCacheHits", () -> cache.hits());
@@ -134,6 +159,15 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         watermark = Math.max(watermark, mark.getTimestamp());
         while (drain(mark.getTimestamp())) {
             // again: applying events may schedule more at or before the watermark (the end of input's)
+        }
+        if (features != null && watermark > publishedWatermark) {
+            // after every record of the events this watermark covers, in each partition (their reader's "as of")
+            publishedWatermark = watermark;
+            int subtask = getRuntimeContext().getTaskInfo().getIndexOfThisSubtask();
+            int parallelism = getRuntimeContext().getTaskInfo().getNumberOfParallelSubtasks();
+            for (int p = 0; p < features.partitions; p++) {
+                emitFeature(features.watermark(subtask, parallelism, p, watermark));
+            }
         }
         super.processWatermark(mark);
     }
@@ -176,8 +210,13 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
             run.sort(Event::compareInTime);
             S s = load(key);
             setCurrentKey(key); // apply may use the stage's other keyed state
+            long[] expiring = features == null ? null
+                    : features.bucketsUpTo(counterOf(s), run.get(run.size() - 1).ts - features.maxWindowMs);
             for (Event e : run) {
                 apply(s, e);
+            }
+            if (features != null) {
+                publish(key, s, run, expiring);
             }
             if (cache != null) {
                 cache.markDirty(key);
@@ -187,6 +226,26 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
         }
         runs.clear();
         return true;
+    }
+
+    /** The key's changed buckets (one record each, coalescing the run's events), tombstones
+     *  for the buckets it emptied, then whatever else the stage publishes. */
+    private void publish(long key, S s, List<Event> run, long[] expiring) {
+        WindowCounter counter = counterOf(s);
+        long last = Long.MIN_VALUE;
+        for (Event e : run) { // in time order: buckets ascend
+            if (e.kind != Event.IMPRESSION && e.kind != Event.CLICK) continue;
+            long bucket = features.bucketOf(e.ts);
+            if (bucket != last) {
+                last = bucket;
+                Tuple3<Integer, byte[], byte[]> record = features.bucket(key, counter, bucket);
+                if (record != null) emitFeature(record);
+            }
+        }
+        for (long bucket : expiring) {
+            if (!features.holds(counter, bucket)) emitFeature(features.tombstone(key, bucket));
+        }
+        publishMore(key, s, run);
     }
 
     private S load(long key) throws Exception {

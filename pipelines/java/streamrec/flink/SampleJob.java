@@ -75,22 +75,42 @@ public final class SampleJob {
                 .setParallelism(sourceParallelism).uid("events-source")
                 .process(new RouteRejected()).returns(EventTypeInfoFactory.INFO)
                 .setParallelism(sourceParallelism).name("route rejected events").uid("route");
+        boolean featureState = Boolean.parseBoolean(p.getProperty("feature_state"));
+        long bucketMs = Long.parseLong(p.getProperty("feature_bucket_ms"));
+        int featurePartitions = Integer.parseInt(p.getProperty("features_partitions"));
+        long maxWindowMs = Arrays.stream(windowsMs).max().orElseThrow();
         SingleOutputStreamOperator<Event> users = valid.keyBy(new ByUser(), Types.LONG)
                 .transform("user: dedup, click join, counters, sequence", EventTypeInfoFactory.INFO,
-                        new UserStage(windowsMs, attributionMs, Integer.parseInt(p.getProperty("history_len")), p.getProperty("orphan_reason"), p.getProperty("late_reason")).withStateCache(stateCacheKeys))
+                        withFeatures(new UserStage(windowsMs, attributionMs, Integer.parseInt(p.getProperty("history_len")), p.getProperty("orphan_reason"), p.getProperty("late_reason")).withStateCache(stateCacheKeys),
+                                featureState, "user", bucketMs, featurePartitions, maxWindowMs))
                 .uid("user-stage");
         SingleOutputStreamOperator<Event> items = users.keyBy(new ByItem(), Types.LONG)
-                .transform("item counters", EventTypeInfoFactory.INFO, new ItemStage(windowsMs).withStateCache(stateCacheKeys)).uid("item-stage");
-        DataStream<Tuple2<byte[], byte[]>> samples = items.keyBy(new ByCategory(), Types.LONG)
+                .transform("item counters", EventTypeInfoFactory.INFO,
+                        withFeatures(new ItemStage(windowsMs).withStateCache(stateCacheKeys), featureState, "item", bucketMs, featurePartitions, maxWindowMs))
+                .uid("item-stage");
+        SingleOutputStreamOperator<Tuple2<byte[], byte[]>> samples = items.keyBy(new ByCategory(), Types.LONG)
                 .transform("category: counters, label join", CategoryStage.OUTPUT,
-                        new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), p.getProperty("sample_fields"), p.getProperty("counter_columns"), windowsS.length)).withStateCache(stateCacheKeys))
+                        withFeatures(new CategoryStage(windowsMs, attributionMs, new SampleJson(Integer.parseInt(p.getProperty("sample_version")), p.getProperty("sample_fields"), p.getProperty("counter_columns"), windowsS.length)).withStateCache(stateCacheKeys),
+                                featureState, "category", bucketMs, featurePartitions, maxWindowMs))
                 .uid("category-stage");
+        if (featureState) {
+            // one sink, the stages' parallelism: forward edges, so each stage subtask's records
+            // reach each partition in the order it emitted them (its watermark records last)
+            users.getSideOutput(FeatureState.TAG).union(items.getSideOutput(FeatureState.TAG), samples.getSideOutput(FeatureState.TAG))
+                    .sinkTo(sink(p, "features", new FeatureState.Serializer(p.getProperty("features_topic"))))
+                    .name("features topic").uid("features-sink");
+        }
 
         String topic = p.getProperty("samples_topic");
         samples.sinkTo(sink(p, "samples", (KafkaRecordSerializationSchema<Tuple2<byte[], byte[]>>)
                 (r, context, ts) -> new ProducerRecord<>(topic, r.f0, r.f1))).name("samples topic").uid("samples-sink");
         valid.getSideOutput(Dlq.TAG).union(users.getSideOutput(Dlq.TAG))
                 .sinkTo(sink(p, "dlq", new Dlq.Serializer(p.getProperty("dlq_topic")))).name("DLQ topic").uid("dlq-sink");
+    }
+
+    private static <S, O> EventTimeStage<S, O> withFeatures(EventTimeStage<S, O> stage, boolean on, String entity, long bucketMs,
+                                                           int partitions, long maxWindowMs) {
+        return on ? stage.withFeatureState(new FeatureState(entity, bucketMs, partitions, maxWindowMs)) : stage;
     }
 
     private static <T> KafkaSink<T> sink(Properties p, String name, KafkaRecordSerializationSchema<T> serializer) {

@@ -56,7 +56,7 @@ public class TimeRing {
         return lowerBound(hi) - upperBound(lo);
     }
 
-    private int lowerBound(long x) { // first index with times[i] >= x
+    int lowerBound(long x) { // first index with times[i] >= x
         int a = start, b = end;
         while (a < b) {
             int m = (a + b) >>> 1;

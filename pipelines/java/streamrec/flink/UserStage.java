@@ -88,6 +88,22 @@ public final class UserStage extends EventTimeStage<UserStage.State, Event> {
     }
 
     @Override
+    protected WindowCounter counterOf(State state) {
+        return state.counter;
+    }
+
+    /** The click sequence, when the run had a click (it may have joined). */
+    @Override
+    protected void publishMore(long key, State s, java.util.List<Event> run) {
+        for (Event e : run) {
+            if (e.kind == Event.CLICK) {
+                emitFeature(features().history(key, s.histItem, s.histCat, s.histTs));
+                return;
+            }
+        }
+    }
+
+    @Override
     protected State newState() {
         return new State();
     }
