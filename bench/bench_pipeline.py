@@ -68,6 +68,7 @@ def _env(args, name: str, tmp: Path, backend: str) -> dict:
     cache = {} if cache_keys is None else {"STREAMREC_FLINK__STATE_CACHE_KEYS": str(cache_keys)}
     return {**os.environ, **cache, "STREAMREC_KAFKA__BOOTSTRAP": args.bootstrap,
             "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
+            "STREAMREC_TOPICS__FEATURES": f"{name}.features",
             "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
             "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
             "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp / name), "STREAMREC_FLINK__REST_PORT": str(free_port()),

@@ -41,8 +41,8 @@ def _env(broker, tmp_path, name):
     }
 
 
-def materialise(broker, topic, memory_mb=256, spill_dir=None) -> OnlineFeatureStore:
-    store = OnlineFeatureStore(broker, topic, SPEC, memory_mb, spill_dir or f"/tmp/streamrec-fs-{uuid.uuid4().hex[:8]}").start()
+def materialise(broker, topic, memory_mb=256, spill_dir=None, spec=SPEC) -> OnlineFeatureStore:
+    store = OnlineFeatureStore(broker, topic, spec, memory_mb, spill_dir or f"/tmp/streamrec-fs-{uuid.uuid4().hex[:8]}").start()
     assert store.wait_ready(120), store.status()
     return store
 
@@ -52,7 +52,7 @@ def assembled(store, row) -> dict:
     return store.assemble(row["user_id"], row["ts"], row["device"], row["local_hour"], [c], with_features=True).features[0]
 
 
-def mismatches(store, rows, clicks) -> list:
+def mismatches(store, rows, clicks, spec=SPEC) -> list:
     """(event_id, feature, served, sample) for every differing value. A sample's history is
     compared unless its user has more than history_len clicks in all and clicked after it:
     the job keeps the last history_len, so a request in the past may find fewer than the
@@ -61,9 +61,9 @@ def mismatches(store, rows, clicks) -> list:
     out = []
     for row in rows:
         served = assembled(store, row)
-        names = differing_features(SPEC, served, row)
+        names = differing_features(spec, served, row)
         total, after = clicks(row)
-        if total > HISTORY and after > 0:
+        if total > spec.history_len and after > 0:
             names = [n for n in names if not n.startswith("hist_")]
         out.extend((row["event_id"], n, served[n], row[n]) for n in names)
     return out

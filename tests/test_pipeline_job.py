@@ -36,6 +36,7 @@ def _env(broker, tmp_path, name):
         "STREAMREC_KAFKA__BOOTSTRAP": broker,
         "STREAMREC_TOPICS__EVENTS": f"{name}.events", "STREAMREC_TOPICS__SAMPLES": f"{name}.samples",
         "STREAMREC_TOPICS__DLQ": f"{name}.dlq", "STREAMREC_TOPICS__TRUTH": f"{name}.truth",
+        "STREAMREC_TOPICS__FEATURES": f"{name}.features",
         "STREAMREC_FLINK__GROUP_ID": name, "STREAMREC_FLINK__JOB_NAME": name,
         "STREAMREC_FLINK__CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
         "STREAMREC_FLINK__REST_PORT": str(free_port()),
@@ -284,6 +285,15 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     assert "resumed from" in output, output[-3000:]
     _assert_same(_samples(broker, f"{name}.samples"), want)
     assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
+    # the feature state, written exactly once with the same checkpoints, rebuilds the samples' features
+    from test_online_features import _clicks, materialise, mismatches
+
+    store = materialise(broker, f"{name}.features", spec=SPEC)
+    try:
+        rows = want.to_pylist()
+        assert store.status()["corrupt"] == 0 and mismatches(store, rows, _clicks(rows), SPEC) == []
+    finally:
+        store.close()
 
 
 def _flush_then_oracle(broker, name):
