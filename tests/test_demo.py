@@ -41,6 +41,12 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     assert result["versions"]["published"] >= 4 and result["versions"]["applied"] >= 4  # >= 3 deltas over the first
     assert result["rollback"]["ok"], result["rollback"]
     assert result["serving"]["failed_requests"] == 0
+    # the ad-server probe scored by ids; replayed at the sample's time the features are the samples' own
+    skew = result["feature_skew"]
+    assert "feature skew:" in run.stdout and result["serving"]["failed_requests_by_ids"] == 0
+    assert skew["impressions"] > 500 and skew["replayed"]["impressions"] > 100, skew
+    assert skew["replayed"]["identical_pct"] >= 99.0, skew
+    assert skew["mismatched_impressions_by_reason"]["unexplained"] <= 0.01 * skew["impressions"], skew
     fresh = result["freshness"]["event_to_servable_ms"]
     assert fresh["n"] > 50 and fresh["p99"] > 0
     assert set(result["freshness"]["stages_ms"]) == {"event_to_sample", "sample_to_trained", "trained_to_published",
