@@ -207,8 +207,9 @@ BY_IDS_FORM = ('{"user_id": U, "context": {"device": str, "local_hour": int}, '
 
 
 def is_by_ids(body: bytes) -> bool:
-    """Which form a predict body is: the full-feature form has an "instances" key."""
-    return b'"instances"' not in body
+    """Which form a predict body is: by ids names candidates or a user; the full-feature
+    form (and anything else, for its errors) has "instances"."""
+    return b'"instances"' not in body and (b'"candidates"' in body or b'"user_id"' in body)
 
 
 class ByIdsDecoder:
