@@ -88,8 +88,9 @@ class AdServerProbe:
                             e = orjson.loads(r.value)
                         except orjson.JSONDecodeError:
                             continue  # a malformed event: the DLQ's business
-                        if isinstance(e, dict) and e.get("type") == "impression" and isinstance(e.get("request_id"), str):
-                            requests[e["request_id"]].append(e)
+                        if (isinstance(e, dict) and e.get("type") == "impression" and isinstance(e.get("request_id"), str)
+                                and isinstance(e.get("event_id"), str) and type(e.get("ts")) is int):
+                            requests[e["request_id"]].append(e)  # malformed ones are the DLQ's business
                 for imps in requests.values():
                     self._score_request(imps)
         finally:
