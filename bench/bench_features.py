@@ -25,7 +25,6 @@ import argparse
 import gc
 import os
 import random
-import resource
 import subprocess
 import sys
 import threading
@@ -166,9 +165,8 @@ def throughput(args, tmp: Path) -> dict:
     events = orjson.loads(gen.stdout)["events"]
     runs = []
     for i, feature_state in enumerate(v for _ in range(args.repeat) for v in ("true", "false")):
-        os.environ["STREAMREC_FLINK__FEATURE_STATE"] = feature_state  # flink_backlog takes the STREAMREC_FLINK* of the environment
         waited = _wait_broker_idle(args.broker_pids)
-        run = flink_backlog(args, env, "rocksdb", tmp, events, i)
+        run = flink_backlog(args, {**env, "STREAMREC_FLINK__FEATURE_STATE": feature_state}, "rocksdb", tmp, events, i)
         run.pop("progress", None)
         run["backend"] = "with features" if feature_state == "true" else "without features"
         run["waited_for_broker_s"] = waited
@@ -176,7 +174,6 @@ def throughput(args, tmp: Path) -> dict:
         runs.append(run)
         print(f"  job {run['backend']}: {run['events_per_s']:,} events/s, {run['events_per_flink_cpu_s'] or 0:,} per Flink CPU-s",
               flush=True)
-    os.environ.pop("STREAMREC_FLINK__FEATURE_STATE", None)
     med = _medians(runs)
     with_f, without = med["with features"], med["without features"]
     return {"events": events, "runs": runs, "median": med,

@@ -217,11 +217,6 @@ class UserHistory:
         chosen = flat[3 * skip: 3 * (skip + n)]
         return chosen[0::3].tolist(), chosen[1::3].tolist()
 
-    @property
-    def clicks(self) -> list[tuple[int, int, int]]:
-        flat = self.flat
-        return [(flat[k], flat[k + 1], flat[k + 2]) for k in range(0, len(flat), 3)]
-
     def nbytes(self) -> int:
         return 8 * len(self.flat) + 80
 

@@ -198,6 +198,7 @@ class OnlineFeatureStore:
 
     def _apply_records(self, records: Sequence) -> None:
         with self._lock:
+            as_of = self.as_of()  # once a batch: the expiry horizon moves with the watermarks, not per record
             for record in records:
                 self.counts["messages"] += 1
                 try:
@@ -215,7 +216,6 @@ class OnlineFeatureStore:
                     if entity.counts is None:
                         entity.counts = EntityCounts()
                     entity.counts.put(message)
-                    as_of = self.watermarks.as_of(self.partitions) if self.partitions else None
                     if as_of is not None:
                         entity.counts.expire(as_of - self.max_window_ms - REPLAY_HORIZON_MS)
                     self._resized(entity)

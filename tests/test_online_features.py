@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, free_port, read_topic, run_cli
 from pipelines.feature_spec import FeatureSpec
-from pipelines.feature_state import Candidate, differing_features
+from pipelines.feature_state import Candidate, differing_features, entity_partition
 from pipelines.sample_wire import decode_samples
 from pipelines.flink_rest import FlinkRest
 from serving.feature_store import OnlineFeatureStore
@@ -130,6 +130,11 @@ def test_store_features_equal_the_samples(broker, bounded_run):
     try:
         status = store.status()
         assert status["corrupt"] == 0 and status["entities"]["user"] > 1000 and status["features_as_of"] is not None
+        # an entity's keys share its partition; each watermark record is on the partition it names
+        for r in read_topic(broker, f"{bounded_run.name}.features"):
+            kind, *rest = r.key.decode().split("/")
+            want = int(rest[2]) if kind == "w" else entity_partition(rest[0], int(rest[1]), store.partitions)
+            assert r.partition == want, (r.key, r.partition)
         assert mismatches(store, rows, _clicks(rows)) == []
         # the hand-built cases say what they test
         assert by_id["h-i2"]["user_clicks_60s"] == 0 and by_id["h-i2"]["user_imps_60s"] == 1  # c1 at its ms: invisible

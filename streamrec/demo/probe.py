@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import orjson
@@ -94,23 +95,25 @@ class ProbeRecords:
     unscored: int = 0  # samples that arrived before the server had a model
 
 
-class ServingProbe:
-    def __init__(self, bootstrap: str, samples_topic: str, truth_topic: str, client: ServingClient,
-                 model_store: ModelStore, warmup_samples: int) -> None:
-        self.warmup_samples = warmup_samples
-        self.bootstrap, self.samples_topic, self.truth_topic = bootstrap, samples_topic, truth_topic
-        self.client, self.model_store = client, model_store
-        self.records = ProbeRecords()
-        self.bayes: dict[str, float] = {}
-        self.frozen: InferenceModel | None = None
+class BackgroundProbe:
+    """A probe's threads, started and stopped together; the first error any of them raises
+    is kept in ``error`` for the demo's main loop to report."""
+
+    def __init__(self, *threads: tuple[str, Callable[[], None]]) -> None:
+        self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._follow_samples, name="probe-samples", daemon=True),
-                         threading.Thread(target=self._note_visibility, name="probe-visibility", daemon=True),
-                         threading.Thread(target=self._follow_truth, name="probe-truth", daemon=True)]
-        self.error: BaseException | None = None
+        self._threads = [threading.Thread(target=self._guarded(fn), name=name, daemon=True) for name, fn in threads]
 
-    def start(self) -> "ServingProbe":
+    def _guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported by the demo's main loop
+                self.error = exc
+        return run
+
+    def start(self):
         for t in self._threads:
             t.start()
         return self
@@ -119,62 +122,69 @@ class ServingProbe:
         self._stop.set()
         for t in self._threads:
             t.join(30)
+
+
+class ServingProbe(BackgroundProbe):
+    def __init__(self, bootstrap: str, samples_topic: str, truth_topic: str, client: ServingClient,
+                 model_store: ModelStore, warmup_samples: int) -> None:
+        self.warmup_samples = warmup_samples
+        self.bootstrap, self.samples_topic, self.truth_topic = bootstrap, samples_topic, truth_topic
+        self.client, self.model_store = client, model_store
+        self.records = ProbeRecords()
+        self.bayes: dict[str, float] = {}
+        self.frozen: InferenceModel | None = None
+        super().__init__(("probe-samples", self._follow_samples), ("probe-visibility", self._note_visibility),
+                         ("probe-truth", self._follow_truth))
+
+    def stop(self) -> None:
+        super().stop()
         if self.frozen is not None:  # stop() runs twice on the error path: close once
             self.frozen.close()
             self.frozen = None
 
     # ------------------------------------------------------------------ threads
     def _follow_samples(self) -> None:
+        consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
+                                 auto_offset_reset="earliest", max_poll_records=2000)
         try:
-            consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
-                                     auto_offset_reset="earliest", max_poll_records=2000)
-            try:
-                while not self._stop.is_set():
-                    for records in poll_records(consumer, 200).values():
-                        seen = time.time() * 1000
-                        for i in range(0, len(records), CHUNK):
-                            self._score(records[i:i + CHUNK], seen)
-            finally:
-                consumer.close()
-        except BaseException as exc:  # reported by the demo's main loop
-            self.error = exc
+            while not self._stop.is_set():
+                for records in poll_records(consumer, 200).values():
+                    seen = time.time() * 1000
+                    for i in range(0, len(records), CHUNK):
+                        self._score(records[i:i + CHUNK], seen)
+        finally:
+            consumer.close()
 
     def _note_visibility(self) -> None:
         """When each positive sample became readable (read_committed), unaffected by scoring."""
+        consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
+                                 auto_offset_reset="earliest")
         try:
-            consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
-                                     auto_offset_reset="earliest")
-            try:
-                rec = self.records
-                while not self._stop.is_set():
-                    for records in poll_records(consumer, 100).values():
-                        seen = time.time() * 1000
-                        for r in records:
-                            sample = orjson.loads(r.value)
-                            if sample.get("label") == 1:
-                                with self._lock:
-                                    rec.click_ts.append(sample["click_ts"])
-                                    rec.visible_ms.append(seen)
-                                    rec.partition.append(r.partition)
-                                    rec.offset.append(r.offset)
-            finally:
-                consumer.close()
-        except BaseException as exc:
-            self.error = exc
+            rec = self.records
+            while not self._stop.is_set():
+                for records in poll_records(consumer, 100).values():
+                    seen = time.time() * 1000
+                    for r in records:
+                        sample = orjson.loads(r.value)
+                        if sample.get("label") == 1:
+                            with self._lock:
+                                rec.click_ts.append(sample["click_ts"])
+                                rec.visible_ms.append(seen)
+                                rec.partition.append(r.partition)
+                                rec.offset.append(r.offset)
+        finally:
+            consumer.close()
 
     def _follow_truth(self) -> None:
+        consumer = make_consumer(self.bootstrap, self.truth_topic, group_id=None, auto_offset_reset="earliest")
         try:
-            consumer = make_consumer(self.bootstrap, self.truth_topic, group_id=None, auto_offset_reset="earliest")
-            try:
-                while not self._stop.is_set():
-                    for records in poll_records(consumer, 500).values():
-                        rows = [row for r in records for row in decode_truth_message(r.value) if row["kind"] == "impression"]
-                        with self._lock:
-                            self.bayes.update((row["event_id"], row["p"]) for row in rows)
-            finally:
-                consumer.close()
-        except BaseException as exc:
-            self.error = exc
+            while not self._stop.is_set():
+                for records in poll_records(consumer, 500).values():
+                    rows = [row for r in records for row in decode_truth_message(r.value) if row["kind"] == "impression"]
+                    with self._lock:
+                        self.bayes.update((row["event_id"], row["p"]) for row in rows)
+        finally:
+            consumer.close()
 
     def _frozen_model(self) -> InferenceModel | None:
         """The first version trained on ``warmup_samples``: the model after warm-up, never updated."""

@@ -16,7 +16,6 @@ interval and the checkpoint that makes the state visible).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict, deque
 
@@ -27,14 +26,14 @@ from pipelines.feature_spec import FeatureSpec
 from pipelines.feature_state import differing_features
 from pipelines.generator.scoring import auc
 from streamrec.bus.clients import make_consumer, poll_records
-from streamrec.demo.probe import ServingClient
+from streamrec.demo.probe import BackgroundProbe, ServingClient
 
 log = logging.getLogger("streamrec.demo")
 CANDIDATE_FIELDS = ("item_id", "category_id", "advertiser_id", "position")
 REPLAY_DELAY_S = 2.0
 
 
-class AdServerProbe:
+class AdServerProbe(BackgroundProbe):
     def __init__(self, bootstrap: str, events_topic: str, samples_topic: str, client: ServingClient, spec: FeatureSpec,
                  replay_every: int = 2) -> None:
         self.bootstrap, self.events_topic, self.samples_topic = bootstrap, events_topic, samples_topic
@@ -42,29 +41,7 @@ class AdServerProbe:
         self.served: dict[str, dict] = {}  # impression event_id -> {features, score, as_of, ts, version}
         self.compared: list[dict] = []  # one per impression with both forms
         self.failed_requests = 0
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._guard(self._follow_events), name="adserver-events", daemon=True),
-                         threading.Thread(target=self._guard(self._follow_samples), name="adserver-samples", daemon=True)]
-
-    def start(self) -> "AdServerProbe":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
-
-    def _guard(self, fn):
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # reported by the demo's main loop
-                self.error = exc
-        return run
+        super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples))
 
     def _predict(self, body: dict) -> dict | None:
         status, answer = self.client.call("POST", f"/v1/models/{self.client.model}:predict", orjson.dumps(body))
