@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 import numpy as np
 import orjson
 
+from pipelines.events import InvalidEvent, validate_event
 from pipelines.feature_spec import FeatureSpec
 from pipelines.feature_state import differing_features
 from pipelines.generator.scoring import auc
@@ -62,12 +63,11 @@ class AdServerProbe(BackgroundProbe):
                 for records in poll_records(consumer, 100).values():
                     for r in records:
                         try:
-                            e = orjson.loads(r.value)
-                        except orjson.JSONDecodeError:
-                            continue  # a malformed event: the DLQ's business
-                        if (isinstance(e, dict) and e.get("type") == "impression" and isinstance(e.get("request_id"), str)
-                                and isinstance(e.get("event_id"), str) and type(e.get("ts")) is int):
-                            requests[e["request_id"]].append(e)  # malformed ones are the DLQ's business
+                            e = validate_event(r.value)
+                        except InvalidEvent:
+                            continue  # an ad server never sends what the job rejects: the DLQ's business
+                        if e["type"] == "impression":
+                            requests[e["request_id"]].append(e)
                 for imps in requests.values():
                     self._score_request(imps)
         finally:
@@ -75,13 +75,10 @@ class AdServerProbe(BackgroundProbe):
 
     def _score_request(self, imps: list[dict]) -> None:
         first = imps[0]
-        try:
-            body = {"user_id": first["user_id"], "ts": first["ts"], "return_features": True,
-                    "context": {"device": first["context"]["device"], "local_hour": first["context"]["local_hour"]},
-                    "candidates": [{"item_id": e["item_id"], "category_id": e["item"]["category_id"],
-                                    "advertiser_id": e["item"]["advertiser_id"], "position": e["position"]} for e in imps]}
-        except (KeyError, TypeError):
-            return  # an invalid impression: rejected by the job too
+        body = {"user_id": first["user_id"], "ts": first["ts"], "return_features": True,
+                "context": {"device": first["context"]["device"], "local_hour": first["context"]["local_hour"]},
+                "candidates": [{"item_id": e["item_id"], "category_id": e["item"]["category_id"],
+                                "advertiser_id": e["item"]["advertiser_id"], "position": e["position"]} for e in imps]}
         answer = self._predict(body)
         if answer is None:
             return
