@@ -56,12 +56,10 @@ class SparseFeatures:
     def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows]]:
         """Training lookup: rows are created/admitted as needed and will receive gradients."""
         embeddings, handles = {}, []
-        for name, ids in self.table_ids(batch).items():
-            table = self.store[name]
-            pulled = table.pull(ids, now_ms)
+        for name, pulled in self.store.pull(self.table_ids(batch), now_ms).items():
             rows = pulled.rows.detach().requires_grad_(True)
             embeddings[name] = pulled.embeddings(rows)
-            handles.append(PulledRows(table, pulled, rows))
+            handles.append(PulledRows(self.store[name], pulled, rows))
         return self._assemble(batch, embeddings), handles
 
     @staticmethod

@@ -94,6 +94,15 @@ class HashIndex:
             keys, values = keys[left], values[left]  # (almost always none)
         self._place(keys, values)
 
+    def reserve(self, n: int) -> None:
+        """Grow now if ``n`` more keys would pass the load limit (before a kernel inserts
+        them itself, see ``kernels.find_or_insert``; report them with ``note_inserted``)."""
+        if self._used + n > MAX_LOAD * self.slots:
+            self._rehash(self._used + n)
+
+    def note_inserted(self, n: int) -> None:
+        self._used += n
+
     def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Linear-probing insert of absent, unique keys, a whole batch per round."""
         pos = self._hash(keys)

@@ -147,3 +147,86 @@ def probe(keys: torch.Tensor, index: SlotTables) -> torch.Tensor:
                                             DIM=1, DIM_BLOCK=1, BLOCK=block, PROBES=MAX_PROBES,
                                             UPDATE_CLOCK=False, COUNT_MISSES=False, GATHER=False)
     return slots
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "seed", "init_std", "state_fill"])
+    def _find_or_insert(keys_ptr, index_keys_ptr, index_values_ptr, scratch_ptr, fresh_ptr, counters_ptr,
+                        weights_ptr, state_ptr, last_seen_ptr, row_keys_ptr, live_ptr, dirty_ptr, out_ptr, slots_ptr,
+                        now, n, multiplier, shift, mask, empty, seed, init_std, state_fill,
+                        DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr, STATE_BLOCK: tl.constexpr,
+                        BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = tl.load(keys_ptr + offs, mask=valid, other=0)
+        pos = ((key * multiplier) >> shift) & mask
+        slot = tl.full((BLOCK,), -1, tl.int64)
+        created = offs < 0  # all False
+        pending = valid
+        for _ in range(PROBES):
+            found = tl.load(index_keys_ptr + pos, mask=pending, other=0)
+            hit = pending & (found == key)
+            slot = tl.where(hit, tl.load(index_values_ptr + pos, mask=hit, other=-1), slot)
+            pending = pending & ~hit
+            # the key is absent once its chain reaches an EMPTY slot: claim that slot (keys are
+            # unique in the batch, so only different keys race for it; a loser probes on)
+            claim = pending & (found == empty)
+            target = tl.where(claim, index_keys_ptr + pos, scratch_ptr + offs)
+            old = tl.atomic_cas(target, empty + tl.zeros((BLOCK,), tl.int64), key)
+            won = claim & (old == empty)
+            created = created | won
+            pending = pending & ~won
+            pos = tl.where(pending, (pos + 1) & mask, pos)
+        # row slots for the created keys: one atomic per block, ranks by prefix sum
+        made = created.to(tl.int32)
+        base = tl.atomic_add(counters_ptr, tl.sum(made, axis=0))
+        rank = base + tl.cumsum(made, axis=0) - made
+        new_slot = tl.load(fresh_ptr + rank, mask=created, other=-1)
+        tl.store(index_values_ptr + pos, new_slot, mask=created)
+        slot = tl.where(created, new_slot, slot)
+        tl.atomic_add(counters_ptr + 1, tl.sum(pending.to(tl.int32), axis=0))
+        slot = tl.where(pending, -2, slot)  # gave up probing: the caller decides with torch
+        tl.store(slots_ptr + offs, slot, mask=valid)
+        safe = tl.where(slot >= 0, slot, 0)
+        tl.store(last_seen_ptr + safe, now + tl.zeros((BLOCK,), tl.int64), mask=slot >= 0)
+        tl.store(row_keys_ptr + safe, key, mask=created)
+        tl.store(live_ptr + safe, created, mask=created)
+        tl.store(dirty_ptr + safe, tl.full((BLOCK,), 1, tl.int8), mask=created)
+        cols = tl.arange(0, DIM_BLOCK)
+        col_ok = (cols < DIM)[None, :]
+        init = tl.randn(seed, (rank[:, None] * DIM + cols[None, :]).to(tl.int32)) * init_std
+        tl.store(weights_ptr + safe[:, None] * DIM + cols[None, :], init, mask=created[:, None] & col_ok)
+        scols = tl.arange(0, STATE_BLOCK)
+        tl.store(state_ptr + safe[:, None] * STATE_DIM + scols[None, :], state_fill + tl.zeros((BLOCK, STATE_BLOCK), tl.float32),
+                 mask=created[:, None] & (scols < STATE_DIM)[None, :])
+        hit = (slot >= 0) & ~created
+        rows = tl.load(weights_ptr + safe[:, None] * DIM + cols[None, :], mask=hit[:, None] & col_ok, other=0.0)
+        rows = tl.where(created[:, None], init, rows)
+        tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok)
+
+
+def find_or_insert(keys: torch.Tensor, tier, fresh: torch.Tensor, counters: torch.Tensor, now_ms: int, seed: int,
+                   init_std: float, state_fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and slots for batch-unique ``keys`` in ``tier`` (a RowStorage on CUDA), creating
+    the absent ones in the same launch: an index slot claimed by compare-and-swap, a row
+    slot taken from ``fresh`` in order, weights drawn on the device (N(0, init_std) from
+    ``seed``), state filled with ``state_fill``, the row marked live and dirty. Hit and
+    created rows get ``last_seen = now_ms``. ``counters`` (int32[2], zeroed) receives
+    (rows created, keys undecided after MAX_PROBES: slot -2, rows zeros). The caller
+    guarantees room: ``len(fresh) >= len(keys)`` and index load stays <= its maximum."""
+    index_keys, index_values = tier.index.raw_tables()
+    bits = tier.index.bits
+    n, dim, state_dim = len(keys), tier.dim, tier.state_dim
+    out = torch.empty(n, dim, device=keys.device, dtype=tier.weights.dtype)
+    slots = torch.empty(n, device=keys.device, dtype=torch.int64)
+    if n == 0:
+        return out, slots
+    block = 128 if dim <= 64 else 32
+    scratch = torch.zeros(triton.cdiv(n, block) * block, dtype=torch.int64, device=keys.device)
+    _find_or_insert[(triton.cdiv(n, block),)](
+        keys, index_keys, index_values, scratch, fresh, counters, tier.weights, tier.state, tier.last_seen, tier.keys,
+        tier.live, tier.dirty, out, slots, now_ms, n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY, seed, init_std,
+        state_fill, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), STATE_DIM=state_dim,
+        STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block, PROBES=MAX_PROBES)
+    return out, slots

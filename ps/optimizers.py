@@ -1,8 +1,12 @@
-"""Fused sparse optimizers: one vectorised update over the unique rows of a batch.
+"""Sparse optimizers over the unique rows of a batch, updated in place in their tier.
 
 Gradients of duplicate keys are summed before they get here (the table pulls unique
 rows, so autograd's index backward sums them). State lives next to each row in the
 tier that holds it, so it moves with the row between GPU, DRAM and SSD.
+
+``update_`` is what tables call: on CUDA one fused Triton launch per table
+(ps/optimizer_kernels.py), elsewhere the vectorised torch ``step`` (the formula).
+Both mark the updated rows dirty.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ps import optimizer_kernels
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,13 @@ class RowwiseAdagrad:
         acc = state[:, 0] + grad.pow(2).mean(dim=1)
         new_w = weights - self.lr * grad / (acc.sqrt() + self.eps).unsqueeze(1)
         return new_w, acc.unsqueeze(1)
+
+    def update_(self, weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        if optimizer_kernels.available(weights.device):
+            optimizer_kernels.rowwise_adagrad_(weights, state, dirty, slots, grad.float(), self.lr, self.eps)
+        else:
+            _update_with_step(self, weights, state, dirty, slots, grad)
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,22 @@ class LazyAdam:
         v_hat = v / (1 - self.beta2 ** t).unsqueeze(1)
         new_w = weights - self.lr * m_hat / (v_hat.sqrt() + self.eps)
         return new_w, torch.cat([m, v, t.unsqueeze(1)], dim=1)
+
+    def update_(self, weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        if optimizer_kernels.available(weights.device):
+            optimizer_kernels.lazy_adam_(weights, state, dirty, slots, grad.float(), self.lr, self.beta1, self.beta2, self.eps)
+        else:
+            _update_with_step(self, weights, state, dirty, slots, grad)
+
+
+def _update_with_step(optimizer, weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,
+                      grad: torch.Tensor) -> None:
+    """The torch path of ``update_``: gather the rows, step, scatter them back."""
+    new_w, new_s = optimizer.step(weights.index_select(0, slots), state.index_select(0, slots), grad.float())
+    weights.index_copy_(0, slots, new_w)
+    state.index_copy_(0, slots, new_s)
+    dirty.index_fill_(0, slots, 1)
 
 
 OPTIMIZERS = {"adagrad": RowwiseAdagrad, "adam": LazyAdam}

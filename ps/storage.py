@@ -26,6 +26,12 @@ class RowStorage:
         self.last_seen = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.keys = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
+        # 1 = the row differs from (or has no) copy in the tier below; the GPU cache writes
+        # back only dirty rows on eviction (int8: kernels store to it)
+        self.dirty = torch.zeros(capacity, dtype=torch.int8, device=self.device)
+        # the GPU cache's pointer to each row's DRAM copy (-1: none), so eviction writes back
+        # by slot without probing the DRAM index
+        self.below = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)
         self._high_water = 0
 
@@ -39,8 +45,10 @@ class RowStorage:
     def slots_of(self, keys: torch.Tensor) -> torch.Tensor:
         return self.index.lookup(keys)
 
-    def add(self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, last_seen: torch.Tensor) -> torch.Tensor:
-        """Store rows for keys that are not present (unique); returns their slots."""
+    def add(self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, last_seen: torch.Tensor,
+            dirty: bool | torch.Tensor = False, below: torch.Tensor | None = None) -> torch.Tensor:
+        """Store rows for keys that are not present (unique); returns their slots. Host
+        tensors in pinned memory are copied without blocking."""
         n = len(keys)
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -53,35 +61,66 @@ class RowStorage:
             self._grow(max(2 * self.capacity, self._high_water + fresh))
         slots = torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
         self._high_water += fresh
-        self.weights[slots] = weights.to(self.device)
-        self.state[slots] = state.to(self.device)
-        self.last_seen[slots] = last_seen.to(self.device)
-        self.keys[slots] = keys.to(self.device)
+        self.weights.index_copy_(0, slots, weights.to(self.device, non_blocking=True))
+        self.state.index_copy_(0, slots, state.to(self.device, non_blocking=True))
+        self.last_seen.index_copy_(0, slots, last_seen.to(self.device, non_blocking=True))
+        self.keys.index_copy_(0, slots, keys.to(self.device, non_blocking=True))
+        if below is not None:
+            self.below.index_copy_(0, slots, below.to(self.device, non_blocking=True))
         self.live[slots] = True
+        if isinstance(dirty, torch.Tensor):
+            self.dirty[slots] = dirty.to(self.device, torch.int8)
+        else:
+            self.dirty[slots] = int(dirty)
         self.index.insert(keys, slots)
         return slots
 
+    def free_slots(self, n: int) -> torch.Tensor:
+        """The slots the next ``n`` rows would take (free list first), without taking them:
+        a kernel creating rows takes a prefix of them, then ``claim`` records how many."""
+        reuse = self._free[:n]
+        fresh = n - len(reuse)
+        if self._high_water + fresh > self.capacity:
+            raise TierFull(f"tier on {self.device} holds {self.capacity} rows and has room for {self.capacity - len(self)}")
+        return torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
+
+    def claim(self, n: int) -> None:
+        """Record that the first ``n`` of ``free_slots`` now hold rows."""
+        reused = min(n, len(self._free))
+        self._free = self._free[reused:]
+        self._high_water += n - reused
+
     def pop(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Remove present keys; returns (keys, weights, state, last_seen) of those removed."""
-        slots = self.index.remove(keys)
+        slots = self.index.lookup(keys)
         found = slots >= 0
         slots = slots[found]
         out = (keys.to(self.device)[found], self.weights[slots].clone(), self.state[slots].clone(), self.last_seen[slots].clone())
-        self.live[slots] = False
-        self._free = torch.cat([self._free, slots])
+        self.discard(out[0])
         return out
 
-    def coldest(self, n: int, protect: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys of the ``n`` least recently seen rows, never those in ``protect`` (slots)."""
+    def discard(self, keys: torch.Tensor) -> None:
+        """Remove present keys without reading their rows."""
+        slots = self.index.remove(keys)
+        slots = slots[slots >= 0]
+        self.live[slots] = False
+        self.dirty[slots] = 0
+        self.below[slots] = -1
+        self._free = torch.cat([self._free, slots])
+
+    def coldest_slots(self, n: int, protect: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots of the ``n`` least recently seen rows, never those in ``protect`` (slots)."""
         seen = torch.where(self.live, self.last_seen, torch.iinfo(torch.int64).max)
         if protect is not None and len(protect):
-            seen = seen.clone()
             seen[protect] = torch.iinfo(torch.int64).max
         n = min(n, int(self.live.sum()) - (len(protect) if protect is not None else 0))
         if n <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        slots = torch.topk(seen[: self._high_water], n, largest=False).indices
-        return self.keys[slots]
+        return torch.topk(seen[: self._high_water], n, largest=False).indices
+
+    def coldest(self, n: int, protect: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys of the ``n`` least recently seen rows, never those in ``protect`` (slots)."""
+        return self.keys[self.coldest_slots(n, protect)]
 
     def live_slots(self) -> torch.Tensor:
         return torch.nonzero(self.live[: self._high_water]).squeeze(1)
@@ -94,3 +133,7 @@ class RowStorage:
 
         self.weights, self.state = grown(self.weights), grown(self.state)
         self.last_seen, self.keys, self.live = grown(self.last_seen), grown(self.keys), grown(self.live)
+        self.dirty = grown(self.dirty)
+        below = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        below[: self.below.shape[0]] = self.below
+        self.below = below

@@ -24,7 +24,8 @@ import pyarrow.ipc as ipc
 import torch
 
 from ps.model_store import ModelStore, SparseDelta
-from ps.table import EmbeddingTable, TableConfig
+from ps.table import EmbeddingTable, PendingPull, Pulled, TableConfig
+from ps.unique import unique_per_group
 
 CHECKPOINT_FORMAT = 1
 
@@ -125,6 +126,24 @@ class EmbeddingStore:
 
     def __getitem__(self, name: str) -> EmbeddingTable:
         return self.tables[name]
+
+    def pull(self, ids: Mapping[str, torch.Tensor], now_ms: int, train: bool = True) -> dict[str, Pulled]:
+        """``EmbeddingTable.pull`` for several tables at once. On CUDA: one sort-based unique
+        over every table's ids and one find-or-insert launch per table, with one host sync
+        for the unique counts and one for what the kernels created (not two per table)."""
+        names = list(ids)
+        flat = [ids[n].to(self.tables[n].top.device, torch.int64).reshape(-1) for n in names]
+        if self.device.type == "cuda":
+            uniques = unique_per_group(flat)
+        else:  # no host syncs to save; torch.unique per table is the cheaper sort on CPU
+            uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in flat]
+        started = {n: self.tables[n].pull_start(k, inv, c, now_ms, train) for n, (k, inv, c) in zip(names, uniques)}
+        pending = {n: p for n, p in started.items() if isinstance(p, PendingPull)}
+        if pending:
+            counters = torch.stack([p.counters for p in pending.values()]).tolist()  # the one sync
+            for (n, p), c in zip(pending.items(), counters):
+                started[n] = self.tables[n].pull_finish(p, c)
+        return started
 
     def begin_snapshot(self, kind: str) -> "SnapshotTask":
         """Start a snapshot of what a version of ``kind`` needs; resets delta tracking.

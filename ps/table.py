@@ -36,6 +36,26 @@ from ps.ssd import SsdTier
 from ps.storage import RowStorage
 
 
+def _gather(source: torch.Tensor, slots: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``source.index_select(0, slots)`` (a C-level gather), into pinned memory if ``pin``
+    (so the copy to the GPU that follows does not block)."""
+    if not pin:
+        return source.index_select(0, slots)
+    out = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
+    return torch.index_select(source, 0, slots, out=out)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors to pinned host memory with one synchronisation for all."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for o, t in zip(out, tensors):
+        o.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
+
+
 @dataclass(frozen=True)
 class TableConfig:
     name: str
@@ -53,6 +73,20 @@ class TableConfig:
             raise ValueError(f"invalid table name {self.name!r}")
         if self.dim < 1 or self.admit_after < 1 or self.ttl_s < 0 or self.dram_rows < 0 or self.gpu_cache_rows < 0:
             raise ValueError(f"invalid table config {self}")
+
+
+@dataclass
+class PendingPull:
+    """A device find-or-insert in flight: ``counters`` (rows created, keys undecided)
+    are still on the GPU; ``EmbeddingTable.pull_finish`` completes it."""
+
+    keys: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    rows: torch.Tensor
+    slots: torch.Tensor
+    counters: torch.Tensor
+    now_ms: int
 
 
 @dataclass
@@ -94,6 +128,11 @@ class EmbeddingTable:
         self._touched: list[torch.Tensor] = []
         self._deleted: list[torch.Tensor] = []
         self._generation = 0
+        # every row of the table is in the GPU cache: a cache miss is a new key (kept by
+        # the code that moves rows below the cache; see refresh_cache_complete)
+        self.cache_complete = self.cache is not None
+        fill = self.optimizer.init_state(1, config.dim, torch.device("cpu"))
+        self._state_fill = float(fill[0, 0]) if bool((fill == fill[0, 0]).all()) else None
         self.stats = {"lookups": 0, "cache_hits": 0, "fused_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0}
 
     @property
@@ -114,8 +153,25 @@ class EmbeddingTable:
     def pull(self, ids: torch.Tensor, now_ms: int, train: bool = True) -> Pulled:
         ids = ids.to(self.top.device, torch.int64).flatten()
         keys, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        started = self.pull_start(keys, inverse, counts, now_ms, train)
+        return started if isinstance(started, Pulled) else self.pull_finish(started, started.counters.tolist())
+
+    def pull_start(self, keys: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor, now_ms: int,
+                   train: bool = True) -> "Pulled | PendingPull":
+        """``pull`` of batch-unique ``keys``. On CUDA, while every row of the table is in the
+        GPU cache, this launches one find-or-insert kernel and returns a PendingPull whose
+        ``counters`` the caller reads (one host sync for many tables) and hands to
+        ``pull_finish``; otherwise it returns the finished Pulled."""
         top = self.top
         self.stats["lookups"] += len(keys)
+        if self._can_create_on_device(len(keys), train):
+            cache = self.cache
+            cache.index.reserve(len(keys))
+            counters = torch.zeros(2, dtype=torch.int32, device=keys.device)
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+            rows, slots = kernels.find_or_insert(keys, cache, cache.free_slots(len(keys)), counters, now_ms, seed,
+                                                 self.config.init_std, self._state_fill)
+            return PendingPull(keys, inverse, counts, rows, slots, counters, now_ms)
         if self.cache is not None and kernels.available(self.device):
             # Steady state on CUDA: every key is cached. One fused probe+gather launch and
             # one host sync (the miss count) instead of probe rounds and boolean indexing.
@@ -150,6 +206,38 @@ class EmbeddingTable:
         return Pulled(keys, inverse.to(rows.device), rows, admitted, slots if all_admitted else slots[admitted],
                       self._generation, all_admitted)
 
+    def _can_create_on_device(self, n: int, train: bool) -> bool:
+        """Misses can be created by the find-or-insert kernel: nothing lives below the cache
+        (a miss is a new key), no admission sketch to consult, the state has one fill
+        value, and the batch fits the cache without evicting."""
+        cache = self.cache
+        return (train and cache is not None and kernels.available(self.device) and self.cache_complete
+                and self.sketch is None and self._state_fill is not None and len(cache) + n <= cache.capacity)
+
+    def pull_finish(self, pending: "PendingPull", counters: list[int]) -> Pulled:
+        """Finish a ``pull_start`` of the device path, given its ``counters`` on the host."""
+        created, undecided = counters
+        cache = self.cache
+        cache.claim(created)
+        cache.index.note_inserted(created)
+        self.stats["created"] += created
+        self.stats["cache_hits"] += len(pending.keys) - created
+        slots, rows = pending.slots, pending.rows
+        if undecided:  # probe chains longer than the kernel's limit: the torch path decides
+            lost = torch.nonzero(slots == -2).squeeze(1)
+            found = cache.slots_of(pending.keys[lost])
+            absent = found < 0
+            if bool(absent.any()):
+                found[absent] = self._bring_up(pending.keys[lost][absent], None, pending.now_ms, True, protect=slots[slots >= 0])
+            slots[lost] = found
+            rows[lost] = cache.weights.index_select(0, found)
+            cache.last_seen.index_fill_(0, found, pending.now_ms)
+        if created:
+            self._track(pending.keys)  # new rows reach the next delta even if never pushed
+        self._generation += 1
+        admitted = torch.ones(len(pending.keys), dtype=torch.bool, device=slots.device)
+        return Pulled(pending.keys, pending.inverse, rows, admitted, slots, self._generation, all_admitted=True)
+
     def lookup(self, ids: torch.Tensor, now_ms: int) -> torch.Tensor:
         """Serving-style read: one embedding per id, zeros for ids without a row; never
         creates rows. On CUDA, when every id hits the GPU cache, this is one fused
@@ -159,11 +247,18 @@ class EmbeddingTable:
             return self.lookup_hit(started[0])
         return self.lookup_slow(ids, now_ms)
 
-    @property
-    def resident(self) -> bool:
-        """Every row is in the GPU cache (DRAM is the home of every cached row, so equal
-        counts mean no row lives only below): an id the cache lacks has no row at all."""
-        return self.cache is not None and len(self.cache) >= len(self.dram) and (self.ssd is None or self.ssd.count == 0)
+    def refresh_cache_complete(self) -> bool:
+        """Recompute ``cache_complete`` exactly (every DRAM row also cached, nothing on SSD):
+        one probe of the DRAM keys in the cache index. Called after changes that may have
+        made the cache whole again (warming, expiry)."""
+        if self.cache is None:
+            self.cache_complete = False
+        elif self.ssd is not None and self.ssd.count:
+            self.cache_complete = False
+        else:
+            keys = self.dram.keys[self.dram.live_slots()].to(self.device)
+            self.cache_complete = bool((self.cache.slots_of(keys) >= 0).all()) if len(keys) else True
+        return self.cache_complete
 
     def lookup_start(self, ids: torch.Tensor, now_ms: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fused hit path without its host sync: (rows, pending [1]) where ``pending``
@@ -173,7 +268,7 @@ class EmbeddingTable:
         if self.cache is None or not kernels.available(self.device):
             return None
         ids = ids.to(self.top.device, torch.int64).flatten()
-        resident = self.resident
+        resident = self.cache_complete
         rows, slots, misses = kernels.probe_gather(ids, self.cache.index, self.cache.weights, self.cache.last_seen, now_ms,
                                                    count_misses=not resident)
         if resident:
@@ -199,6 +294,7 @@ class EmbeddingTable:
         keys = keys.to(torch.int64).cpu()[:max(room, 0)]
         if len(keys):
             self.pull(keys.to(self.top.device), now_ms, train=False)
+        self.refresh_cache_complete()
         return len(keys)
 
     def push(self, pulled: Pulled, grad: torch.Tensor) -> None:
@@ -217,11 +313,7 @@ class EmbeddingTable:
         if len(slots) == 0:
             return
         top = self.top
-        new_w, new_s = self.optimizer.step(
-            top.weights.index_select(0, slots), top.state.index_select(0, slots), grad_rows.to(top.device, torch.float32)
-        )
-        top.weights.index_copy_(0, slots, new_w)
-        top.state.index_copy_(0, slots, new_s)
+        self.optimizer.update_(top.weights, top.state, top.dirty, slots, grad_rows.to(top.device))
         self._track(keys)
 
     def _track(self, keys: torch.Tensor) -> None:
@@ -245,11 +337,10 @@ class EmbeddingTable:
         """Make ``keys`` resident in the top tier where they exist (or are admitted now);
         returns their top-tier slots, -1 for keys without a row."""
         cpu_keys = keys.cpu()
-        found_k, found_w, found_s, found_t = self._take_from_lower(cpu_keys)
-        have = torch.zeros(len(cpu_keys), dtype=torch.bool)
-        if len(found_k):
-            have = torch.isin(cpu_keys, found_k)
+        have, found_w, found_s, found_t, below = self._take_from_lower(cpu_keys)
+        found_k = cpu_keys[have]
         new_keys = cpu_keys[~have]
+        from_below = len(found_k)
         if train and len(new_keys):
             if self.sketch is not None:
                 new_counts = counts.cpu()[~have] if counts is not None else torch.ones(len(new_keys), dtype=torch.int32)
@@ -262,11 +353,13 @@ class EmbeddingTable:
                 found_w = torch.cat([found_w, init])
                 found_s = torch.cat([found_s, self.optimizer.init_state(n, self.config.dim, torch.device("cpu"))])
                 found_t = torch.cat([found_t, torch.full((n,), now_ms, dtype=torch.int64)])
+                below = torch.cat([below, torch.full((n,), -1, dtype=torch.int64)])
                 self._track(new_keys)
                 self.stats["created"] += n
         if len(found_k):
             self._make_room(len(found_k), protect)
-            self.top.add(found_k, found_w, found_s, found_t)
+            created = torch.arange(len(found_k)) >= from_below  # new rows have no copy below: dirty
+            self.top.add(found_k, found_w, found_s, found_t, dirty=created, below=below if self.cache is not None else None)
         # Spill only now, once every row of this batch is in the top tier: a spill earlier
         # could send a row to SSD that is about to be cached, leaving two copies.
         batch = torch.empty(0, dtype=torch.int64) if self.cache is not None else torch.cat([protect.cpu(), self.dram.slots_of(found_k)])
@@ -274,27 +367,44 @@ class EmbeddingTable:
         return self.top.slots_of(keys)
 
     def _take_from_lower(self, keys: torch.Tensor):
-        """Rows for ``keys`` from the tiers below the top (removing them from SSD)."""
-        parts = []
-        rest = keys
+        """Rows for CPU ``keys`` from the tiers below the top (SSD rows move up to DRAM when
+        there is a cache, else they leave SSD for the top tier). Returns (found mask over
+        ``keys``, then for the found keys in order: weights, state, last_seen, DRAM slot),
+        gathered into pinned memory when a GPU cache will receive them."""
+        n = len(keys)
+        pin = self.cache is not None and torch.cuda.is_available()
+        have = torch.zeros(n, dtype=torch.bool)
+        dram_slots = torch.full((n,), -1, dtype=torch.int64)
         if self.cache is not None:
-            dram_slots = self.dram.slots_of(rest)
-            hit = dram_slots >= 0
-            s = dram_slots[hit]
-            parts.append((rest[hit], self.dram.weights[s], self.dram.state[s], self.dram.last_seen[s]))
-            rest = rest[~hit]
-        if self.ssd is not None and len(rest):
-            got = self.ssd.take(rest)
-            self.stats["ssd_reads"] += len(got[0])
-            if self.cache is not None and len(got[0]):
-                self.dram.add(*got)  # DRAM stays the home of every cached row
-            parts.append(got)
-        if not parts:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.config.dim), torch.empty(0, self.state_dim), torch.empty(0, dtype=torch.int64)
-        return tuple(torch.cat([p[i].cpu() for p in parts]) for i in range(4))
+            dram_slots = self.dram.slots_of(keys)
+            have = dram_slots >= 0
+        if self.ssd is not None and not bool(have.all()):
+            rest = torch.nonzero(~have).squeeze(1)
+            got_k, got_w, got_s, got_t = self.ssd.take(keys[rest])
+            self.stats["ssd_reads"] += len(got_k)
+            if len(got_k):
+                hit = rest[torch.isin(keys[rest], got_k)]  # ssd.take answers in request order
+                if self.cache is not None:  # DRAM stays the home of every row it brings up
+                    dram_slots[hit] = self.dram.add(got_k, got_w, got_s, got_t)
+                    have[hit] = True
+                else:
+                    return self._ssd_rows(n, hit, got_w, got_s, got_t)
+        if self.cache is None:
+            return self._ssd_rows(n, torch.empty(0, dtype=torch.int64), None, None, None)
+        src = dram_slots[have]
+        return (have, _gather(self.dram.weights, src, pin), _gather(self.dram.state, src, pin),
+                _gather(self.dram.last_seen, src, pin), src)
+
+    def _ssd_rows(self, n: int, hit: torch.Tensor, w, s, t):
+        """``_take_from_lower``'s answer on a table without a cache (rows only from SSD)."""
+        have = torch.zeros(n, dtype=torch.bool)
+        have[hit] = True
+        if w is None:
+            w, s, t = torch.empty(0, self.config.dim), torch.empty(0, self.state_dim), torch.empty(0, dtype=torch.int64)
+        return have, w, s, t, torch.full((len(hit),), -1, dtype=torch.int64)
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
-        """On CUDA: write back and drop the least recently seen cache rows to fit ``n`` more."""
+        """On CUDA: evict the least recently seen cache rows to fit ``n`` more."""
         cache = self.cache
         if cache is None:
             return
@@ -305,18 +415,36 @@ class EmbeddingTable:
                     f"table {self.config.name}: one batch needs {len(protect) + n} rows but the GPU cache holds "
                     f"{cache.capacity}; raise gpu_cache_rows"
                 )
-            self._write_back(cache.coldest(overflow, protect))
+            self._evict(cache.coldest_slots(overflow, protect))
 
     def _write_back(self, keys: torch.Tensor) -> None:
-        k, w, s, t = self.cache.pop(keys)
-        k, w, s, t = k.cpu(), w.cpu(), s.cpu(), t.cpu()
-        slots = self.dram.slots_of(k)
-        present = slots >= 0
-        self.dram.weights[slots[present]] = w[present]
-        self.dram.state[slots[present]] = s[present]
-        self.dram.last_seen[slots[present]] = t[present]
-        if bool((~present).any()):
-            self.dram.add(k[~present], w[~present], s[~present], t[~present])
+        """Evict ``keys`` (those present) from the GPU cache."""
+        slots = self.cache.slots_of(keys.to(self.cache.device))
+        self._evict(slots[slots >= 0])
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        """Drop cache ``slots``. Dirty rows go down whole, by their DRAM slot (rows created
+        in the cache get one now); clean rows (their DRAM copy is current) send only their
+        clock, so expiry and LRU stay exact. One device-to-host transfer, into pinned memory."""
+        if len(slots) == 0:
+            return
+        cache, dram = self.cache, self.dram
+        dirty = cache.dirty.index_select(0, slots).bool()
+        d = slots[dirty]
+        parts = [cache.keys.index_select(0, slots), cache.below.index_select(0, slots), cache.last_seen.index_select(0, slots),
+                 dirty, cache.weights.index_select(0, d), cache.state.index_select(0, d)]
+        keys, below, seen, dirty, w, s = _to_host(parts)
+        cache.discard(cache.keys.index_select(0, slots))
+        self.cache_complete = False
+        home = below >= 0
+        dram.last_seen.index_copy_(0, below[home], seen[home])
+        below_d, keys_d, seen_d = below[dirty], keys[dirty], seen[dirty]
+        homed = below_d >= 0
+        if bool(homed.any()):
+            dram.weights.index_copy_(0, below_d[homed], w[homed])
+            dram.state.index_copy_(0, below_d[homed], s[homed])
+        if not bool(homed.all()):
+            dram.add(keys_d[~homed], w[~homed], s[~homed], seen_d[~homed])
 
     def _spill_dram(self, protect: torch.Tensor) -> None:
         budget = self.config.dram_rows
@@ -438,6 +566,8 @@ class EmbeddingTable:
             last_seen = torch.zeros(n, dtype=torch.int64)
         self.remove(keys)
         self.dram.add(keys, weights.cpu().float(), state.cpu(), last_seen.cpu())
+        if n and self.cache is not None:
+            self.cache_complete = False  # rows now live below the cache only (warm() brings them up)
         self._spill_dram(protect=torch.empty(0, dtype=torch.int64))
 
     def remove(self, keys: torch.Tensor) -> None:

@@ -58,11 +58,13 @@ def run_reference_workload(table: EmbeddingTable, optimizer: str, steps: int = 6
     opt = make_optimizer(optimizer, lr=0.1)
     ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     g = torch.Generator().manual_seed(seed)
+    # the fused Adam kernel (fp32 FMA, pow on the device) drifts ~3e-6 from the CPU formula in 60 steps
+    atol = 1e-5 if optimizer == "adam" and table.device.type == "cuda" else 1e-6
     for step in range(steps):
         ids = torch.randint(-400, 400, (96,), generator=g) * 1_000_000_007  # sparse, negative too
         pulled = table.pull(ids, now_ms=step)
         expected = torch.stack([ref.get(k, (torch.zeros(dim), None))[0] for k in pulled.keys.tolist()])
-        torch.testing.assert_close(pulled.rows.cpu(), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(pulled.rows.cpu(), expected, rtol=0, atol=atol)
         grad = torch.randn(len(pulled.keys), dim, generator=g)
         table.push(pulled, grad.to(pulled.rows.device))
         for k, gr in zip(pulled.keys.tolist(), grad):
@@ -83,7 +85,7 @@ def test_tiers_match_a_dict_of_rows(tmp_path, device, optimizer, dram_rows):
     keys = torch.tensor(sorted(ref))
     found, values = table.read(keys)
     assert bool(found.all()) and len(table) == len(ref)
-    torch.testing.assert_close(values, torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(values, torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-5 if optimizer == "adam" and device == "cuda" else 1e-6)
     if dram_rows:
         assert table.stats["spilled"] > 0 and table.stats["ssd_reads"] > 0 and table.ssd.count > 0
 
@@ -313,3 +315,122 @@ def test_lookup_equals_the_general_path_and_never_creates_rows(tmp_path, device)
         assert table.stats["fused_hits"] == before + len(hot)
     top = table.top  # the LRU clock of every row read moved to the lookup's time
     assert top.last_seen[top.slots_of(hot.to(top.device))].eq(31).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_rows", [64, 100_000])
+def test_store_pull_of_many_tables_matches_a_dict_of_rows(tmp_path, device, cache_rows):
+    """EmbeddingStore.pull: one unique over every table, then (on CUDA, while the cache holds
+    every row) the find-or-insert kernel, with duplicate ids within and across tables;
+    a 64-row cache forces evictions and the general path."""
+    dim, opt = 4, make_optimizer("adagrad", lr=0.1)
+    configs = [TableConfig(n, dim, lr=0.1, init_std=0.0, gpu_cache_rows=cache_rows if device == "cuda" else 0)
+               for n in ("a", "b", "c")]
+    store = EmbeddingStore(configs, device, work_dir=tmp_path)
+    refs: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {n: {} for n in ("a", "b", "c")}
+    g = torch.Generator().manual_seed(5)
+    for step in range(40):
+        shared = torch.randint(-50, 50, (40,), generator=g) * 1_000_003
+        ids = {"a": torch.cat([shared, shared]),  # every id twice
+               "b": torch.randint(-30, 30, (64,), generator=g) * 7,
+               "c": shared[:0] if step % 5 == 0 else shared}  # sometimes empty
+        pulled = store.pull(ids, now_ms=step)
+        for name, p in pulled.items():
+            ref = refs[name]
+            assert torch.equal(p.keys.cpu(), torch.unique(ids[name]))
+            expected = torch.stack([ref.get(k, (torch.zeros(dim), None))[0] for k in p.keys.tolist()]) if len(p.keys) \
+                else torch.zeros(0, dim)
+            torch.testing.assert_close(p.embeddings().cpu(), expected[p.inverse.cpu()], rtol=0, atol=1e-6)
+            grad = torch.randn(len(p.keys), dim, generator=g)
+            store[name].push(p, grad.to(p.rows.device))
+            for k, gr in zip(p.keys.tolist(), grad):
+                w, s = ref.get(k, (torch.zeros(dim), opt.init_state(1, dim, torch.device("cpu"))[0]))
+                nw, ns = opt.step(w.unsqueeze(0), s.unsqueeze(0), gr.unsqueeze(0))
+                ref[k] = (nw[0], ns[0])
+    for name, ref in refs.items():
+        keys = torch.tensor(sorted(ref))
+        found, values = store[name].read(keys)
+        assert bool(found.all()) and len(store[name]) == len(ref)
+        torch.testing.assert_close(values.cpu(), torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-6)
+    if device == "cuda" and cache_rows > 1000:  # every row was created by the kernel, none evicted
+        assert store["a"].cache_complete and store["a"].stats["created"] == len(refs["a"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sparse_optimizers_follow_torch_optim_on_a_dense_copy(device):
+    """Row-wise semantics, checked against formulas that do not use ps/optimizers.py:
+    - Adam is lazy: a row's moments and step count advance only in batches that contain it,
+      i.e. each row behaves as its own torch.optim.Adam stepped only when present;
+    - Adagrad keeps one accumulator per row, the running sum of the row's mean squared
+      gradient: w -= lr * g / (sqrt(acc) + eps) (FBGEMM's row-wise Adagrad)."""
+    rows, dim, steps, lr = 40, 8, 12, 0.05
+    g = torch.Generator().manual_seed(11)
+    init = torch.randn(rows, dim, generator=g)
+    for name in ("adam", "adagrad"):
+        table = EmbeddingTable(TableConfig("t", dim, optimizer=name, lr=lr, gpu_cache_rows=1024 if device == "cuda" else 0),
+                               device)
+        keys = torch.arange(rows, dtype=torch.int64) * 104729
+        table.load_rows(keys, init)
+        params = [torch.nn.Parameter(init[r].clone()) for r in range(rows)]
+        if name == "adam":
+            optims = [torch.optim.Adam([p], lr=lr, betas=(0.9, 0.999), eps=1e-8) for p in params]
+        acc = [0.0] * rows
+        for step in range(steps):
+            present = torch.nonzero(torch.rand(rows, generator=g) < 0.6).squeeze(1)
+            grad = torch.randn(len(present), dim, generator=g)
+            pulled = table.pull(keys[present], now_ms=step)
+            order = torch.searchsorted(keys[present].to(pulled.keys.device), pulled.keys)  # pulled keys are sorted
+            table.push(pulled, grad[order.cpu()].to(pulled.rows.device))
+            for j, r in enumerate(present.tolist()):
+                if name == "adam":
+                    params[r].grad = grad[j].clone()
+                    optims[r].step()
+                else:
+                    acc[r] += float((grad[j] ** 2).mean())
+                    with torch.no_grad():
+                        params[r] -= lr * grad[j] / (acc[r] ** 0.5 + 1e-8)
+        found, values = table.read(keys)
+        assert bool(found.all())
+        # float32 against torch.optim (bias corrections in double): 1e-5 is ~1e-4 of one step
+        torch.testing.assert_close(values.cpu(), torch.stack([p.detach() for p in params]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookups_stay_exact_while_another_thread_evicts(device):
+    """Serving's pattern: fused lookups under the shared side of the lock, the general path
+    (which evicts cache rows) under the exclusive side, from several threads at once."""
+    import threading
+
+    from ps.locks import RWLock
+
+    dim, n = 8, 3000
+    table = EmbeddingTable(TableConfig("t", dim, gpu_cache_rows=400 if device == "cuda" else 0), device)
+    keys = torch.arange(1, n + 1, dtype=torch.int64) * 7919
+    values = torch.arange(n * dim, dtype=torch.float32).reshape(n, dim)
+    table.load_rows(keys, values)
+    guard, errors = RWLock(), []
+
+    def reader(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for step in range(60):
+                idx = torch.randint(0, n + 200, (256,), generator=g)  # some ids have no row
+                ids = torch.where(idx < n, idx + 1, idx + 10**6) * 7919
+                with guard.read():
+                    started = table.lookup_start(ids, step)
+                    got = started[0] if started is not None and int(started[1].item()) == 0 else None
+                if got is None:
+                    with guard.write():
+                        got = table.lookup_slow(ids, step)
+                expected = torch.where((idx < n).unsqueeze(1), values[idx.clamp(max=n - 1)], torch.zeros(1, dim))
+                torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert len(table) == n

@@ -1,0 +1,47 @@
+"""``torch.unique`` of several id tensors (one per table) with one host sync for all.
+
+Why: on CUDA each ``torch.unique`` waits for the device to learn its output size, so a
+batch over five tables paid five round trips before any lookup started. Here all ids are
+sorted together by (table, id), the unique count of every table comes back in one
+transfer, and the rest (keys, inverse, counts) is built on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each int64 tensor: (sorted unique keys, inverse, counts), as ``torch.unique``
+    with ``return_inverse`` and ``return_counts`` gives them."""
+    if not groups:
+        return []
+    device = groups[0].device
+    sizes = [len(g) for g in groups]
+    ids = torch.cat([g.reshape(-1) for g in groups])
+    n = len(ids)
+    if n == 0:
+        return [(g.reshape(-1), torch.empty(0, dtype=torch.int64, device=device),
+                 torch.empty(0, dtype=torch.int64, device=device)) for g in groups]
+    tags = torch.repeat_interleave(torch.arange(len(groups), device=device), torch.tensor(sizes, device=device))
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (tag, id)
+    sorted_ids, sorted_tags = ids[order], tags[order]
+    first = torch.ones(n, dtype=torch.bool, device=device)
+    first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_tags[1:] != sorted_tags[:-1])
+    rank = torch.cumsum(first, 0) - 1  # unique position of each sorted id, over all groups
+    ends = torch.tensor(sizes, device=device).cumsum(0) - 1
+    # distinct ids per group: the rank at each group's last sorted element (one transfer)
+    last_rank = torch.where(torch.tensor(sizes, device=device) > 0, rank[ends.clamp(min=0)], -1)
+    totals = (last_rank + 1).tolist()
+    total = max(totals) if totals else 0
+    keys = torch.empty(total, dtype=torch.int64, device=device).scatter_(0, rank, sorted_ids)
+    counts = torch.zeros(total, dtype=torch.int64, device=device).index_add_(0, rank, torch.ones_like(rank))
+    inverse = torch.empty(n, dtype=torch.int64, device=device)
+    inverse[order] = rank
+    out, start_id, start_key = [], 0, 0
+    for size, end_key in zip(sizes, totals):
+        end_key = max(end_key, start_key)  # an empty group ends where the previous one did
+        out.append((keys[start_key:end_key], inverse[start_id:start_id + size] - start_key, counts[start_key:end_key]))
+        start_id, start_key = start_id + size, end_key
+    return out
