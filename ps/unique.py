@@ -2,7 +2,7 @@
 
 Why: on CUDA each ``torch.unique`` waits for the device to learn its output size, so a
 batch over five tables paid five round trips before any lookup started. Here all ids are
-sorted together by (table, id), the unique count of every table comes back in one
+sorted together in one stable sort, the distinct count of every table comes back in one
 transfer, and the rest (keys, inverse, counts) is built on the device.
 """
 
@@ -23,25 +23,28 @@ def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
     if n == 0:
         return [(g.reshape(-1), torch.empty(0, dtype=torch.int64, device=device),
                  torch.empty(0, dtype=torch.int64, device=device)) for g in groups]
-    tags = torch.repeat_interleave(torch.arange(len(groups), device=device), torch.tensor(sizes, device=device))
-    by_id = torch.argsort(ids, stable=True)
-    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (tag, id)
+    # the tag of each id: fills, not repeat_interleave (which would wait for the device)
+    tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
+    # One stable sort by id: equal ids keep their concatenation order, which is by group,
+    # so equal (group, id) pairs are adjacent and each group's ids come out sorted.
+    order = torch.argsort(ids, stable=True)
     sorted_ids, sorted_tags = ids[order], tags[order]
     first = torch.ones(n, dtype=torch.bool, device=device)
     first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_tags[1:] != sorted_tags[:-1])
-    rank = torch.cumsum(first, 0) - 1  # unique position of each sorted id, over all groups
-    ends = torch.tensor(sizes, device=device).cumsum(0) - 1
-    # distinct ids per group: the rank at each group's last sorted element (one transfer)
-    last_rank = torch.where(torch.tensor(sizes, device=device) > 0, rank[ends.clamp(min=0)], -1)
-    totals = (last_rank + 1).tolist()
-    total = max(totals) if totals else 0
+    # a distinct id's index within its group: a running count per group (few groups)
+    running = (torch.nn.functional.one_hot(sorted_tags, len(groups)) * first.unsqueeze(1)).cumsum(0)
+    per_group = running[-1]
+    totals_list = per_group.tolist()  # the one host sync
+    starts = per_group.cumsum(0) - per_group
+    rank = starts[sorted_tags] + running.gather(1, sorted_tags.unsqueeze(1)).squeeze(1) - 1
+    total = sum(totals_list)
     keys = torch.empty(total, dtype=torch.int64, device=device).scatter_(0, rank, sorted_ids)
     counts = torch.zeros(total, dtype=torch.int64, device=device).index_add_(0, rank, torch.ones_like(rank))
     inverse = torch.empty(n, dtype=torch.int64, device=device)
     inverse[order] = rank
     out, start_id, start_key = [], 0, 0
-    for size, end_key in zip(sizes, totals):
-        end_key = max(end_key, start_key)  # an empty group ends where the previous one did
+    for size, distinct in zip(sizes, totals_list):
+        end_key = start_key + distinct
         out.append((keys[start_key:end_key], inverse[start_id:start_id + size] - start_key, counts[start_key:end_key]))
         start_id, start_key = start_id + size, end_key
     return out

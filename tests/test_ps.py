@@ -434,3 +434,17 @@ def test_lookups_stay_exact_while_another_thread_evicts(device):
         t.join()
     assert not errors, errors[0]
     assert len(table) == n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unique_per_group_equals_torch_unique_of_each_group(device):
+    from ps.unique import unique_per_group
+
+    g = torch.Generator().manual_seed(2)
+    for _ in range(100):
+        groups = [(torch.randint(-6, 6, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g) * 10**12).to(device)
+                  for _ in range(int(torch.randint(1, 6, (1,), generator=g)))]
+        for ids, (keys, inverse, counts) in zip(groups, unique_per_group(groups)):
+            expected = torch.unique(ids, return_inverse=True, return_counts=True)
+            for got, want in zip((keys, inverse, counts), expected):
+                assert torch.equal(got, want), (ids, got, want)
