@@ -2,7 +2,7 @@
 
 Why: on CUDA each ``torch.unique`` waits for the device to learn its output size, so a
 batch over five tables paid five round trips before any lookup started. Here all ids are
-sorted together in one stable sort, the distinct count of every table comes back in one
+sorted together by (table, id), the distinct count of every table comes back in one
 transfer, and the rest (keys, inverse, counts) is built on the device.
 """
 
@@ -25,18 +25,14 @@ def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
                  torch.empty(0, dtype=torch.int64, device=device)) for g in groups]
     # the tag of each id: fills, not repeat_interleave (which would wait for the device)
     tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
-    # One stable sort by id: equal ids keep their concatenation order, which is by group,
-    # so equal (group, id) pairs are adjacent and each group's ids come out sorted.
-    order = torch.argsort(ids, stable=True)
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (group, id)
     sorted_ids, sorted_tags = ids[order], tags[order]
     first = torch.ones(n, dtype=torch.bool, device=device)
     first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_tags[1:] != sorted_tags[:-1])
-    # a distinct id's index within its group: a running count per group (few groups)
-    running = (torch.nn.functional.one_hot(sorted_tags, len(groups)) * first.unsqueeze(1)).cumsum(0)
-    per_group = running[-1]
+    rank = torch.cumsum(first, 0) - 1  # position among the distinct (group, id) pairs
+    per_group = torch.zeros(len(groups), dtype=torch.int64, device=device).index_add_(0, sorted_tags, first.long())
     totals_list = per_group.tolist()  # the one host sync
-    starts = per_group.cumsum(0) - per_group
-    rank = starts[sorted_tags] + running.gather(1, sorted_tags.unsqueeze(1)).squeeze(1) - 1
     total = sum(totals_list)
     keys = torch.empty(total, dtype=torch.int64, device=device).scatter_(0, rank, sorted_ids)
     counts = torch.zeros(total, dtype=torch.int64, device=device).index_add_(0, rank, torch.ones_like(rank))
