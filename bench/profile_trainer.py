@@ -29,11 +29,11 @@ def main() -> None:
     device = torch.device(args.device)
     table = pq.read_table(sample_files([args.samples])[0])
     batches = [batch_from_table(table.slice(i * args.batch, args.batch), FeatureSpec(), 50).to(device) for i in range(args.steps)]
-    warm = EmbeddingStore(table_configs(load_config(environ={}).model), device)  # Triton compiles happen here
+    warm = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)  # Triton compiles happen here
     for b in batches[:3]:
         for name, ids in SparseFeatures.table_ids(b).items():
             warm[name].push(warm[name].pull(ids, 1), torch.zeros(1, 16, device=device).expand(len(torch.unique(ids)), 16).contiguous())
-    store = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+    store = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sparse = SparseFeatures(store)
     for label in ("first pass (misses: rows created)", "second pass (hits)"):
@@ -85,7 +85,7 @@ def main() -> None:
             timed(owner, name)
     if device.type == "cuda":
         timed(kernels, "probe_gather")
-    fresh = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+    fresh = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
     for b in batches:
         pulled = fresh["user"].pull(b.user, 3)
         fresh["user"].push(pulled, torch.zeros_like(pulled.rows))
@@ -98,7 +98,7 @@ def main() -> None:
                 store.pull(SparseFeatures.table_ids(b), 2)
             sync()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-        fresh = EmbeddingStore(table_configs(load_config(environ={}).model), device)
+        fresh = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for b in batches[:10]:
                 fresh.pull(SparseFeatures.table_ids(b), 2)

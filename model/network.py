@@ -16,6 +16,8 @@ from torch import nn
 
 from model.batch import TABLES, dense_feature_names
 from pipelines.feature_spec import FeatureSpec
+from ps.budget import rows_per_table
+from ps.optimizers import make_optimizer
 from ps.table import TableConfig
 
 N_FIELDS = 7  # user, item, category, advertiser, device, position, local_hour
@@ -46,14 +48,25 @@ class ModelSpec:
         return cls(**{**data, "mlp": tuple(data["mlp"])})
 
 
-def table_configs(model_cfg) -> list[TableConfig]:
-    """The ps/ tables of the model, from the [model] config section."""
+def table_configs(model_cfg, ps_cfg) -> list[TableConfig]:
+    """The ps/ tables of the model, from the [model] and [ps] config sections (the byte
+    budgets become rows per table, ps/budget.py)."""
+    dim, state_dim = model_cfg.embedding_dim, make_optimizer(model_cfg.sparse_optimizer).state_dim(model_cfg.embedding_dim)
+    shapes = {name: (dim, state_dim) for name in TABLES}
+    hbm = rows_per_table(ps_cfg.hbm_bytes, shapes, "ps.hbm_bytes")
+    dram = rows_per_table(ps_cfg.dram_bytes, shapes, "ps.dram_bytes")
     return [
-        TableConfig(name, model_cfg.embedding_dim, optimizer=model_cfg.sparse_optimizer, lr=model_cfg.sparse_lr,
-                    admit_after=model_cfg.admit_after, ttl_s=model_cfg.ttl_s, dram_rows=model_cfg.dram_rows,
-                    gpu_cache_rows=model_cfg.gpu_cache_rows)
+        TableConfig(name, dim, optimizer=model_cfg.sparse_optimizer, lr=model_cfg.sparse_lr,
+                    admit_after=model_cfg.admit_after, ttl_s=model_cfg.ttl_s, dram_rows=dram[name], gpu_cache_rows=hbm[name])
         for name in TABLES
     ]
+
+
+def inference_cache_rows(model_cfg, ps_cfg) -> int:
+    """GPU-cache rows per table of a served version (inference tables keep a one-float
+    state) from ``[ps] hbm_bytes``."""
+    shapes = {name: (model_cfg.embedding_dim, 1) for name in TABLES}
+    return min(rows_per_table(ps_cfg.hbm_bytes, shapes, "ps.hbm_bytes").values())
 
 
 class TargetAttention(nn.Module):

@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from model.device import pick_device
+from model.network import inference_cache_rows
 from ps.model_store import ModelStore
 from serving.app import create_app
 from serving.engine import ServingEngine
@@ -50,7 +51,7 @@ def serve(cfg: Config) -> None:
     device = pick_device(s.device, "serving.device")
     runtime = RuntimeConfig.from_serving(s)
     runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
-    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, cfg.model.gpu_cache_rows, s.undo_depth, runtime,
+    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, inference_cache_rows(cfg.model, cfg.ps), s.undo_depth, runtime,
                          cfg.features)
     for report in served.catch_up():
         log.info("loaded version %d of %s (%d rows)", report.version, cfg.model.name, report.rows)

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from pipelines.feature_spec import FeatureSpec
 from pipelines.generator.world import WorldConfig
+from ps.budget import BudgetError, parse_bytes
 
 ENV_PREFIX = "STREAMREC_"
 CONFIG_ENV = "STREAMREC_CONFIG"
@@ -114,8 +115,6 @@ class ModelConfig:
     dense_lr: float
     admit_after: int
     ttl_s: float
-    dram_rows: int
-    gpu_cache_rows: int
 
     @property
     def mlp_widths(self) -> tuple[int, ...]:
@@ -126,6 +125,21 @@ class ModelConfig:
         if not widths or min(widths) < 1:
             raise ConfigError(f"model.mlp must name at least one positive width, got {self.mlp!r}")
         return widths
+
+
+class ByteSize(int):
+    """A size in bytes; the config may write it as "4GiB", "512MiB", "1.5GB" (ps/budget.py)."""
+
+
+@dataclass(frozen=True)
+class PsConfig:
+    hbm_bytes: ByteSize
+    dram_bytes: ByteSize
+
+
+# settings replaced by others: an old config gets told what to set instead
+REPLACED_KEYS = {"model.dram_rows": "[ps] dram_bytes (a size such as 16GiB)",
+                 "model.gpu_cache_rows": "[ps] hbm_bytes (a size such as 4GiB)"}
 
 
 @dataclass(frozen=True)
@@ -183,6 +197,7 @@ class Config:
     features: FeatureSpec
     generator: GeneratorConfig
     model: ModelConfig
+    ps: PsConfig
     trainer: TrainerConfig
     serving: ServingConfig
     source: str = "defaults"  # which files contributed, for `--help`/status output
@@ -192,6 +207,8 @@ def _deep_merge(base: dict, extra: Mapping, where: str) -> dict:
     out = dict(base)
     for key, value in extra.items():
         if key not in out:
+            if f"{where}{key}" in REPLACED_KEYS:
+                raise ConfigError(f"config key '{where}{key}' is no longer read: set {REPLACED_KEYS[where + key]} instead")
             raise ConfigError(f"unknown config key '{where}{key}' (known: {', '.join(sorted(base))})")
         if isinstance(out[key], dict):
             if not isinstance(value, Mapping):
@@ -231,6 +248,11 @@ def _coerce(value: Any, target: Any, name: str) -> Any:
     elif target is str:
         if isinstance(value, str):
             return value
+    elif target is ByteSize:
+        try:
+            return ByteSize(parse_bytes(value, name))
+        except BudgetError as exc:
+            raise ConfigError(str(exc)) from None
     elif typing.get_origin(target) is tuple:  # tuple[int, ...]: a TOML array, or "60,600" from env/flags
         items = value.split(",") if isinstance(value, str) else value
         if isinstance(items, (list, tuple)):

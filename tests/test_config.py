@@ -84,13 +84,16 @@ def test_settings_objects_built_from_the_defaults_agree_with_their_constructor_d
     from pipelines.job import JobSpec
     from serving.runner import RuntimeConfig
 
+    DERIVED = {("TableConfig", "gpu_cache_rows"), ("TableConfig", "dram_rows")}  # rows from [ps]'s byte budgets
     cfg = load_config(environ={})
     built = [cfg.features, cfg.generator.world, ModelSpec.from_config(cfg.model, cfg.features),
-             *table_configs(cfg.model), RunOptions.from_config(cfg), JobSpec.from_config(cfg),
+             *table_configs(cfg.model, cfg.ps), RunOptions.from_config(cfg), JobSpec.from_config(cfg),
              RuntimeConfig.from_serving(cfg.serving)]
     disagree = []
     for settings in built:
         for f in dataclasses.fields(settings):
+            if (type(settings).__name__, f.name) in DERIVED:
+                continue
             if f.default is not dataclasses.MISSING and f.default != getattr(settings, f.name):
                 disagree.append(f"{type(settings).__name__}.{f.name}: constructor {f.default!r}, defaults.toml {getattr(settings, f.name)!r}")
     assert disagree == []
@@ -105,3 +108,29 @@ def test_one_validation_place_names_every_bad_setting():
         assert expected in str(err.value)
     with pytest.raises(ConfigError, match="features.windows_s' must be a list of int"):
         load_config(environ={"STREAMREC_FEATURES__WINDOWS_S": "60,ten"})
+
+
+def test_tier_budgets_are_sizes_in_bytes_split_across_the_tables():
+    from model.network import table_configs
+    from ps.budget import row_bytes
+
+    cfg = load_config(environ={"STREAMREC_PS__HBM_BYTES": "512MiB"}, overrides={"ps.dram_bytes": "1.5GB"})
+    assert cfg.ps.hbm_bytes == 512 * 2**20 and cfg.ps.dram_bytes == 1_500_000_000
+    tables = table_configs(cfg.model, cfg.ps)
+    per_row = row_bytes(cfg.model.embedding_dim, 1)  # row-wise Adagrad: one float of state
+    for t in tables:  # equal shares, as many rows as fit
+        assert t.gpu_cache_rows * per_row <= 512 * 2**20 // len(tables) < (t.gpu_cache_rows + 1) * per_row
+        assert t.dram_rows * per_row <= 1_500_000_000 // len(tables) < (t.dram_rows + 1) * per_row
+    assert load_config(environ={}, overrides={"ps.hbm_bytes": 2**30}).ps.hbm_bytes == 2**30  # a plain number
+    for bad, message in (("4 gigs", "must be a size like"), ("-1GiB", "must be a size like"), ("", "must be a size like")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(environ={}, overrides={"ps.hbm_bytes": bad})
+    with pytest.raises(ValueError, match="fewer than 1024 rows"):
+        table_configs(cfg.model, load_config(environ={}, overrides={"ps.dram_bytes": "64KiB"}).ps)
+
+
+def test_row_budgets_name_their_replacement(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[model]\ngpu_cache_rows = 1000\n")
+    with pytest.raises(ConfigError, match=r"model.gpu_cache_rows' is no longer read: set \[ps\] hbm_bytes"):
+        load_config(path, environ={})

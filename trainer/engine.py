@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from model.batch import SampleBatch
 from model.device import pick_device
 from model.inference import InferenceModel
-from model.network import CTRModel, ModelSpec, table_configs
+from model.network import CTRModel, ModelSpec, inference_cache_rows, table_configs
 from model.sparse import SparseFeatures
+from ps.budget import tier_usage
 from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from streamrec.config import Config
@@ -141,7 +142,7 @@ class Trainer:
         self.model = CTRModel(self.spec).to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.model.dense_lr)
         if latest is None:
-            self.store = EmbeddingStore(table_configs(self.cfg.model), self.device, self.tiers_dir)
+            self.store = EmbeddingStore(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir)
             self.state: dict[str, Any] = {"step": 0, "samples": 0, "positions": {}, "trained_through_ms": 0, "source": self.source_name}
             return
         self.store, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
@@ -179,7 +180,8 @@ class Trainer:
 
     def _load_frozen(self, version: int) -> None:
         try:
-            self.frozen = InferenceModel.load(self.model_store, version, self.device, self.cfg.model.gpu_cache_rows)
+            self.frozen = InferenceModel.load(self.model_store, version, self.device,
+                                              inference_cache_rows(self.cfg.model, self.cfg.ps))
             self.state["frozen_version"] = version
             log.info("frozen baseline: version %d", version)
         except Exception as exc:
@@ -396,8 +398,11 @@ class Trainer:
         if out["lag"] is not None:
             self.prom.lag.set(out["lag"])
         self.prom.trained_through.set(out["trained_through_ms"])
+        out["tiers"] = {name: tier_usage(table) for name, table in self.store.tables.items()}
         for name, table in self.store.tables.items():
             self.prom.rows.labels(name).set(len(table))
+            for tier, held in out["tiers"][name].items():
+                self.prom.tier_rows.labels(name, tier).set(held["rows"])
         return out
 
     def summary(self, elapsed_s: float, trained: int) -> dict[str, Any]:

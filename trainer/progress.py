@@ -28,9 +28,20 @@ class TrainerMetrics:
         self.version = Gauge("streamrec_trainer_published_version", "last published model version", registry=r)
         self.trained_through = Gauge("streamrec_trainer_trained_through_ms", "event time trained through", registry=r)
         self.rows = Gauge("streamrec_trainer_table_rows", "rows per sparse table", ["table"], registry=r)
+        self.tier_rows = Gauge("streamrec_trainer_tier_rows", "rows each tier of a sparse table holds (gpu_cache, dram, ssd)",
+                               ["table", "tier"], registry=r)
         if port:
             start_http_server(port, registry=r)
             log.info("metrics on http://0.0.0.0:%d/metrics", port)
+
+
+def _tier_rows(status: dict[str, Any]) -> str:
+    """"rows gpu_cache 1,204 dram 880 ssd 0": each tier's rows over every table."""
+    totals: dict[str, int] = {}
+    for tiers in status.get("tiers", {}).values():
+        for tier, held in tiers.items():
+            totals[tier] = totals.get(tier, 0) + held["rows"]
+    return "rows " + " ".join(f"{tier} {rows:,}" for tier, rows in totals.items()) if totals else ""
 
 
 class ProgressReporter:
@@ -65,7 +76,7 @@ class ProgressReporter:
             self.stream.write(
                 f"\r{status['samples']:>11,} samples {status['samples_per_s']:>8,.0f}/s  loss {status.get('loss', float('nan')):.4f}  "
                 f"AUC online {f('auc_online')} frozen {f('auc_frozen')} bayes {f('auc_bayes')}  "
-                f"lag {'-' if lag is None else f'{lag:,}'}  version {status.get('version') or '-'}   "
+                f"lag {'-' if lag is None else f'{lag:,}'}  version {status.get('version') or '-'}  {_tier_rows(status)}   "
             )
             self.stream.flush()
         else:
