@@ -13,6 +13,10 @@ limit of a gather on this device; ratios = ours / baseline.
 GB/s counts the bytes of the delivered embeddings (ids x dim x 4) per second.
 Usage: python bench/bench_ps.py [--rows 1000000] [--dim 64] [--batch 65536] [--device cuda]
 Writes bench/out/ps-<device>-<time>.json.
+
+``--ssd``: the SSD tier at scale instead (bench/ps_ssd.py: a table of --rows, default
+50,000,000, dim 16, with a DRAM budget of --dram-gib and the rest in RocksDB; baseline
+plain RocksDB). Writes bench/out/ps-ssd-<time>.json.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -143,8 +148,8 @@ def bench_snapshot(n_touched: int, dim: int, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--rows", type=int, nargs="+", help="table sizes (default 100000 1000000; --ssd: 50000000)")
+    parser.add_argument("--dim", type=int, help="row width (default 64; --ssd: 16)")
     parser.add_argument("--batch", type=int, default=65536)
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--cache-ratios", type=float, nargs="+", default=[1.0, 0.05])
@@ -153,8 +158,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--snapshot-rows", type=int, default=1_000_000, help="touched rows for the publish-snapshot timing (0: skip)")
     parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--ssd", action="store_true", help="benchmark the SSD tier at scale (see above)")
+    parser.add_argument("--dram-gib", type=float, default=1.0, help="--ssd: the DRAM budget")
+    parser.add_argument("--batches", type=int, default=50, help="--ssd: timed lookup batches")
+    parser.add_argument("--chunk", type=int, default=1 << 20, help="--ssd: rows per load_rows call")
+    parser.add_argument("--work-dir", default="bench/out/ssd-work", help="--ssd: RocksDB and checkpoint files (deleted after)")
+    parser.add_argument("--no-restore", action="store_true", help="--ssd: skip timing the restore of the checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ssd:
+        from ps_ssd import bench_ssd, report  # noqa: PLC0415 - bench/ is on sys.path
+
+        rows, dim = (args.rows or [50_000_000])[0], args.dim or 16
+        result = bench_ssd(rows, dim, args.dram_gib, args.batch, args.batches, args.alpha, args.chunk, Path(args.work_dir),
+                           not args.no_restore, zipf_ranks)
+        report(result)
+        write_result(args.out, "ps-ssd", {"bench": "ps-ssd", "device": "cpu", "threads": args.threads, "python": platform.python_version(),
+                                         "torch": torch.__version__, "machine": platform.platform(), **result})
+        return
+    args.rows, args.dim = args.rows or [100_000, 1_000_000], args.dim or 64
     device = torch.device(args.device)
     runs = []
     ratios = args.cache_ratios if device.type == "cuda" else [1.0]

@@ -143,9 +143,20 @@ class HashIndex:
         return self._keys[live], self._values[live]
 
     def _rehash(self, need: int) -> None:
+        """Rebuild without tombstones for ``need`` keys as ``_used`` counts them. Sized for
+        the live keys plus the incoming ones, to a load of at most 3/8 (so the next rehash
+        is at least 1/8 of the slots away): tombstones are not sized for, so an index whose
+        keys churn (a DRAM tier spilling to SSD) keeps its size. The same size is rebuilt in place."""
         keys, values = self.items()
-        self._bits = max(self._bits, (int(max(need, 1) / MAX_LOAD * 2) - 1).bit_length())
-        self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
-        self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
+        need += len(keys) - self._used
+        bits = max(self._bits, (max(1, -(-need * 8 // 3)) - 1).bit_length())
+        if bits == self._bits:
+            self._keys.fill_(EMPTY)
+            self._values.fill_(-1)
+        else:
+            self._bits = bits
+            self._keys = self._values = None  # free the old arrays before allocating the new ones
+            self._keys = torch.full((1 << bits,), EMPTY, dtype=torch.int64, device=self.device)
+            self._values = torch.full((1 << bits,), -1, dtype=torch.int64, device=self.device)
         self._used = 0
         self.insert(keys, values)

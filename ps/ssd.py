@@ -1,8 +1,16 @@
 """The SSD tier: cold rows in RocksDB (rocksdict), one database per table.
 
-A row is stored under its key (8 bytes, big-endian, so keys sort numerically within
-sign) as one record: weights, optimizer state (float32) and the last-seen clock (int64).
-Batched reads and writes; the record layout is fixed by the table's dim and state width.
+Three column families, changed together in one atomic WriteBatch per call:
+- ``default``: the rows. Key: the row's key, 8 bytes big-endian. Value: weights and
+  optimizer state (float32), then the last-seen clock (int64).
+- ``by_time``: one empty record per row under (last-seen clock, key), the clock with its
+  sign bit flipped so that byte order is time order. Expiry reads this family up to the
+  cutoff, so it touches only the rows that expire, never the whole database.
+- ``meta``: the row count, kept in step with the rows, so opening the tier reads one key
+  instead of counting them all.
+
+Calls take unique keys. Reads are batched (multi-get); the record layout is fixed by the
+table's dim and state width.
 """
 
 from __future__ import annotations
@@ -11,7 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import BlockBasedOptions, Options, ReadOptions, Rdict, WriteBatch
+
+ROWS, BY_TIME, META = "default", "by_time", "meta"
+COUNT = b"count"
+_SIGN = np.uint64(1 << 63)
 
 
 class SsdTier:
@@ -20,35 +32,78 @@ class SsdTier:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.dim, self.state_dim = dim, state_dim
         self._floats = dim + state_dim
-        self.db = Rdict(str(self.path), options=Options(raw_mode=True))
-        self.count = sum(1 for _ in self.db.keys())
+        fresh = not (self.path / "CURRENT").exists()
+        if not fresh and META not in Rdict.list_cf(str(self.path), Options(raw_mode=True)):
+            raise ValueError(f"{self.path} is an SSD tier without a row count (an older layout); delete it: "
+                             "tiers are rebuilt from checkpoints")
+        self.db = Rdict(str(self.path), options=_options(bloom=True),
+                        column_families={BY_TIME: _options(bloom=False), META: _options(bloom=False)})
+        self._by_time = self.db.get_column_family(BY_TIME)
+        self._by_time_cf = self.db.get_column_family_handle(BY_TIME)
+        self._meta_cf = self.db.get_column_family_handle(META)
+        stored = self.db.get_column_family(META)
+        count = stored.get(COUNT)
+        stored.close()
+        self.count = 0 if count is None else int(np.frombuffer(count, dtype="<i8")[0])
 
+    # ------------------------------------------------------------------ encoding
     @staticmethod
     def _key_bytes(keys: torch.Tensor) -> list[bytes]:
         raw = keys.cpu().numpy().astype(">i8").tobytes()
         return [raw[i : i + 8] for i in range(0, len(raw), 8)]
 
+    @staticmethod
+    def _time_keys(keys: torch.Tensor, last_seen: torch.Tensor) -> list[bytes]:
+        """``by_time`` keys: clock (sign-flipped, big-endian) then key, 16 bytes each."""
+        out = np.empty((len(keys), 2), dtype=">u8")
+        out[:, 0] = last_seen.cpu().numpy().astype(np.int64).view(np.uint64) ^ _SIGN
+        out[:, 1] = keys.cpu().numpy().astype(np.int64).view(np.uint64)
+        raw = out.tobytes()
+        return [raw[i : i + 16] for i in range(0, len(raw), 16)]
+
+    @staticmethod
+    def _time_bound(last_seen: int) -> bytes:
+        return ((last_seen + (1 << 63)) % (1 << 64)).to_bytes(8, "big")  # the sign flip of _time_keys
+
+    def _records(self, weights: torch.Tensor, state: torch.Tensor, last_seen: torch.Tensor) -> list[bytes]:
+        n = len(last_seen)
+        buf = np.empty((n, self._floats * 4 + 8), dtype=np.uint8)
+        buf[:, : self._floats * 4] = torch.cat([weights, state], dim=1).cpu().float().numpy().view(np.uint8)
+        buf[:, self._floats * 4 :] = last_seen.cpu().numpy().astype(np.int64).reshape(n, 1).view(np.uint8)
+        raw, size = buf.tobytes(), buf.shape[1]
+        return [raw[i : i + size] for i in range(0, len(raw), size)]
+
+    def _write(self, batch: WriteBatch, count: int) -> None:
+        """Apply ``batch`` with the new row ``count`` in the same atomic write."""
+        batch.put(COUNT, np.array([count], dtype="<i8").tobytes(), self._meta_cf)
+        self.db.write(batch)
+        self.count = count
+
+    # ------------------------------------------------------------------ rows
     def put(self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, last_seen: torch.Tensor) -> None:
+        """Insert or overwrite rows."""
         if len(keys) == 0:
             return
-        floats = torch.cat([weights, state], dim=1).cpu().numpy().astype(np.float32)
-        seen = last_seen.cpu().numpy().astype(np.int64)
+        key_bytes = self._key_bytes(keys)
+        old = self.get(keys)  # overwritten rows: their old by_time records go
         batch = WriteBatch(raw_mode=True)
-        existing = self.db.get(self._key_bytes(keys))
-        for key, row, t in zip(self._key_bytes(keys), floats, seen):
-            batch.put(key, row.tobytes() + t.tobytes())
-        self.db.write(batch)
-        self.count += sum(1 for e in existing if e is None)
+        for stale in self._time_keys(old[0], old[3]):
+            batch.delete(stale, self._by_time_cf)
+        for key, record, by_time in zip(key_bytes, self._records(weights, state, last_seen), self._time_keys(keys, last_seen)):
+            batch.put(key, record)
+            batch.put(by_time, b"", self._by_time_cf)
+        self._write(batch, self.count + len(keys) - len(old[0]))
 
     def take(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Read and delete the present keys; returns (keys, weights, state, last_seen) found."""
+        """Read and delete the present keys; returns (keys, weights, state, last_seen)
+        found, in request order."""
         found = self.get(keys)
         if len(found[0]):
             batch = WriteBatch(raw_mode=True)
-            for key in self._key_bytes(found[0]):
+            for key, by_time in zip(self._key_bytes(found[0]), self._time_keys(found[0], found[3])):
                 batch.delete(key)
-            self.db.write(batch)
-            self.count -= len(found[0])
+                batch.delete(by_time, self._by_time_cf)
+            self._write(batch, self.count - len(found[0]))
         return found
 
     def get(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,6 +115,31 @@ class SsdTier:
 
     def delete(self, keys: torch.Tensor) -> None:
         self.take(keys)
+
+    def expire(self, cutoff: int, batch_rows: int = 65536) -> torch.Tensor:
+        """Delete the rows last seen before ``cutoff``; returns their keys. Reads only the
+        ``by_time`` records below the cutoff (and drops them with one range delete per
+        chunk, so later scans skip them cheaply)."""
+        bound = ReadOptions()
+        bound.set_iterate_upper_bound(self._time_bound(cutoff))
+        expired, chunk = [], []
+        for by_time in self._by_time.keys(read_opt=bound):
+            chunk.append(by_time)
+            if len(chunk) >= batch_rows:
+                expired.append(self._drop(chunk))
+                chunk = []
+        if chunk:
+            expired.append(self._drop(chunk))
+        return torch.cat(expired) if expired else torch.empty(0, dtype=torch.int64)
+
+    def _drop(self, by_time: list[bytes]) -> torch.Tensor:
+        """Delete the rows of consecutive ``by_time`` records (and the records)."""
+        batch = WriteBatch(raw_mode=True)
+        for record in by_time:
+            batch.delete(record[8:])
+        batch.delete_range(by_time[0], by_time[-1] + b"\x00", self._by_time_cf)
+        self._write(batch, self.count - len(by_time))
+        return self._keys_from([record[8:] for record in by_time])
 
     def items(self, batch_rows: int = 65536):
         """Yield (keys, weights, state, last_seen) over everything stored, in chunks."""
@@ -88,4 +168,20 @@ class SsdTier:
         return keys.to(torch.int64), floats[:, : self.dim], floats[:, self.dim :], seen
 
     def close(self) -> None:
+        self._by_time.close()
+        del self._by_time_cf, self._meta_cf
         self.db.close()
+
+
+def _options(bloom: bool) -> Options:
+    """Row lookups are point reads, mostly of keys not on SSD (new keys are looked for
+    here first): a bloom filter answers those without touching disk. ``by_time`` is only
+    scanned in order, so it has none."""
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.create_missing_column_families(True)
+    if bloom:
+        table = BlockBasedOptions()
+        table.set_bloom_filter(10, False)
+        options.set_block_based_table_factory(table)
+    return options

@@ -42,6 +42,11 @@ class RowStorage:
     def __len__(self) -> int:
         return self._high_water - len(self._free)
 
+    @property
+    def high_water(self) -> int:
+        """Slots ever used: every live row sits below it."""
+        return self._high_water
+
     def slots_of(self, keys: torch.Tensor) -> torch.Tensor:
         return self.index.lookup(keys)
 

@@ -175,18 +175,7 @@ class EmbeddingStore:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name, table in self.tables.items():
-            chunks = list(table.iter_rows(with_state=True))
-            cols = [torch.cat([c[i] for c in chunks]) if chunks else None for i in range(4)]
-            k, w, s, t = cols if chunks else (torch.empty(0, dtype=torch.int64), torch.empty(0, table.config.dim),
-                                                torch.empty(0, table.state_dim), torch.empty(0, dtype=torch.int64))
-            arrow = pa.table({
-                "key": pa.array(k.numpy()),
-                "weight": pa.FixedSizeListArray.from_arrays(pa.array(w.float().reshape(-1).numpy()), table.config.dim),
-                "state": pa.FixedSizeListArray.from_arrays(pa.array(s.float().reshape(-1).numpy()), table.state_dim),
-                "last_seen": pa.array(t.numpy()),
-            })
-            with ipc.new_file(str(tmp / f"{name}.arrow"), arrow.schema) as writer:
-                writer.write_table(arrow)
+            _write_rows(tmp / f"{name}.arrow", table)
             touched, deleted = table.tracked()
             tracking = {"touched": touched.numpy(), "deleted": deleted.numpy()}
             tracking["init_rng"] = table.generator.get_state().numpy()  # new rows resume the same init stream
@@ -215,13 +204,7 @@ class EmbeddingStore:
             raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported")
         store = cls([TableConfig(**c) for c in meta["tables"]], device, work_dir)
         for name, table in store.tables.items():
-            arrow = ipc.open_file(str(path / f"{name}.arrow")).read_all()
-            n = arrow.num_rows
-            if n:
-                w = torch.from_numpy(arrow["weight"].combine_chunks().flatten().to_numpy().reshape(n, table.config.dim).copy())
-                s = torch.from_numpy(arrow["state"].combine_chunks().flatten().to_numpy().reshape(n, table.state_dim).copy())
-                table.load_rows(torch.from_numpy(arrow["key"].to_numpy().copy()), w, s,
-                                torch.from_numpy(arrow["last_seen"].to_numpy().copy()))
+            _read_rows(path / f"{name}.arrow", table)
             tracking = np.load(path / f"{name}.tracking.npz")
             table.set_tracked(torch.from_numpy(tracking["touched"]), torch.from_numpy(tracking["deleted"]))
             table.generator.set_state(torch.from_numpy(tracking["init_rng"]))
@@ -233,3 +216,38 @@ class EmbeddingStore:
         self.writer.shutdown(wait=True)
         for table in self.tables.values():
             table.close()
+
+
+def _row_schema(table: EmbeddingTable) -> pa.Schema:
+    return pa.schema([("key", pa.int64()), ("weight", pa.list_(pa.float32(), table.config.dim)),
+                      ("state", pa.list_(pa.float32(), table.state_dim)), ("last_seen", pa.int64())])
+
+
+def _write_rows(path: Path, table: EmbeddingTable) -> None:
+    """Every row of ``table`` as Arrow IPC, one record batch per chunk of ``iter_rows``:
+    memory holds one chunk, not the table."""
+    schema = _row_schema(table)
+    with ipc.new_file(str(path), schema) as writer:
+        for k, w, s, t in table.iter_rows(with_state=True):
+            writer.write_batch(pa.record_batch([
+                pa.array(k.numpy()),
+                pa.FixedSizeListArray.from_arrays(pa.array(w.float().reshape(-1).numpy()), table.config.dim),
+                pa.FixedSizeListArray.from_arrays(pa.array(s.float().reshape(-1).numpy()), table.state_dim),
+                pa.array(t.numpy()),
+            ], schema=schema))
+
+
+def _read_rows(path: Path, table: EmbeddingTable) -> None:
+    """Load the rows of a ``_write_rows`` file into ``table`` one record batch at a time:
+    each ``get_batch`` reads that batch from the file, so memory holds one batch."""
+    with pa.OSFile(str(path)) as source:
+        reader = ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)
+            n = batch.num_rows
+            if n == 0:
+                continue
+            w = batch.column("weight").flatten().to_numpy().reshape(n, table.config.dim)
+            s = batch.column("state").flatten().to_numpy().reshape(n, table.state_dim)
+            table.load_rows(torch.from_numpy(batch.column("key").to_numpy().copy()), torch.from_numpy(w.copy()),
+                            torch.from_numpy(s.copy()), torch.from_numpy(batch.column("last_seen").to_numpy().copy()))

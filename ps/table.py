@@ -32,6 +32,7 @@ import torch
 from ps import kernels
 from ps.admission import CountMinSketch
 from ps.optimizers import make_optimizer
+from ps.spill import SpillClock
 from ps.ssd import SsdTier
 from ps.storage import RowStorage
 
@@ -114,6 +115,7 @@ class EmbeddingTable:
         self.optimizer = make_optimizer(config.optimizer, lr=config.lr)
         self.state_dim = self.optimizer.state_dim(config.dim)
         self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=1024, growable=True)
+        self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         use_cache = self.device.type == "cuda" and config.gpu_cache_rows > 0
         if self.device.type == "cuda" and not use_cache:
             raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 (the GPU cache is the top tier)")
@@ -131,6 +133,7 @@ class EmbeddingTable:
         # every row of the table is in the GPU cache: a cache miss is a new key (kept by
         # the code that moves rows below the cache; see refresh_cache_complete)
         self.cache_complete = self.cache is not None
+        self._pulls_since_refresh = 0
         fill = self.optimizer.init_state(1, config.dim, torch.device("cpu"))
         self._state_fill = float(fill[0, 0]) if bool((fill == fill[0, 0]).all()) else None
         self.stats = {"lookups": 0, "cache_hits": 0, "fused_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0}
@@ -164,6 +167,7 @@ class EmbeddingTable:
         ``pull_finish``; otherwise it returns the finished Pulled."""
         top = self.top
         self.stats["lookups"] += len(keys)
+        self._maybe_refresh_cache_complete()
         if self._can_create_on_device(len(keys), train):
             cache = self.cache
             cache.index.reserve(len(keys))
@@ -205,6 +209,16 @@ class EmbeddingTable:
         self._generation += 1
         return Pulled(keys, inverse.to(rows.device), rows, admitted, slots if all_admitted else slots[admitted],
                       self._generation, all_admitted)
+
+    def _maybe_refresh_cache_complete(self, every: int = 100) -> None:
+        """Every ``every`` pulls while the cache is not known whole (after a restore or an
+        eviction), check whether it has become whole, when its row count allows it."""
+        if self.cache is None or self.cache_complete:
+            return
+        self._pulls_since_refresh += 1
+        if self._pulls_since_refresh >= every and (self.ssd is None or self.ssd.count == 0) and len(self.cache) >= len(self.dram):
+            self._pulls_since_refresh = 0
+            self.refresh_cache_complete()
 
     def _can_create_on_device(self, n: int, train: bool) -> bool:
         """Misses can be created by the find-or-insert kernel: nothing lives below the cache
@@ -413,7 +427,7 @@ class EmbeddingTable:
             if overflow > cache.capacity - len(protect):
                 raise RuntimeError(
                     f"table {self.config.name}: one batch needs {len(protect) + n} rows but the GPU cache holds "
-                    f"{cache.capacity}; raise gpu_cache_rows"
+                    f"{cache.capacity}; raise [ps] hbm_bytes"
                 )
             self._evict(cache.coldest_slots(overflow, protect))
 
@@ -447,16 +461,24 @@ class EmbeddingTable:
             dram.add(keys_d[~homed], w[~homed], s[~homed], seen_d[~homed])
 
     def _spill_dram(self, protect: torch.Tensor) -> None:
+        """Move DRAM rows over the budget to SSD: approximately the least recently seen
+        (``SpillClock``: the cost follows the rows spilled, not the size of DRAM), never
+        those in ``protect`` (DRAM slots of the current batch) nor rows in the GPU cache."""
         budget = self.config.dram_rows
         if not budget or len(self.dram) <= budget:
             return
-        overflow = len(self.dram) - budget
-        if self.cache is not None:  # rows in the GPU cache keep their DRAM home
-            cached = self.dram.slots_of(self.cache.keys[self.cache.live_slots()].cpu())
-            protect = torch.cat([protect, cached[cached >= 0]])
-        victims = self.dram.coldest(overflow, protect)
-        self.ssd.put(*self.dram.pop(victims))
+        victims = self.spill_clock.victims(self.dram, len(self.dram) - budget, lambda slots: self._pinned(slots, protect))
+        self.ssd.put(*self.dram.pop(self.dram.keys.index_select(0, victims)))
         self.stats["spilled"] += len(victims)
+
+    def _pinned(self, slots: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+        """Which DRAM ``slots`` must not spill: those in ``protect``, and rows the GPU cache
+        holds (DRAM stays their home). Probes only the given slots' keys in the cache."""
+        keep = torch.isin(slots, protect.cpu()) if len(protect) else torch.zeros(len(slots), dtype=torch.bool)
+        if self.cache is not None and len(self.cache):
+            keys = self.dram.keys.index_select(0, slots).to(self.cache.device)
+            keep |= (self.cache.slots_of(keys) >= 0).cpu()
+        return keep
 
     # ------------------------------------------------------------------ reading, expiry
     def read(self, keys: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,19 +520,18 @@ class EmbeddingTable:
             stale = self.cache.keys[live[self.cache.last_seen[live] < cutoff]]
             if len(stale):
                 self._write_back(stale)  # the DRAM copy is then expired below
-        live = self.dram.live_slots()
-        stale = self.dram.keys[live[self.dram.last_seen[live] < cutoff]]
-        if len(stale):
-            expired.append(self.dram.pop(stale)[0])
+        top = self.dram.high_water
+        stale = torch.nonzero(self.dram.live[:top] & (self.dram.last_seen[:top] < cutoff)).squeeze(1)
+        if len(stale):  # a row still cached was seen since (its DRAM clock lags): it stays
+            stale = stale[~self._pinned(stale, torch.empty(0, dtype=torch.int64))]
+            expired.append(self.dram.pop(self.dram.keys.index_select(0, stale))[0])
         if self.ssd is not None:
-            for k, _, _, t in self.ssd.items():
-                old = k[t < cutoff]
-                if len(old):
-                    self.ssd.delete(old)
-                    expired.append(old)
+            expired.append(self.ssd.expire(cutoff))  # reads only the expiring rows (by clock)
         keys = torch.cat(expired) if expired else torch.empty(0, dtype=torch.int64)
         if len(keys):
             self._deleted.append(keys.cpu())
+        if self.cache is not None and not self.cache_complete:
+            self.refresh_cache_complete()  # expired cache rows were evicted first: the cache may be whole again
         self.stats["expired"] += len(keys)
         return len(keys)
 
@@ -536,18 +557,20 @@ class EmbeddingTable:
         return torch.unique(torch.cat(parts))
 
     def iter_rows(self, with_state: bool = False, chunk: int = 65536):
-        """Every row in every tier (each key once), in chunks: (keys, weights[, state, last_seen])."""
-        seen_in_cache = torch.empty(0, dtype=torch.int64)
-        if self.cache is not None and len(self.cache):
-            s = self.cache.live_slots()
-            seen_in_cache = self.cache.keys[s].cpu()
-            yield self._pack(seen_in_cache, self.cache.weights[s].cpu(), self.cache.state[s].cpu(), self.cache.last_seen[s].cpu(), with_state)
-        s = self.dram.live_slots()
-        k = self.dram.keys[s]
-        keep = ~torch.isin(k, seen_in_cache)
-        for lo in range(0, int(keep.sum()), chunk):
-            sel = s[keep][lo : lo + chunk]
-            yield self._pack(self.dram.keys[sel], self.dram.weights[sel], self.dram.state[sel], self.dram.last_seen[sel], with_state)
+        """Every row in every tier (each key once), tier by tier in chunks of at most
+        ``chunk`` slots or rows, on CPU: (keys, weights[, state, last_seen]). A caller that
+        writes each chunk out holds one chunk at a time, never a copy of the table."""
+        cache = self.cache
+        for tier in (cache, self.dram):
+            if tier is None:
+                continue
+            for lo in range(0, tier.high_water, chunk):
+                s = lo + torch.nonzero(tier.live[lo : lo + chunk]).squeeze(1)
+                if tier is self.dram and cache is not None and len(cache):  # the cache holds the current value
+                    s = s[(cache.slots_of(tier.keys.index_select(0, s).to(cache.device)) < 0).cpu()]
+                if len(s):
+                    yield self._pack(*(x.index_select(0, s).cpu() for x in (tier.keys, tier.weights, tier.state, tier.last_seen)),
+                                     with_state)
         if self.ssd is not None:
             for k, w, st, t in self.ssd.items(chunk):
                 yield self._pack(k, w, st, t, with_state)

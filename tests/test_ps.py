@@ -448,3 +448,38 @@ def test_unique_per_group_equals_torch_unique_of_each_group(device):
             expected = torch.unique(ids, return_inverse=True, return_counts=True)
             for got, want in zip((keys, inverse, counts), expected):
                 assert torch.equal(got, want), (ids, got, want)
+
+
+def test_ssd_tier_keeps_its_row_count_and_expires_by_clock_alone(tmp_path):
+    """The SSD tier opens without counting its keys (the count is stored with every write),
+    and expiry reads only the rows older than the cutoff (a time-ordered column family)."""
+    from ps.ssd import SsdTier
+
+    ssd = SsdTier(tmp_path / "t", dim=2, state_dim=1)
+    keys = torch.arange(1, 1001, dtype=torch.int64) * 7919
+    ssd.put(keys, torch.randn(1000, 2), torch.zeros(1000, 1), torch.arange(1000, dtype=torch.int64))
+    ssd.put(keys[:100], torch.ones(100, 2), torch.ones(100, 1), torch.full((100,), 5000, dtype=torch.int64))  # overwrite: newer clock
+    taken = ssd.take(torch.cat([keys[100:150], torch.tensor([123456789])]))  # 50 present, one absent
+    assert len(taken[0]) == 50 and ssd.count == 950
+    ssd.close()
+    ssd = SsdTier(tmp_path / "t", dim=2, state_dim=1)
+    assert ssd.count == 950 == sum(len(chunk[0]) for chunk in ssd.items())
+    expired = ssd.expire(cutoff=600)  # clocks 150..599 of the untouched rows; the overwritten 100 are at 5000
+    assert sorted(expired.tolist()) == sorted(keys[150:600].tolist())
+    assert ssd.count == 500 and ssd.expire(cutoff=600).numel() == 0
+    k, w, _, seen = ssd.get(keys[:100])
+    assert len(k) == 100 and bool((seen == 5000).all()) and bool((w == 1).all())
+    ssd.close()
+
+
+def test_spill_cost_follows_the_rows_spilled_not_the_dram_size(tmp_path):
+    table = EmbeddingTable(TableConfig("t", 4, dram_rows=50_000), ssd_dir=tmp_path)
+    keys = torch.arange(1, 50_001, dtype=torch.int64) * 104729
+    table.load_rows(keys, torch.randn(50_000, 4), last_seen=torch.arange(50_000, dtype=torch.int64))
+    examined = table.spill_clock.examined
+    for step in range(10):  # 100 new rows a batch into a full DRAM tier
+        table.pull(torch.arange(100, dtype=torch.int64) + 10**12 + step * 100, now_ms=10**6 + step)
+    assert table.stats["spilled"] == 1000 and len(table.dram) == 50_000 and table.ssd.count == 1000
+    assert table.spill_clock.examined - examined <= 10 * 2 * max(100 * table.spill_clock.sample, table.spill_clock.min_window)
+    rows_before = len(table)
+    assert rows_before == 51_000  # nothing lost between the tiers
