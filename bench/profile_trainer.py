@@ -79,7 +79,7 @@ def main() -> None:
                 calls[f"{owner.__name__}.{name}"] += 1
         setattr(owner, name, wrapper)
 
-    for owner, names in ((HashIndex, ("insert", "lookup", "_find", "remove")), (RowStorage, ("add", "pop", "coldest")),
+    for owner, names in ((HashIndex, ("insert", "lookup", "_find", "remove")), (RowStorage, ("add", "pop", "coldest_slots")),
                          (EmbeddingTable, ("_bring_up", "_take_from_lower", "_make_room", "_spill_dram", "push"))):
         for name in names:
             timed(owner, name)

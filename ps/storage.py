@@ -123,10 +123,6 @@ class RowStorage:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.topk(seen[: self._high_water], n, largest=False).indices
 
-    def coldest(self, n: int, protect: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys of the ``n`` least recently seen rows, never those in ``protect`` (slots)."""
-        return self.keys[self.coldest_slots(n, protect)]
-
     def live_slots(self) -> torch.Tensor:
         return torch.nonzero(self.live[: self._high_water]).squeeze(1)
 

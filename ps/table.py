@@ -596,8 +596,8 @@ class EmbeddingTable:
     def remove(self, keys: torch.Tensor) -> None:
         keys = keys.to(torch.int64).cpu()
         if self.cache is not None:
-            self.cache.pop(keys)
-        self.dram.pop(keys)
+            self.cache.discard(keys.to(self.cache.device))
+        self.dram.discard(keys)
         if self.ssd is not None:
             self.ssd.delete(keys)
 
