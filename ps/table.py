@@ -300,14 +300,17 @@ class EmbeddingTable:
 
     def warm(self, keys: torch.Tensor, now_ms: int = 0) -> int:
         """Bring existing rows of ``keys`` into the GPU cache while it has room (serving
-        does this at load and after each delta, so lookups take the fused path); returns
-        how many were brought up."""
+        does this at load and after each delta, so lookups take the fused path), keeping
+        their clocks; returns how many keys were considered."""
         if self.cache is None or len(keys) == 0:
             return 0
         room = self.cache.capacity - len(self.cache)
         keys = keys.to(torch.int64).cpu()[:max(room, 0)]
         if len(keys):
-            self.pull(keys.to(self.top.device), now_ms, train=False)
+            slots = self.cache.slots_of(keys.to(self.device))
+            absent = slots < 0
+            if bool(absent.any()):
+                self._bring_up(keys[absent.cpu()].to(self.device), None, now_ms, False, protect=slots[~absent])
         self.refresh_cache_complete()
         return len(keys)
 

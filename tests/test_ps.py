@@ -483,3 +483,20 @@ def test_spill_cost_follows_the_rows_spilled_not_the_dram_size(tmp_path):
     assert table.spill_clock.examined - examined <= 10 * 2 * max(100 * table.spill_clock.sample, table.spill_clock.min_window)
     rows_before = len(table)
     assert rows_before == 51_000  # nothing lost between the tiers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warming_the_cache_keeps_each_rows_clock(device):
+    """Serving warms the GPU cache after loading a version: rows come up with the clocks they
+    had (LRU order and expiry stay right), and lookups then take the fused path alone."""
+    table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1000 if device == "cuda" else 0), device)
+    keys = torch.arange(1, 301, dtype=torch.int64) * 7919
+    table.load_rows(keys, torch.randn(300, 4), last_seen=torch.arange(1000, 1300, dtype=torch.int64))
+    table.warm(keys)
+    top = table.top
+    assert top.last_seen[top.slots_of(keys.to(top.device))].cpu().tolist() == list(range(1000, 1300))
+    if device == "cuda":
+        assert table.cache_complete and len(table.cache) == 300
+        before = table.stats["fused_hits"]
+        torch.testing.assert_close(table.lookup(keys, now_ms=2000).cpu(), table.read(keys)[1], rtol=0, atol=0)
+        assert table.stats["fused_hits"] == before + 300
