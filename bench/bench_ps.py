@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--ssd", action="store_true", help="benchmark the SSD tier at scale (see above)")
     parser.add_argument("--dram-gib", type=float, default=1.0, help="--ssd: the DRAM budget")
     parser.add_argument("--batches", type=int, default=50, help="--ssd: timed lookup batches")
-    parser.add_argument("--chunk", type=int, default=1 << 20, help="--ssd: rows per load_rows call")
+    parser.add_argument("--chunk", type=int, default=1 << 16, help="--ssd: rows per load_rows call")
     parser.add_argument("--work-dir", default="bench/out/ssd-work", help="--ssd: RocksDB and checkpoint files (deleted after)")
     parser.add_argument("--no-restore", action="store_true", help="--ssd: skip timing the restore of the checkpoint")
     args = parser.parse_args()

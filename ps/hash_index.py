@@ -18,6 +18,7 @@ from ps import kernels
 from ps.hash_layout import EMPTY, MULTIPLIER, RESERVED_KEYS, TOMBSTONE
 
 MAX_LOAD = 0.5
+REHASH_SLICE = 1 << 20
 
 
 class ReservedKeyError(ValueError):
@@ -146,7 +147,9 @@ class HashIndex:
         """Rebuild without tombstones for ``need`` keys as ``_used`` counts them. Sized for
         the live keys plus the incoming ones, to a load of at most 3/8 (so the next rehash
         is at least 1/8 of the slots away): tombstones are not sized for, so an index whose
-        keys churn (a DRAM tier spilling to SSD) keeps its size. The same size is rebuilt in place."""
+        keys churn (a DRAM tier spilling to SSD) keeps its size. The same size is rebuilt in
+        place, and keys go back in slices, so the temporaries of a rebuild stay small next
+        to the index."""
         keys, values = self.items()
         need += len(keys) - self._used
         bits = max(self._bits, (max(1, -(-need * 8 // 3)) - 1).bit_length())
@@ -159,4 +162,5 @@ class HashIndex:
             self._keys = torch.full((1 << bits,), EMPTY, dtype=torch.int64, device=self.device)
             self._values = torch.full((1 << bits,), -1, dtype=torch.int64, device=self.device)
         self._used = 0
-        self.insert(keys, values)
+        for lo in range(0, len(keys), REHASH_SLICE):
+            self.insert(keys[lo : lo + REHASH_SLICE], values[lo : lo + REHASH_SLICE])

@@ -163,7 +163,8 @@ if triton is not None:
         pos = ((key * multiplier) >> shift) & mask
         slot = tl.full((BLOCK,), -1, tl.int64)
         created = offs < 0  # all False
-        pending = valid
+        reserved = valid & ((key == empty) | (key == empty + 1))  # EMPTY / TOMBSTONE: torch refuses them
+        pending = valid & ~reserved
         for _ in range(PROBES):
             found = tl.load(index_keys_ptr + pos, mask=pending, other=0)
             hit = pending & (found == key)
@@ -185,6 +186,7 @@ if triton is not None:
         new_slot = tl.load(fresh_ptr + rank, mask=created, other=-1)
         tl.store(index_values_ptr + pos, new_slot, mask=created)
         slot = tl.where(created, new_slot, slot)
+        pending = pending | reserved
         tl.atomic_add(counters_ptr + 1, tl.sum(pending.to(tl.int32), axis=0))
         slot = tl.where(pending, -2, slot)  # gave up probing: the caller decides with torch
         tl.store(slots_ptr + offs, slot, mask=valid)
@@ -213,7 +215,7 @@ def find_or_insert(keys: torch.Tensor, tier, fresh: torch.Tensor, counters: torc
     slot taken from ``fresh`` in order, weights drawn on the device (N(0, init_std) from
     ``seed``), state filled with ``state_fill``, the row marked live and dirty. Hit and
     created rows get ``last_seen = now_ms``. ``counters`` (int32[2], zeroed) receives
-    (rows created, keys undecided after MAX_PROBES: slot -2, rows zeros). The caller
+    (rows created, keys undecided after MAX_PROBES or reserved: slot -2, rows zeros). The caller
     guarantees room: ``len(fresh) >= len(keys)`` and index load stays <= its maximum."""
     index_keys, index_values = tier.index.raw_tables()
     bits = tier.index.bits

@@ -2,6 +2,11 @@
 
 The DRAM tier is a growable ``RowStorage`` on the CPU; the GPU cache is a fixed-size
 one on CUDA. Rows live at a slot; the index maps key -> slot; freed slots are reused.
+
+A growable tier's row arrays past the slots in use are left uninitialised (nothing reads
+a slot past ``high_water``), so its capacity costs memory only as rows are written: a
+DRAM budget can be reserved up front without being paid for until it fills, and without
+copies as it fills. Its index starts small and grows with the rows.
 """
 
 from __future__ import annotations
@@ -20,18 +25,20 @@ class RowStorage:
         self.dim, self.state_dim = dim, state_dim
         self.device = torch.device(device)
         self.growable = growable
-        self.index = HashIndex(capacity, self.device)
-        self.weights = torch.zeros(capacity, dim, device=self.device)
-        self.state = torch.zeros(capacity, state_dim, device=self.device)
-        self.last_seen = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.keys = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.index = HashIndex(min(capacity, 1024) if growable else capacity, self.device)
+        rows = torch.empty if growable else torch.zeros
+        self.weights = rows(capacity, dim, device=self.device)
+        self.state = rows(capacity, state_dim, device=self.device)
+        self.last_seen = rows(capacity, dtype=torch.int64, device=self.device)
+        self.keys = rows(capacity, dtype=torch.int64, device=self.device)
         self.live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         # 1 = the row differs from (or has no) copy in the tier below; the GPU cache writes
         # back only dirty rows on eviction (int8: kernels store to it)
         self.dirty = torch.zeros(capacity, dtype=torch.int8, device=self.device)
         # the GPU cache's pointer to each row's DRAM copy (-1: none), so eviction writes back
-        # by slot without probing the DRAM index
-        self.below = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        # by slot without probing the DRAM index; the DRAM tier (growable) has nothing below it
+        # that is addressed by slot, so it keeps none (its capacity would pay for it up front)
+        self.below = torch.full((0 if growable else capacity,), -1, dtype=torch.int64, device=self.device)
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)
         self._high_water = 0
 
@@ -105,12 +112,13 @@ class RowStorage:
         return out
 
     def discard(self, keys: torch.Tensor) -> None:
-        """Remove present keys without reading their rows."""
-        slots = self.index.remove(keys)
+        """Remove present keys without reading their rows (a key given twice is freed once)."""
+        slots = self.index.remove(torch.unique(keys))
         slots = slots[slots >= 0]
         self.live[slots] = False
         self.dirty[slots] = 0
-        self.below[slots] = -1
+        if not self.growable:
+            self.below[slots] = -1
         self._free = torch.cat([self._free, slots])
 
     def coldest_slots(self, n: int, protect: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,14 +135,11 @@ class RowStorage:
         return torch.nonzero(self.live[: self._high_water]).squeeze(1)
 
     def _grow(self, capacity: int) -> None:
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            out[: t.shape[0]] = t
+        def grown(t: torch.Tensor, blank=torch.empty) -> torch.Tensor:
+            out = blank((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            out[: self._high_water] = t[: self._high_water]
             return out
 
         self.weights, self.state = grown(self.weights), grown(self.state)
-        self.last_seen, self.keys, self.live = grown(self.last_seen), grown(self.keys), grown(self.live)
-        self.dirty = grown(self.dirty)
-        below = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        below[: self.below.shape[0]] = self.below
-        self.below = below
+        self.last_seen, self.keys = grown(self.last_seen), grown(self.keys)
+        self.live, self.dirty = grown(self.live, torch.zeros), grown(self.dirty, torch.zeros)

@@ -137,12 +137,16 @@ class EmbeddingStore:
             uniques = unique_per_group(flat)
         else:  # no host syncs to save; torch.unique per table is the cheaper sort on CPU
             uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in flat]
-        started = {n: self.tables[n].pull_start(k, inv, c, now_ms, train) for n, (k, inv, c) in zip(names, uniques)}
-        pending = {n: p for n, p in started.items() if isinstance(p, PendingPull)}
-        if pending:
-            counters = torch.stack([p.counters for p in pending.values()]).tolist()  # the one sync
-            for (n, p), c in zip(pending.items(), counters):
-                started[n] = self.tables[n].pull_finish(p, c)
+        started: dict[str, Pulled | PendingPull] = {}
+        try:
+            for n, (k, inv, c) in zip(names, uniques):
+                started[n] = self.tables[n].pull_start(k, inv, c, now_ms, train)
+        finally:  # a launched kernel has claimed index slots: finish it even if a later table failed
+            pending = {n: p for n, p in started.items() if isinstance(p, PendingPull)}
+            if pending:
+                counters = torch.stack([p.counters for p in pending.values()]).tolist()  # the one sync
+                for (n, p), c in zip(pending.items(), counters):
+                    started[n] = self.tables[n].pull_finish(p, c)
         return started
 
     def begin_snapshot(self, kind: str) -> "SnapshotTask":
@@ -238,8 +242,9 @@ def _write_rows(path: Path, table: EmbeddingTable) -> None:
 
 
 def _read_rows(path: Path, table: EmbeddingTable) -> None:
-    """Load the rows of a ``_write_rows`` file into ``table`` one record batch at a time:
-    each ``get_batch`` reads that batch from the file, so memory holds one batch."""
+    """Load the rows of a ``_write_rows`` file into a fresh ``table`` one record batch at a
+    time: each ``get_batch`` reads that batch from the file, so memory holds one batch.
+    A checkpoint lists each key once, so every row is new to the table."""
     with pa.OSFile(str(path)) as source:
         reader = ipc.open_file(source)
         for i in range(reader.num_record_batches):
@@ -250,4 +255,4 @@ def _read_rows(path: Path, table: EmbeddingTable) -> None:
             w = batch.column("weight").flatten().to_numpy().reshape(n, table.config.dim)
             s = batch.column("state").flatten().to_numpy().reshape(n, table.state_dim)
             table.load_rows(torch.from_numpy(batch.column("key").to_numpy().copy()), torch.from_numpy(w.copy()),
-                            torch.from_numpy(s.copy()), torch.from_numpy(batch.column("last_seen").to_numpy().copy()))
+                            torch.from_numpy(s.copy()), torch.from_numpy(batch.column("last_seen").to_numpy().copy()), new=True)

@@ -114,17 +114,24 @@ class EmbeddingTable:
         self.device = torch.device(device)
         self.optimizer = make_optimizer(config.optimizer, lr=config.lr)
         self.state_dim = self.optimizer.state_dim(config.dim)
-        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=1024, growable=True)
+        # a DRAM budget is reserved up front (address space: RowStorage writes pages as rows arrive),
+        # with room for one batch's rows above it before the spill
+        dram_slots = config.dram_rows + config.dram_rows // 8 + 1024 if config.dram_rows else 1024
+        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True)
         self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         use_cache = self.device.type == "cuda" and config.gpu_cache_rows > 0
         if self.device.type == "cuda" and not use_cache:
-            raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 (the GPU cache is the top tier)")
+            raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 ([ps] hbm_bytes: the GPU cache is the top tier)")
+        if use_cache and config.dram_rows and config.gpu_cache_rows >= config.dram_rows:
+            # a cached row keeps its DRAM slot, so a DRAM tier no larger than the cache could never spill
+            raise ValueError(f"table {config.name}: the DRAM tier ({config.dram_rows} rows, [ps] dram_bytes) must hold more rows "
+                             f"than the GPU cache ({config.gpu_cache_rows}, [ps] hbm_bytes): raise dram_bytes or set it to 0 (unlimited)")
         self.cache = RowStorage(config.dim, self.state_dim, self.device, config.gpu_cache_rows, growable=False) if use_cache else None
         self.ssd: SsdTier | None = None
         if config.dram_rows:
             if ssd_dir is None:
                 raise ValueError(f"table {config.name}: dram_rows is set, so an ssd_dir is needed for spilled rows")
-            self.ssd = SsdTier(Path(ssd_dir) / config.name, config.dim, self.state_dim)
+            self.ssd = SsdTier(Path(ssd_dir) / config.name, config.dim, self.state_dim, by_time=config.ttl_s > 0)
         self.sketch = CountMinSketch(device=self.device) if config.admit_after > 1 else None
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._touched: list[torch.Tensor] = []
@@ -235,9 +242,9 @@ class EmbeddingTable:
         cache.claim(created)
         cache.index.note_inserted(created)
         self.stats["created"] += created
-        self.stats["cache_hits"] += len(pending.keys) - created
+        self.stats["cache_hits"] += len(pending.keys) - created - undecided
         slots, rows = pending.slots, pending.rows
-        if undecided:  # probe chains longer than the kernel's limit: the torch path decides
+        if undecided:  # probe chains longer than the kernel's limit, or reserved keys: the torch path decides
             lost = torch.nonzero(slots == -2).squeeze(1)
             found = cache.slots_of(pending.keys[lost])
             absent = found < 0
@@ -427,7 +434,7 @@ class EmbeddingTable:
             return
         overflow = len(cache) + n - cache.capacity
         if overflow > 0:
-            if overflow > cache.capacity - len(protect):
+            if n + len(protect) > cache.capacity:  # the batch's own rows cannot be evicted
                 raise RuntimeError(
                     f"table {self.config.name}: one batch needs {len(protect) + n} rows but the GPU cache holds "
                     f"{cache.capacity}; raise [ps] hbm_bytes"
@@ -470,14 +477,18 @@ class EmbeddingTable:
         budget = self.config.dram_rows
         if not budget or len(self.dram) <= budget:
             return
+        protect = torch.unique(protect.cpu())  # sorted once: each window of the hand then binary-searches it
         victims = self.spill_clock.victims(self.dram, len(self.dram) - budget, lambda slots: self._pinned(slots, protect))
-        self.ssd.put(*self.dram.pop(self.dram.keys.index_select(0, victims)))
+        self.ssd.put(*self.dram.pop(self.dram.keys.index_select(0, victims)), absent=True)  # a row lives in one tier
         self.stats["spilled"] += len(victims)
 
     def _pinned(self, slots: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
-        """Which DRAM ``slots`` must not spill: those in ``protect``, and rows the GPU cache
-        holds (DRAM stays their home). Probes only the given slots' keys in the cache."""
-        keep = torch.isin(slots, protect.cpu()) if len(protect) else torch.zeros(len(slots), dtype=torch.bool)
+        """Which DRAM ``slots`` must not spill: those in ``protect`` (sorted), and rows the
+        GPU cache holds (DRAM stays their home). Probes only the given slots' keys in the cache."""
+        if len(protect):
+            keep = protect[torch.searchsorted(protect, slots).clamp_(max=len(protect) - 1)] == slots
+        else:
+            keep = torch.zeros(len(slots), dtype=torch.bool)
         if self.cache is not None and len(self.cache):
             keys = self.dram.keys.index_select(0, slots).to(self.cache.device)
             keep |= (self.cache.slots_of(keys) >= 0).cpu()
@@ -582,15 +593,19 @@ class EmbeddingTable:
     def _pack(k, w, s, t, with_state):
         return (k, w, s, t) if with_state else (k, w)
 
-    def load_rows(self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor | None = None, last_seen: torch.Tensor | None = None) -> None:
-        """Insert or overwrite rows (restore, or applying a delta at serving)."""
+    def load_rows(self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor | None = None, last_seen: torch.Tensor | None = None,
+                  new: bool = False) -> None:
+        """Insert or overwrite rows (restore, or applying a delta at serving). ``new``: no
+        key has a row yet (a restore into a fresh table), so none is looked for in the
+        tiers first (on SSD that read is most of the cost of a load)."""
         keys = keys.to(torch.int64).cpu()
         n = len(keys)
         if state is None:
             state = self.optimizer.init_state(n, self.config.dim, torch.device("cpu"))
         if last_seen is None:
             last_seen = torch.zeros(n, dtype=torch.int64)
-        self.remove(keys)
+        if not new:
+            self.remove(keys)
         self.dram.add(keys, weights.cpu().float(), state.cpu(), last_seen.cpu())
         if n and self.cache is not None:
             self.cache_complete = False  # rows now live below the cache only (warm() brings them up)

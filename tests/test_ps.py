@@ -500,3 +500,127 @@ def test_warming_the_cache_keeps_each_rows_clock(device):
         before = table.stats["fused_hits"]
         torch.testing.assert_close(table.lookup(keys, now_ms=2000).cpu(), table.read(keys)[1], rtol=0, atol=0)
         assert table.stats["fused_hits"] == before + 300
+
+
+def _rows_with_state(table: EmbeddingTable) -> dict[int, tuple[list, list, int]]:
+    """key -> (weights, state, last_seen) over every tier (iter_rows lists each key once)."""
+    out = {}
+    for keys, w, s, t in table.iter_rows(with_state=True, chunk=37):  # small chunks: many per tier
+        for k, wi, si, ti in zip(keys.tolist(), w.tolist(), s.tolist(), t.tolist()):
+            assert k not in out, f"key {k} listed twice"
+            out[k] = (wi, si, ti)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_set(tmp_path, device):
+    """801 keys through 40 DRAM rows: rows spill every batch, come back from SSD with their
+    optimizer state, and weights and state equal a dict-of-rows reference at every pull."""
+    cfg = TableConfig("t", 4, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=40,
+                      gpu_cache_rows=128 if device == "cuda" else 0)
+    table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
+    ref = run_reference_workload(table, "adam", steps=80)
+    assert table.stats["spilled"] > 2000 and table.stats["ssd_reads"] > 1000
+    assert len(table) == len(ref) == len(table.dram) + table.ssd.count + table._cache_only()
+    rows = _rows_with_state(table)
+    assert sorted(rows) == sorted(ref)
+    for k, (w, s) in ref.items():
+        torch.testing.assert_close(torch.tensor(rows[k][0]), w, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(rows[k][1]), s, rtol=0, atol=1e-6)
+    # each spill read a bounded number of slots per row spilled, never all of DRAM
+    clock = table.spill_clock
+    assert clock.examined <= table.stats["spilled"] * clock.sample + 80 * 2 * clock.min_window
+
+
+def test_incremental_expiry_deletes_exactly_the_stale_rows_of_dram_and_ssd(tmp_path):
+    table = EmbeddingTable(TableConfig("t", 2, ttl_s=10, dram_rows=100), ssd_dir=tmp_path)
+    g = torch.Generator().manual_seed(4)
+    seen: dict[int, int] = {}
+    for step in range(40):  # 400 keys, 24 per batch, clock 1 s a step: most rows end on SSD
+        now = step * 1000
+        pulled = table.pull(torch.randint(0, 400, (24,), generator=g) * 7919 + 1, now_ms=now)
+        table.push(pulled, torch.randn(len(pulled.keys), 2, generator=g))
+        seen.update({k: now for k in pulled.keys.tolist()})
+    _take_delta(table)
+    assert table.ssd.count > 200
+    now = 48_000  # cutoff 38 s: rows last seen at steps 0..37 expire (DRAM holds the last ~5 steps)
+    stale = {k for k, t in seen.items() if t < now - 10_000}
+    on_ssd = stale & set(table.ssd.get(torch.tensor(sorted(stale)))[0].tolist())
+    assert on_ssd and stale - on_ssd  # both tiers have rows to expire
+    assert table.expire(now) == len(stale)
+    assert len(table) == len(seen) - len(stale) == len(table.dram) + table.ssd.count
+    found, _ = table.read(torch.tensor(sorted(seen)))
+    assert {k for k, f in zip(sorted(seen), found.tolist()) if not f} == stale
+    keys, _, deleted = _take_delta(table)
+    assert set(deleted.tolist()) == stale and len(keys) == 0
+    assert table.expire(now) == 0  # nothing older is left: the next expiry finds nothing
+    assert sorted(table.ssd.expire(now).tolist()) == []
+
+
+def test_checkpoint_of_a_table_across_dram_and_ssd_restores_every_row_exactly(tmp_path):
+    """The checkpoint streams tier by tier in chunks; restore reads it batch by batch.
+    Every row comes back with its weights, optimizer state and clock."""
+    import pyarrow.ipc as ipc
+
+    store = EmbeddingStore([TableConfig("u", 4, optimizer="adam", dram_rows=50, ttl_s=1000)], work_dir=tmp_path / "a")
+    _train(store, range(30))
+    table = store["u"]
+    assert table.ssd.count > 100 and len(table.dram) > 0
+    expected = _rows_with_state(table)
+    store.checkpoint(tmp_path / "ckpt")
+    assert ipc.open_file(str(tmp_path / "ckpt" / "u.arrow")).num_record_batches >= 2  # one per tier at least
+    restored, _ = EmbeddingStore.restore(tmp_path / "ckpt", work_dir=tmp_path / "b")
+    assert restored["u"].ssd.count > 0  # the restored table spans both tiers again
+    assert _rows_with_state(restored["u"]) == expected
+    store.close()
+    restored.close()
+
+
+def test_a_reopened_ssd_tier_counts_its_rows_without_a_scan(tmp_path):
+    """The count is read from the tier (stored with each write), right after puts of new
+    keys, overwrites, takes, expiry and reopening; a table reopened over its SSD directory
+    has exactly those rows."""
+    from ps.ssd import SsdTier
+
+    table = EmbeddingTable(TableConfig("t", 3, dram_rows=20), ssd_dir=tmp_path)
+    table.load_rows(torch.arange(1, 201) * 31, torch.randn(200, 3))
+    table.load_rows(torch.arange(1, 51) * 31, torch.ones(50, 3))  # overwrite rows that live on SSD
+    table.remove(torch.arange(151, 171) * 31)
+    on_ssd = table.ssd.count
+    assert on_ssd == 180 - len(table.dram)
+    table.close()
+    reopened = EmbeddingTable(TableConfig("t", 3, dram_rows=20), ssd_dir=tmp_path)
+    assert reopened.ssd.count == len(reopened) == on_ssd
+    assert sum(len(chunk[0]) for chunk in reopened.ssd.items()) == on_ssd
+    reopened.close()
+    with pytest.raises(ValueError, match="without a time index"):  # the tier of a table without expiry
+        SsdTier(tmp_path / "t", dim=3, state_dim=1, by_time=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_removing_a_key_twice_in_one_call_frees_its_row_once(tmp_path, device):
+    """A slot freed twice would be handed to two new keys: both would then read one row."""
+    table = EmbeddingTable(TableConfig("t", 2, dram_rows=100, gpu_cache_rows=64 if device == "cuda" else 0), device, ssd_dir=tmp_path)
+    table.pull(torch.arange(1, 41, device=device), now_ms=1)
+    table.remove(torch.tensor([3, 3, 5, 5, 5, 7]))
+    assert len(table) == 37
+    fresh = torch.arange(1000, 1010, device=device)
+    pulled = table.pull(fresh, now_ms=2)
+    table.push(pulled, torch.arange(20, dtype=torch.float32).reshape(10, 2).to(device))
+    found, rows = table.read(fresh.cpu())
+    assert bool(found.all()) and len({tuple(r) for r in rows.tolist()}) == 10  # ten distinct rows, not shared slots
+    assert len(table) == 47
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reserved_keys_are_refused_on_the_device_path_and_dram_must_exceed_the_cache(tmp_path):
+    from ps.hash_layout import EMPTY, TOMBSTONE
+
+    table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1024), "cuda")
+    assert table.cache_complete
+    for key in (EMPTY, TOMBSTONE):
+        with pytest.raises(ReservedKeyError):
+            table.pull(torch.tensor([5, key], device="cuda"), now_ms=1)
+    with pytest.raises(ValueError, match="must hold more rows than the GPU cache"):
+        EmbeddingTable(TableConfig("u", 4, dram_rows=1024, gpu_cache_rows=1024), "cuda", ssd_dir=tmp_path)
