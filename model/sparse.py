@@ -16,6 +16,7 @@ import torch
 
 from model.batch import SampleBatch
 from ps.locks import RWLock
+from ps.sharded import ShardedEmbeddings, ShardedPull
 from ps.store import EmbeddingStore
 from ps.table import EmbeddingTable, Pulled
 
@@ -38,9 +39,18 @@ class PulledRows:
     rows: torch.Tensor  # requires grad
 
 
+@dataclass
+class ShardedRows:
+    pulled: ShardedPull
+    rows: dict[str, torch.Tensor]  # requires grad
+
+
 class SparseFeatures:
-    def __init__(self, store: EmbeddingStore) -> None:
-        self.store = store
+    """``sharded``: the tables are this rank's shard of tables spread over ranks; training
+    pulls and pushes go through the exchange (ps/sharded.py) instead of the local store."""
+
+    def __init__(self, store: EmbeddingStore, sharded: ShardedEmbeddings | None = None) -> None:
+        self.store, self.sharded = store, sharded
 
     @staticmethod
     def table_ids(batch: SampleBatch) -> dict[str, torch.Tensor]:
@@ -53,8 +63,13 @@ class SparseFeatures:
             "context": batch.context.reshape(-1),
         }
 
-    def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows]]:
+    def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows] | ShardedRows]:
         """Training lookup: rows are created/admitted as needed and will receive gradients."""
+        if self.sharded is not None:
+            pulled = self.sharded.pull(self.table_ids(batch), now_ms)
+            rows = {name: r.detach().requires_grad_(True) for name, r in pulled.rows.items()}
+            embeddings = {name: pulled.embeddings(name, rows[name]) for name in pulled.names}
+            return self._assemble(batch, embeddings), ShardedRows(pulled, rows)
         embeddings, handles = {}, []
         for name, pulled in self.store.pull(self.table_ids(batch), now_ms).items():
             rows = pulled.rows.detach().requires_grad_(True)
@@ -62,8 +77,10 @@ class SparseFeatures:
             handles.append(PulledRows(self.store[name], pulled, rows))
         return self._assemble(batch, embeddings), handles
 
-    @staticmethod
-    def push(handles: list[PulledRows]) -> None:
+    def push(self, handles: list[PulledRows] | ShardedRows) -> None:
+        if isinstance(handles, ShardedRows):  # collective: every rank pushes every step
+            self.sharded.push(handles.pulled, {name: r.grad for name, r in handles.rows.items()})
+            return
         for h in handles:
             if h.rows.grad is not None:
                 h.table.push(h.pulled, h.rows.grad)

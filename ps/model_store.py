@@ -4,6 +4,8 @@ Layout (the contract of ../shared/DESIGN.md)::
 
     <root>/<model>/versions/<version:012d>/manifest.json
                                           sparse/<table>.arrow   key int64, deleted bool, value float32[dim]
+                                          sparse/<table>/<shard>-of-<n>.arrow   the same, one file per
+                                                                 rank of a sharded trainer
                                           dense.arrow            name, shape, values
     <root>/<model>/LATEST                                        the newest complete version, as text
 
@@ -49,6 +51,17 @@ class SparseDelta:
     keys: torch.Tensor
     values: torch.Tensor
     deleted: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A version being written: its number, kind, parent, and where its files go until
+    the commit makes it visible."""
+
+    version: int
+    kind: str
+    parent: int | None
+    staging: str
 
 
 @dataclass
@@ -166,50 +179,83 @@ class ModelStore:
         """Write a complete version atomically and move LATEST to it; returns its number.
 
         ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since the
-        parent (the current LATEST) plus deleted keys.
+        parent (the current LATEST) plus deleted keys. One writer, one shard: the
+        sharded trainer uses ``begin`` / ``write_shard`` / ``commit`` instead.
         """
+        staged = self.begin(kind)
+        files = self.write_shard(staged, tables, dims)
+        return self.commit(staged, files, dense, meta)
+
+    def begin(self, kind: str) -> "StagedVersion":
+        """Fix the number, parent and staging directory of the next version (the writer's
+        rank 0 does this and hands the result to every shard's writer)."""
         if kind not in ("full", "delta"):
             raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
         parent = self.latest()
         if kind == "delta" and parent is None:
             raise ValueError("a delta needs a parent: publish a full version first")
-        existing = self.versions()
-        version = max([parent or 0, *existing]) + 1
+        version = max([parent or 0, *self.versions()]) + 1
         vdir = self._vdir(version)
-        tmp = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
-        self.fs.create_dir(f"{tmp}/sparse", recursive=True)
+        staging = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
+        return StagedVersion(version, kind, parent if kind == "delta" else None, staging)
+
+    def write_shard(self, staged: "StagedVersion", tables: Mapping[str, SparseDelta], dims: Mapping[str, int],
+                    shard: int = 0, shards: int = 1) -> dict[str, dict]:
+        """Write one shard's sparse files into ``staged``; returns their manifest entries.
+        One shard: ``sparse/<table>.arrow``; several: ``sparse/<table>/<shard>-of-<shards>.arrow``
+        (readers concatenate a table's shards by the entries' ``table``)."""
+        self.fs.create_dir(f"{staged.staging}/sparse", recursive=True)
         files: dict[str, dict] = {}
-        table_info: dict[str, dict] = {}
         for name, delta in tables.items():
             data = _ipc_bytes(_sparse_table(delta, dims[name]))
-            rel = f"sparse/{name}.arrow"
-            self._write(f"{tmp}/{rel}", data)
-            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(delta.keys) + len(delta.deleted)}
-            table_info[name] = {"dim": dims[name], "upserts": len(delta.keys), "deleted": len(delta.deleted)}
+            rel = f"sparse/{name}.arrow" if shards == 1 else f"sparse/{name}/{shard:05d}-of-{shards:05d}.arrow"
+            if shards > 1:
+                self.fs.create_dir(f"{staged.staging}/sparse/{name}", recursive=True)
+            self._write(f"{staged.staging}/{rel}", data)
+            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(delta.keys) + len(delta.deleted),
+                          "table": name, "dim": dims[name], "upserts": len(delta.keys), "deleted": len(delta.deleted)}
+        return files
+
+    def commit(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None = None,
+               meta: Mapping[str, Any] | None = None) -> int:
+        """Write the dense file and the manifest (listing every shard's ``files``), make the
+        version visible and move LATEST to it; returns the version."""
+        files = {rel: dict(info) for rel, info in files.items()}
+        table_info: dict[str, dict] = {}
+        for info in files.values():
+            entry = table_info.setdefault(info["table"], {"dim": info.pop("dim"), "upserts": 0, "deleted": 0})
+            entry["upserts"] += info.pop("upserts")
+            entry["deleted"] += info.pop("deleted")
         if dense:
             data = _ipc_bytes(_dense_table(dense))
-            self._write(f"{tmp}/dense.arrow", data)
+            self._write(f"{staged.staging}/dense.arrow", data)
             files["dense.arrow"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(dense)}
         manifest = {
             "format_version": FORMAT_VERSION,
             "model": self.model,
-            "version": version,
-            "kind": kind,
-            "parent": parent if kind == "delta" else None,
+            "version": staged.version,
+            "kind": staged.kind,
+            "parent": staged.parent,
             "created_at": time.time(),
             "files": files,
             "tables": table_info,
             **dict(meta or {}),
         }
-        self._write(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        self.fs.create_dir(staged.staging, recursive=True)
+        self._write(f"{staged.staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         if not self.renames_dirs:
-            self._write(f"{self.base}/LATEST", f"{version}\n".encode())
-            return version
-        self.fs.move(tmp, vdir)
+            self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
+            return staged.version
+        self.fs.move(staged.staging, self._vdir(staged.version))
         latest_tmp = f"{self.base}/.LATEST.tmp-{uuid.uuid4().hex[:8]}"
-        self._write(latest_tmp, f"{version}\n".encode())
+        self._write(latest_tmp, f"{staged.version}\n".encode())
         self.fs.move(latest_tmp, f"{self.base}/LATEST")
-        return version
+        return staged.version
+
+    def abort(self, staged: "StagedVersion") -> None:
+        """Delete a staged version that will not be committed (nothing reads it)."""
+        if self._exists(staged.staging) and not self._exists(f"{staged.staging}/{MANIFEST}"):
+            self.fs.delete_dir(staged.staging)
 
     # ------------------------------------------------------------------ reading
     def chain(self, version: int) -> list[int]:
@@ -229,6 +275,7 @@ class ModelStore:
         manifest = self.manifest(version)
         vdir = self._vdir(version)
         sparse: dict[str, pa.Table] = {}
+        shards: dict[str, list[pa.Table]] = {}
         dense: dict[str, torch.Tensor] = {}
         for rel, info in manifest["files"].items():
             try:
@@ -246,8 +293,12 @@ class ModelStore:
             if rel == "dense.arrow":
                 for name, shape, values in zip(table["name"].to_pylist(), table["shape"].to_pylist(), table["values"].to_numpy(zero_copy_only=False)):
                     dense[name] = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).reshape(shape)
-            else:
-                sparse[rel[len("sparse/") : -len(".arrow")]] = table
+            else:  # a table's shards (disjoint keys) read as one table
+                shards.setdefault(info.get("table") or rel[len("sparse/") : -len(".arrow")], []).append(table)
+        for name, parts in shards.items():
+            if name not in manifest["tables"]:
+                raise CorruptVersion(f"version {version}: files of table {name!r}, which the manifest's tables do not list")
+            sparse[name] = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return manifest, sparse, dense
 
     def load(self, version: int | None = None) -> LoadedModel:

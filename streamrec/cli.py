@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-frozen", action="store_true", help="don't keep a frozen baseline (trainer.frozen_baseline)")
     train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
     train.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                       help="train on N local ranks (one per GPU; gloo ranks on CPU) with sharded embeddings, "
+                            "through torch's elastic launcher; across nodes use `torchrun ... -m streamrec.cli train`")
 
     sv = defaults["serving"]
     serve = add("serve", "serve predictions over HTTP; follows new model versions, hot-swaps them, rolls back on request")
@@ -487,11 +490,18 @@ def cmd_pipeline_offline(args: argparse.Namespace, cfg: Config) -> int:
 
 # ---------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
+    from trainer.distributed import WORKER_ENV, launch
     from trainer.engine import TrainOptions, train
 
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1 and not os.environ.get(WORKER_ENV):
+        return launch(args.nproc_per_node, _without_option(args.argv, "--nproc-per-node"))
     opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
                         idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None)
     summary = train(cfg, opts)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for all
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -502,7 +512,23 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
           f"last window: {scores or 'too few samples to score'}\n"
           f"published {len(summary['published'])} versions this run (last: {summary['version']}); "
           f"rejected samples: {summary['rejected'] or 'none'}")
+    if "ranks" in summary:
+        print("ranks: " + ", ".join(f"{i}: {r['samples']:,} samples, {sum(r['table_rows'].values()):,} rows"
+                                    for i, r in enumerate(summary["ranks"])))
     return 0
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt N`` or ``--opt=N``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
 
 
 # ---------------------------------------------------------------- serve
@@ -529,7 +555,9 @@ def cmd_bench(args: argparse.Namespace, cfg: Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # `train --nproc-per-node` starts its ranks with the same arguments
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -160,6 +160,7 @@ class TrainerConfig:
     frozen_baseline: bool
     metrics_port: int
     progress_interval_s: float
+    collective_timeout_s: float
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,15 @@ class Checkpointer:
             raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
         return path
 
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints present, ascending."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(p.name[len("ckpt-"):]) for p in self.dir.glob("ckpt-*") if (p / "state.json").is_file())
+
+    def at(self, step: int) -> Path:
+        return self.dir / f"ckpt-{step:012d}"
+
     def save(self, step: int, store: EmbeddingStore, dense: dict[str, Any], state: dict[str, Any]) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{step:012d}"

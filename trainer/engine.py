@@ -14,12 +14,19 @@ Per step (all on one thread; the ps/ tables are single-writer)::
 Stopping (SIGINT/SIGTERM, ``max_samples``, ``max_seconds``, idle timeout, end of files)
 finishes the step, publishes what was trained since the last version, checkpoints, and
 commits the source positions.
+
+On several ranks (trainer/distributed.py) the loop is the same on every rank: before each
+step the ranks agree (one small all_gather) on how many samples the step has, the step's
+clock, whether to stop, and rank 0's word on publishing and checkpointing, so every rank
+calls the same collectives in the same order. A rank without a batch steps with an empty
+one. Embeddings are sharded by key (ps/sharded.py), dense parameters replicated (DDP).
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import re
 import shutil
 import signal
 import threading
@@ -32,17 +39,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from model.batch import SampleBatch
+from model.batch import SampleBatch, batch_from_table
 from model.device import pick_device
 from model.inference import InferenceModel
 from model.network import CTRModel, ModelSpec, inference_cache_rows, table_configs
 from model.sparse import SparseFeatures
 from ps.budget import tier_usage
 from ps.model_store import ModelStore
+from ps.sharded import ShardedEmbeddings
 from ps.store import EmbeddingStore
 from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
+from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
 from trainer.prefetch import END, IDLE, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
@@ -78,31 +88,41 @@ class Trainer:
     def __init__(self, cfg: Config, opts: TrainOptions) -> None:
         self.cfg, self.opts = cfg, opts
         tcfg, mcfg = cfg.trainer, cfg.model
-        self.device = pick_device(tcfg.device, "trainer.device")
+        self.device = rank_device(pick_device(tcfg.device, "trainer.device"))
         self.feature_spec = cfg.features
         self.spec = ModelSpec.from_config(mcfg, self.feature_spec)
         if opts.files:
             sample_files(opts.files)  # fail fast on a wrong path
         self.home = Path(tcfg.work_dir) / mcfg.name
         self.home.mkdir(parents=True, exist_ok=True)
-        self._lock_fh = open(self.home / "trainer.lock", "w")
+        self.ranks = join(self.device, tcfg.collective_timeout_s)
+        rank = self.ranks.rank
+        if rank:  # rank 0 reports versions for all
+            logging.getLogger("trainer.publisher").setLevel(logging.WARNING)
+        lock = self.home / ("trainer.lock" if rank == 0 else f"trainer.rank-{rank}.lock")
+        self._lock_fh = open(lock, "w")
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_fh.close()
-            raise TrainingError(f"another trainer is running for model {mcfg.name!r} (lock {self.home / 'trainer.lock'})") from None
+            self.ranks.close()
+            raise TrainingError(f"another trainer is running for model {mcfg.name!r} (lock {lock})") from None
         try:
             self._set_up()
         except BaseException:
             self._lock_fh.close()
+            self.ranks.close()
             raise
 
     def _set_up(self) -> None:
         cfg, opts, tcfg, mcfg = self.cfg, self.opts, self.cfg.trainer, self.cfg.model
-        for stale in self.home.glob("tiers-*"):  # SSD tiers of earlier runs: rebuilt from checkpoints
+        ranks = self.ranks
+        for stale in self.home.glob(f"tiers-r{ranks.rank}-*"):  # this rank's SSD tiers of earlier runs: rebuilt from checkpoints
             shutil.rmtree(stale, ignore_errors=True)
-        self.tiers_dir = self.home / f"tiers-{int(time.time())}"
-        self.checkpointer = Checkpointer(self.home / "checkpoints")
+        self.tiers_dir = self.home / f"tiers-r{ranks.rank}-{int(time.time())}"
+        checkpoints = self.home / "checkpoints"
+        self.checkpointer = Checkpointer(checkpoints if not ranks.distributed else
+                                         checkpoints / f"rank-{ranks.rank:05d}-of-{ranks.world:05d}")
         self.model_store = ModelStore(tcfg.model_store, mcfg.name)
         self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{cfg.topics.samples}"
         self._stop = threading.Event()
@@ -110,40 +130,48 @@ class Trainer:
         self.rejected: Counter = Counter()
         self._pending: list[tuple] = []  # (step, loss, scores, labels, event ids, frozen scores) not yet on the host
         self._restore_or_init()
-        self.sparse = SparseFeatures(self.store)
+        self.sparse = SparseFeatures(self.store, ShardedEmbeddings(self.store, ranks.group) if ranks.distributed else None)
+        self.forward = self.model
+        if ranks.distributed:  # dense parameters: replicated, gradients all-reduced
+            self.forward = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.metrics = WindowMetrics(tcfg.eval_window)
-        self.prom = TrainerMetrics(tcfg.metrics_port)
+        self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0)
         self.truth = self._open_truth()
         self.producer = None
-        announce = opts.announce if opts.announce is not None else not opts.files
+        announce = (opts.announce if opts.announce is not None else not opts.files) and ranks.rank == 0
         if announce:
             from streamrec.bus.clients import make_producer
 
             self.producer = make_producer(cfg.kafka.bootstrap_servers, timeout_s=cfg.kafka.connect_timeout_s)
         self.publisher = Publisher(self.store, self.model_store, tcfg.publish_interval_s, tcfg.full_every, tcfg.publish_rows_per_step,
                                    tcfg.keep_fulls, self._announce if announce else None,
-                                   self.state.get("last_version"), self.state.get("deltas_since_full", 0))
+                                   self.state.get("last_version"), self.state.get("deltas_since_full", 0),
+                                   ShardedVersionWriter(ranks, self.store) if ranks.distributed else None, collect_garbage=ranks.rank == 0)
         self.frozen: InferenceModel | None = None
         self._frozen_pending = False
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
             self._load_frozen(self.state["frozen_version"])
-        self.reporter = ProgressReporter(tcfg.progress_interval_s, self.home / "eval.jsonl") if opts.progress else None
+        self.reporter = ProgressReporter(tcfg.progress_interval_s, self.home / "eval.jsonl") if opts.progress and ranks.rank == 0 else None
 
     # ------------------------------------------------------------------ set-up
     def _restore_or_init(self) -> None:
-        latest = None
+        ranks = self.ranks
         if self.opts.fresh:
-            if (self.home / "checkpoints").exists():
-                aside = self.home / f"checkpoints.old-{int(time.time())}"
-                (self.home / "checkpoints").rename(aside)
-                log.info("--fresh: earlier checkpoints moved to %s", aside)
+            self._move_checkpoints_aside()
         else:
-            latest = self.checkpointer.latest()
+            self._check_checkpoint_ranks()
+        # the newest step every rank has a complete checkpoint of (ranks may have died between saves)
+        held = gather_to_all(ranks, [] if self.opts.fresh else self.checkpointer.steps())
+        common = set.intersection(*map(set, held))
+        if any(held) and not common:
+            raise TrainingError(f"the ranks' checkpoints have no step in common ({held}): start over with --fresh")
+        latest = self.checkpointer.at(max(common)) if common else None
         self.model = CTRModel(self.spec).to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.model.dense_lr)
         if latest is None:
-            self.store = EmbeddingStore(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir)
-            self.state: dict[str, Any] = {"step": 0, "samples": 0, "positions": {}, "trained_through_ms": 0, "source": self.source_name}
+            self.store = EmbeddingStore(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir, seed=1000 * ranks.rank)
+            self.state: dict[str, Any] = {"step": 0, "samples": 0, "global_samples": 0, "positions": {}, "trained_through_ms": 0,
+                                          "source": self.source_name, "world_size": ranks.world}
             return
         self.store, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
         if self.state.get("source") != self.source_name:
@@ -152,11 +180,38 @@ class Trainer:
         if ModelSpec.from_json(self.state["model_spec"]) != self.spec:
             raise TrainingError(f"checkpoint {latest} has model spec {self.state['model_spec']}, the config says {self.spec.to_json()}; "
                                 "use --fresh to start over")
+        self.state.setdefault("global_samples", self.state["samples"])
         self.model.load_state_dict(dense["model"])
         self.optimizer.load_state_dict(dense["optimizer"])
         self.rejected.update(self.state.get("rejected", {}))
         log.info("resumed from %s: step %d, %d samples, positions %s", latest.name, self.state["step"], self.state["samples"],
                  self.state["positions"])
+
+    def _move_checkpoints_aside(self) -> None:
+        """--fresh: rank 0 moves the checkpoints directory aside (never deletes it); a rank
+        whose checkpoints are still there after that (a node-local work dir) moves its own."""
+        root, stamp = self.home / "checkpoints", int(time.time())
+        if self.ranks.rank == 0 and root.exists():
+            root.rename(self.home / f"checkpoints.old-{stamp}")
+            log.info("--fresh: earlier checkpoints moved to %s", self.home / f"checkpoints.old-{stamp}")
+        gather_to_all(self.ranks, None)  # rank 0 has moved them before any rank looks
+        if self.ranks.distributed and self.checkpointer.dir.exists():
+            self.checkpointer.dir.rename(self.checkpointer.dir.with_name(f"{self.checkpointer.dir.name}.old-{stamp}"))
+
+    def _check_checkpoint_ranks(self) -> None:
+        """Checkpoints are per rank: resuming needs the number of ranks that wrote them."""
+        root = self.home / "checkpoints"
+        if not root.is_dir():
+            return
+        written = {int(m.group(2)) for p in root.iterdir()
+                   if (m := re.fullmatch(r"rank-(\d+)-of-(\d+)", p.name)) and (p / "LATEST").is_file()}
+        if (root / "LATEST").is_file():
+            written.add(1)
+        other = sorted(written - {self.ranks.world})
+        if other:
+            raise TrainingError(f"the checkpoints under {root} were written by {other[0]} rank(s), and this run has "
+                                f"{self.ranks.world}: resume with --nproc-per-node {other[0]} (as many ranks as wrote them), "
+                                "or start over with --fresh (they are moved aside, not deleted)")
 
     def _open_truth(self) -> TruthLookup | None:
         if not self.opts.truth:
@@ -167,10 +222,11 @@ class Trainer:
 
     def _source(self) -> SampleSource:
         positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
+        shard = (self.ranks.rank, self.ranks.world)
         if self.opts.files:
-            return FileSampleSource(self.opts.files, self.feature_spec, positions, loop=self.opts.loop_files)
+            return FileSampleSource(self.opts.files, self.feature_spec, positions, loop=self.opts.loop_files, shard=shard)
         return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.feature_spec,
-                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s)
+                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s, shard=shard)
 
     def _announce(self, message: dict) -> None:
         import orjson
@@ -198,35 +254,39 @@ class Trainer:
         prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
                               pin_memory=self.device.type == "cuda").start()
         started = time.monotonic()
-        last_data = time.monotonic()
-        last_checkpoint = time.monotonic()
-        samples_at_start = self.state["samples"]
+        self._last_data = time.monotonic()
+        self._last_checkpoint = time.monotonic()
+        samples_at_start = self.state["global_samples"]
         self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
-        poisoned = None
+        poisoned = failed = None
+        ended = False
         try:
-            while not self._stop.is_set():
+            while True:
                 t0 = time.perf_counter()
-                item = prefetch.get(timeout=0.5)
+                item = END if ended else prefetch.get(timeout=0.5)
                 self.times["input"] += time.perf_counter() - t0
-                if item is END:
-                    break
+                batch = item if isinstance(item, SampleBatch) else None
+                ended = ended or item is END
                 if isinstance(item, Skipped):
                     self._advance(item.positions, item.rejected)
-                elif item is IDLE:
-                    if self.opts.idle_exit_s and time.monotonic() - last_data > self.opts.idle_exit_s:
-                        log.info("no samples for %.0f s: stopping", self.opts.idle_exit_s)
-                        break
-                else:
-                    last_data = time.monotonic()
-                    self._step(item)
-                self._between_steps(source)
-                if tcfg.checkpoint_interval_s and time.monotonic() - last_checkpoint >= tcfg.checkpoint_interval_s and not self.publisher.busy:
-                    self.checkpoint(source)
-                    last_checkpoint = time.monotonic()
-                trained = self.state["samples"] - samples_at_start
-                if (self.opts.max_samples and trained >= self.opts.max_samples) or \
-                        (self.opts.max_seconds and time.monotonic() - started >= self.opts.max_seconds):
+                trained = self.state["global_samples"] - samples_at_start
+                idle_s = time.monotonic() - self._last_data
+                stop = self._stop.is_set() or bool(self.opts.max_samples and trained >= self.opts.max_samples) or \
+                    bool(self.opts.max_seconds and time.monotonic() - started >= self.opts.max_seconds) or \
+                    bool(self.opts.idle_exit_s and idle_s > self.opts.idle_exit_s)
+                publish, checkpoint = self._decide() if self.ranks.rank == 0 else (0, False)
+                agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
+                               batch.max_ts() if batch is not None else 0, publish, checkpoint)
+                if agreed.samples:
+                    self._last_data = time.monotonic()
+                    self._step(batch if batch is not None else self._empty_batch(), agreed)
+                if agreed.ended:
                     break
+                if agreed.stop:
+                    if self.opts.idle_exit_s and idle_s > self.opts.idle_exit_s:
+                        log.info("no samples for %.0f s: stopping", self.opts.idle_exit_s)
+                    break
+                self._between_steps(source, agreed)
             self.publisher.flush()
             if self._dirty():
                 self._begin_publish()
@@ -234,6 +294,10 @@ class Trainer:
             self.checkpoint(source)
         except PoisonedModel as exc:
             poisoned = str(exc)
+        except RuntimeError as exc:
+            if not self.ranks.distributed or isinstance(exc, TrainingError):
+                raise
+            failed = exc  # a collective failed: another rank died or hangs
         finally:
             prefetch.stop()
             source.close()
@@ -244,24 +308,59 @@ class Trainer:
                 f"{poisoned}. Nothing was published or checkpointed after it: the last good version is "
                 f"{self.publisher.last_version or 'none'}, the last checkpoint is {latest or 'none'}. Lower the learning rates "
                 f"or check the inputs, then run again" + (f": it resumes from {latest.name}." if latest else "."))
-        summary = self.summary(time.monotonic() - started, self.state["samples"] - samples_at_start)
+        if failed is not None:
+            latest = self.checkpointer.latest()
+            self._close()
+            reason = str(failed) if isinstance(failed, RankFailure) else f"rank {self.ranks.rank}: a collective failed ({failed})"
+            raise TrainingError(f"{reason}. Training stopped on this rank; nothing after the last checkpoint "
+                                f"({latest.name if latest else 'none'}) is kept, and a restart resumes from it.")
+        summary = self.summary(time.monotonic() - started, self.state["global_samples"] - samples_at_start)
         self._close()
         return summary
 
-    def _dirty(self) -> bool:
-        return self.state["samples"] > self.state.get("published_samples", -1)
+    def _decide(self) -> tuple[int, bool]:
+        """Rank 0's word (every rank's, alone) on what follows this step: publish (0 no,
+        1 the due version, 2 a full one for the frozen baseline) and checkpoint."""
+        tcfg = self.cfg.trainer
+        publish = 0
+        if not self.publisher.busy and self.state["global_samples"] > 0 and not self.publisher.poisoned:
+            want_frozen = tcfg.frozen_baseline and self.frozen is None and not self._frozen_pending and \
+                self.state.get("frozen_version") is None and self.state["global_samples"] >= tcfg.warmup_samples
+            if want_frozen:
+                publish = 2
+            elif self.publisher.due() and self._dirty():
+                publish = 1
+        checkpoint = bool(tcfg.checkpoint_interval_s) and time.monotonic() - self._last_checkpoint >= tcfg.checkpoint_interval_s \
+            and not self.publisher.busy and not publish
+        return publish, checkpoint
 
-    def _step(self, batch: SampleBatch) -> None:
+    def _empty_batch(self) -> SampleBatch:
+        """What a rank without samples steps with, so it still joins the step's collectives."""
+        return batch_from_table(self.feature_spec.schema().empty_table(), self.feature_spec, self.spec.history_len)
+
+    def _dirty(self) -> bool:
+        return self.state["global_samples"] > self.state.get("published_samples", -1)
+
+    def _step(self, batch: SampleBatch, agreed: Agreed) -> None:
         sync = self.opts.sync_timings and self.device.type == "cuda"
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
-        now_ms = batch.max_ts()
+        now_ms = agreed.now_ms
         inputs, handles = self.sparse.pull(batch, now_ms)
         if sync:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        logits = self.model(*inputs.as_args())
-        loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+        logits = self.forward(*inputs.as_args())
+        n = len(batch)
+        if self.ranks.distributed:
+            # the mean over the step's samples on all ranks: DDP averages gradients over
+            # ranks, so each rank's share is scaled by world / total (empty batches add 0)
+            summed = F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
+            loss = summed * (self.ranks.world / agreed.samples)
+            reported = summed.detach() / max(1, n)
+        else:
+            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+            reported = loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if sync:
@@ -272,8 +371,9 @@ class Trainer:
         if sync:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
-        frozen = self.frozen.predict(batch, now_ms) if self.frozen is not None else None
-        self._pending.append((self.state["step"], loss.detach(), torch.sigmoid(logits.detach()), batch.label, batch.event_ids, frozen))
+        if n:
+            frozen = self.frozen.predict(batch, now_ms) if self.frozen is not None else None
+            self._pending.append((self.state["step"], reported, torch.sigmoid(logits.detach()), batch.label, batch.event_ids, frozen))
         if len(self._pending) >= DRAIN_EVERY:
             self._drain()
         t4 = time.perf_counter()
@@ -281,9 +381,9 @@ class Trainer:
         self.times["forward_backward"] += t2 - t1
         self.times["update"] += t3 - t2
         self.times["evaluate"] += t4 - t3
-        n = len(batch)
         self.state["step"] += 1
         self.state["samples"] += n
+        self.state["global_samples"] += agreed.samples
         self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
         self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
@@ -322,7 +422,7 @@ class Trainer:
             self._positions[p] = max(self._positions.get(p, 0), o)
         self.rejected.update(rejected)
 
-    def _between_steps(self, source: SampleSource) -> None:
+    def _between_steps(self, source: SampleSource, agreed: Agreed) -> None:
         t0 = time.perf_counter()
         record = self.publisher.pump()
         if record is not None:
@@ -330,16 +430,15 @@ class Trainer:
             if self._frozen_pending and record.kind == "full":
                 self._frozen_pending = False
                 self._load_frozen(record.version)
-        tcfg = self.cfg.trainer
-        want_frozen = tcfg.frozen_baseline and self.frozen is None and not self._frozen_pending and \
-            self.state.get("frozen_version") is None and self.state["samples"] >= tcfg.warmup_samples
-        if not self.publisher.busy and self.state["samples"] > 0 and not self.publisher.poisoned:
-            if want_frozen:
+        if agreed.publish:
+            self.publisher.flush()  # a rank whose last version is still being written finishes it first
+            if agreed.publish == 2:
                 self._frozen_pending = True
-                self._begin_publish(kind="full")
-            elif self.publisher.due() and self._dirty():
-                self._begin_publish()
+            self._begin_publish(kind="full" if agreed.publish == 2 else None)
         self.times["publish"] += time.perf_counter() - t0
+        if agreed.checkpoint:
+            self.checkpoint(source)
+            self._last_checkpoint = time.monotonic()
         if self.reporter is not None and self.reporter.due():
             self._drain()
             self.reporter.report(self.status(source))
@@ -351,16 +450,18 @@ class Trainer:
             "snapshot_at": time.time(),  # the moment the published state was fixed (freshness breakdown)
             "source": self.source_name,
             "offsets": {str(p): o for p, o in sorted(self._positions.items())},
-            "samples_trained": self.state["samples"],
+            "samples_trained": self.state["global_samples"],
             "step": self.state["step"],
             "model_spec": self.spec.to_json(),
             "feature_spec": self.feature_spec.to_json(),
         }
         self.publisher.begin(self.model.state_dict(), meta, kind)
-        self.state["published_samples"] = self.state["samples"]
+        self.state["published_samples"] = self.state["global_samples"]
 
     def checkpoint(self, source: SampleSource) -> Path:
-        """Consistent checkpoint (only between steps, never during a publish); then commit offsets."""
+        """Consistent checkpoint (only between steps, never during a publish); then commit
+        offsets. On several ranks every rank saves the same step (of its own shard and
+        positions), and offsets are committed once all have."""
         self._drain()
         self.publisher.flush()
         self.state.update({
@@ -370,9 +471,11 @@ class Trainer:
             "model_spec": self.spec.to_json(),
             "rejected": dict(self.rejected),
             "source": self.source_name,
+            "world_size": self.ranks.world,
         })
         path = self.checkpointer.save(self.state["step"], self.store,
                                       {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.state)
+        gather_to_all(self.ranks, self.state["step"])  # every rank holds this step before any commits offsets
         try:
             source.commit(self._positions)
         except Exception as exc:  # the checkpoint holds the positions; the group commit is for lag tools
@@ -381,8 +484,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ reporting
     def status(self, source: SampleSource | None = None) -> dict[str, Any]:
+        """This rank's view (on several ranks: the metrics of its own samples)."""
         out = {
-            "samples": self.state["samples"],
+            "samples": self.state["global_samples"],
             "step": self.state["step"],
             "loss": self.state.get("loss"),
             "trained_through_ms": self.state["trained_through_ms"],
@@ -419,6 +523,13 @@ class Trainer:
             "frozen_version": self.state.get("frozen_version"),
             "table_rows": {name: len(t) for name, t in self.store.tables.items()},
         })
+        if self.ranks.distributed:  # every rank's share, and the metrics over all ranks' windows
+            shares = gather_to_all(self.ranks, {"samples": self.state["samples"], "table_rows": out["table_rows"],
+                                                "window": self.metrics.rows()})
+            out.update(WindowMetrics.merged([share.pop("window") for share in shares]).summary())
+            out["ranks"] = shares
+            out["world_size"] = self.ranks.world
+            out["table_rows"] = {name: sum(share["table_rows"][name] for share in shares) for name in out["table_rows"]}
         return out
 
     def _close(self) -> None:
@@ -433,6 +544,7 @@ class Trainer:
         self.store.close()
         shutil.rmtree(self.tiers_dir, ignore_errors=True)
         self._lock_fh.close()
+        self.ranks.close()
 
 
 def train(cfg: Config, opts: TrainOptions) -> dict[str, Any]:

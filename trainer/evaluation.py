@@ -47,6 +47,19 @@ class WindowMetrics:
             self.scores[s][idx] = np.nan if v is None else v
         self.n += k
 
+    def rows(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The window's filled rows: (labels, scores per scorer)."""
+        filled = min(self.n, self.window)
+        return self.labels[:filled].copy(), {s: v[:filled].copy() for s, v in self.scores.items()}
+
+    @classmethod
+    def merged(cls, parts: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> "WindowMetrics":
+        """One window holding the ``rows()`` of several (the ranks' windows of one step range)."""
+        out = cls(sum(len(labels) for labels, _ in parts))
+        for labels, scores in parts:
+            out.add(labels, **scores)
+        return out
+
     def summary(self) -> dict[str, float]:
         """AUC and logloss per scorer over the rows that scorer scored."""
         filled = min(self.n, self.window)

@@ -44,15 +44,32 @@ class PublishRecord:
     finished_at: float = field(default_factory=time.time)
 
 
+VersionWriter = Callable[[ModelStore, str, dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
+
+
+def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> str | None:
+    """Why these values must not be published (non-finite ones), or None."""
+    for name, delta in tables.items():
+        if len(delta.values) and not bool(torch.isfinite(delta.values).all()):
+            return f"table {name} holds non-finite embedding values"
+    for name, tensor in dense.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"dense parameter {name} holds non-finite values"
+    return None
+
+
 class Publisher:
     def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
                  rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
-                 last_version: int | None = None, deltas_since_full: int = 0) -> None:
+                 last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
+                 collect_garbage: bool = True) -> None:
         if interval_s <= 0 or full_every < 1 or rows_per_step < 1:
             raise ValueError("publish_interval_s must be > 0, full_every and publish_rows_per_step >= 1")
         self.store, self.model_store = store, model_store
         self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
         self.announce = announce
+        self.write_version = write_version or self._write_local  # the sharded trainer writes with every rank
+        self.collect_garbage = collect_garbage  # one writer deletes old versions
         self.last_version = last_version
         self.deltas_since_full = deltas_since_full
         self.force_full = last_version is None  # a chain starts with a full version
@@ -134,19 +151,19 @@ class Publisher:
     def _write(self, pending: dict, tables: dict[str, SparseDelta]) -> PublishRecord:
         t0 = time.perf_counter()
         tables = to_host(tables)
-        for name, delta in tables.items():
-            if len(delta.values) and not bool(torch.isfinite(delta.values).all()):
-                raise PoisonedModel(f"table {name} holds non-finite embedding values")
-        for name, tensor in pending["dense"].items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise PoisonedModel(f"dense parameter {name} holds non-finite values")
         kind = pending["kind"]
-        version = self.store.write(self.model_store, kind, tables, pending["dense"], pending["meta"])
-        if kind == "full" and self.keep_fulls:
+        version = self.write_version(self.model_store, kind, tables, pending["dense"], pending["meta"], _refusal(tables, pending["dense"]))
+        if kind == "full" and self.keep_fulls and self.collect_garbage:
             self.model_store.gc(keep_fulls=self.keep_fulls)
         rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
         return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
                              int(pending["meta"].get("trained_through_ms", 0)))
+
+    def _write_local(self, model_store: ModelStore, kind: str, tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor],
+                     meta: dict[str, Any], refusal: str | None) -> int:
+        if refusal:
+            raise PoisonedModel(refusal)
+        return self.store.write(model_store, kind, tables, dense, meta)
 
     def _finish(self, record: PublishRecord) -> None:
         self.last_version = record.version

@@ -64,27 +64,33 @@ def sample_files(paths: list[str]) -> list[Path]:
 
 
 class FileSampleSource:
-    """Parquet files of samples (``streamrec pipeline offline``), read in row order."""
+    """Parquet files of samples (``streamrec pipeline offline``), read in row order.
+
+    ``shard=(rank, ranks)``: this rank reads every ``ranks``-th chunk of ``chunk_rows``
+    rows of each file, starting at its ``rank``-th, so the ranks of a sharded trainer
+    read disjoint shares; a rank's position in a file is the end of its last chunk read."""
 
     def __init__(self, paths: list[str], spec: FeatureSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
-                 loop: bool = False) -> None:
+                 loop: bool = False, shard: tuple[int, int] = (0, 1)) -> None:
         self.files = sample_files(paths)
         self.spec = spec
         self.start = dict(start or {})
         self.chunk_rows = chunk_rows
         self.loop = loop  # benchmarks: read the files again and again
-        self._left = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files) - sum(self.start.values())
+        self.rank, self.ranks = shard
+        total = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        self._left = (total - sum(self.start.values())) // self.ranks  # exact for one rank, near for several
 
     def chunks(self) -> Iterator[SampleChunk]:
         while True:
             for part, path in enumerate(self.files):
                 offset = 0
                 skip = self.start.get(part, 0)
-                for batch in pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows):
+                for i, batch in enumerate(pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows)):
                     table = pa.Table.from_batches([batch])
                     lo = offset
                     offset += table.num_rows
-                    if offset <= skip:
+                    if offset <= skip or i % self.ranks != self.rank:
                         continue
                     if lo < skip:
                         table, lo = table.slice(skip - lo), skip
@@ -113,13 +119,16 @@ class KafkaSampleSource:
     Where to start: ``start`` positions (a checkpoint's) win; otherwise the group's
     committed offsets; otherwise the earliest retained sample.
 
+    ``shard=(rank, ranks)``: this rank reads the partitions ``p`` with ``p % ranks == rank``
+    (one consumer group for all ranks; each commits only its own partitions).
+
     KafkaConsumer is not thread-safe and ``chunks`` runs on the prefetch thread, so
     ``commit`` and ``lag`` never touch the consumer from the caller's thread: commits are
     handed to the polling loop (and done at ``close`` at the latest), lag is measured there.
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, spec: FeatureSpec, start: dict[int, int] | None = None,
-                 timeout_s: float = 20.0, poll_ms: int = 200, max_records: int = 8192) -> None:
+                 timeout_s: float = 20.0, poll_ms: int = 200, max_records: int = 8192, shard: tuple[int, int] = (0, 1)) -> None:
         from kafka import TopicPartition
 
         from streamrec.bus.clients import make_consumer
@@ -132,8 +141,13 @@ class KafkaSampleSource:
         if not partitions:
             self.consumer.close()
             raise FileNotFoundError(f"topic {topic!r} does not exist on {bootstrap} (run `streamrec kafka up`)")
-        self.assignment = [TopicPartition(topic, p) for p in sorted(partitions)]
-        self.consumer.assign(self.assignment)  # the trainer owns every partition; checkpoints hold its positions
+        rank, ranks = shard
+        if len(partitions) < ranks:
+            self.consumer.close()
+            raise ValueError(f"topic {topic!r} has {len(partitions)} partitions, fewer than the {ranks} training ranks: "
+                             "give it at least as many partitions as ranks (each rank reads its own)")
+        self.assignment = [TopicPartition(topic, p) for p in sorted(partitions) if p % ranks == rank]
+        self.consumer.assign(self.assignment)  # this rank owns these partitions; checkpoints hold its positions
         committed = {tp.partition: self.consumer.committed(tp) for tp in self.assignment}
         for tp in self.assignment:
             where = (start or {}).get(tp.partition, committed.get(tp.partition))

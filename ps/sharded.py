@@ -1,0 +1,117 @@
+"""Embedding tables sharded row-wise across the ranks of a torch.distributed group.
+
+Each key has one owner rank (``owner_of``: a hash of the key, so Zipf-skewed ids still
+spread evenly), and only its owner stores the row, in the owner's own ``EmbeddingStore``
+with its own HBM/DRAM/SSD tiers, admission and expiry. A training step, for all tables
+at once::
+
+    requester: unique ids per table, grouped by owner
+    all_to_all  counts (owner x table), then ids            -> owners
+    owner:      EmbeddingStore.pull of what it received (rows created/admitted there)
+    all_to_all  rows                                         -> requesters
+    ... forward, backward on the requester ...
+    all_to_all  gradients of the unique rows                -> owners
+    owner:      sums the gradients of a key asked for by several ranks, averages over
+                ranks (as DDP averages dense gradients), applies the table's optimizer
+
+Four collectives and two host syncs (the split sizes) per step, whatever the number of
+tables. Tables must share one dim (the rows travel as one tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ps.store import EmbeddingStore
+from ps.table import Pulled
+from ps.unique import unique_per_group
+
+_MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
+
+
+def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
+    """The rank that owns each key. A different mix than the hash index's (which takes the
+    top bits of ``key * 0x9E37...``), so one shard's keys do not crowd one part of its index."""
+    mixed = (keys ^ (keys >> 31)) * _MIX
+    return ((mixed >> 32) & 0x7FFFFFFF) % world
+
+
+@dataclass
+class ShardedPull:
+    """One step's exchange: what the requester got, and what the owner must update."""
+
+    names: list[str]
+    rows: dict[str, torch.Tensor]  # requester: unique rows per table, [n_t, dim]
+    inverse: dict[str, torch.Tensor]  # requester: position of each input id in its table's rows
+    order: torch.Tensor  # requester: the unique keys of all tables in send order (by owner, then table)
+    send_splits: list[int]  # rows sent to / received back from each rank
+    recv_splits: list[int]  # rows received from / sent back to each rank
+    by_table: torch.Tensor  # owner: received rows in table order
+    table_sizes: list[int]  # owner: rows received per table
+    owned: dict[str, Pulled]  # owner: the local pulls, handed to push
+
+    def embeddings(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One embedding per input id of table ``name`` (``rows``: a grad-requiring copy)."""
+        return (self.rows[name] if rows is None else rows).index_select(0, self.inverse[name])
+
+
+class ShardedEmbeddings:
+    """The tables of ``store`` (this rank's shard) as one logical set of tables over
+    ``group`` (the default group when None)."""
+
+    def __init__(self, store: EmbeddingStore, group: dist.ProcessGroup | None = None) -> None:
+        dims = {t.config.dim for t in store.tables.values()}
+        if len(dims) != 1:
+            raise ValueError(f"sharded tables must share one dim, got {sorted(dims)}")
+        self.store, self.group = store, group
+        self.dim = dims.pop()
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.device = store.device
+
+    def pull(self, ids: dict[str, torch.Tensor], now_ms: int, train: bool = True) -> ShardedPull:
+        names, world, device = list(ids), self.world, self.device
+        n_tables = len(names)
+        flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
+        uniques = unique_per_group(flat) if device.type == "cuda" else [torch.unique(f, return_inverse=True) for f in flat]
+        keys = torch.cat([u[0] for u in uniques])
+        tables = torch.cat([torch.full((len(u[0]),), t, dtype=torch.int64, device=device) for t, u in enumerate(uniques)])
+        code = owner_of(keys, world) * n_tables + tables
+        order = torch.argsort(code, stable=True)
+        send_counts = torch.bincount(code, minlength=world * n_tables)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        counts = torch.stack([send_counts, recv_counts]).view(2, world, n_tables).cpu()  # host sync 1 of 2
+        send_splits, recv_splits = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
+        received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
+        dist.all_to_all_single(received, keys[order], recv_splits, send_splits, group=self.group)
+        # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
+        tag = torch.arange(n_tables, device=device).repeat(world)
+        recv_table = torch.repeat_interleave(tag, counts[1].reshape(-1).to(device), output_size=len(received))
+        by_table = torch.argsort(recv_table, stable=True)
+        table_sizes = counts[1].sum(0).tolist()
+        wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
+        owned = self.store.pull(wanted, now_ms, train)  # host sync 2 of 2 (inside, on CUDA)
+        served = torch.empty(len(received), self.dim, device=device)
+        served[by_table] = torch.cat([owned[n].embeddings() for n in names])
+        back = torch.empty(len(keys), self.dim, device=device)
+        dist.all_to_all_single(back, served, send_splits, recv_splits, group=self.group)
+        rows = torch.empty_like(back)
+        rows[order] = back
+        per_table = torch.split(rows, [len(u[0]) for u in uniques])
+        return ShardedPull(names, dict(zip(names, per_table)), {n: u[1] for n, u in zip(names, uniques)}, order, send_splits,
+                           recv_splits, by_table, table_sizes, owned)
+
+    def push(self, pulled: ShardedPull, grads: dict[str, torch.Tensor | None]) -> None:
+        """Send each table's gradients of its unique rows (None: no gradient) to their
+        owners, which apply the optimizers. Collective: every rank calls it every step."""
+        parts = [grads.get(n) if grads.get(n) is not None else torch.zeros_like(pulled.rows[n]) for n in pulled.names]
+        sent = torch.cat(parts).index_select(0, pulled.order) if parts else torch.empty(0, self.dim, device=self.device)
+        received = torch.empty(sum(pulled.recv_splits), self.dim, device=self.device)
+        dist.all_to_all_single(received, sent.contiguous(), pulled.recv_splits, pulled.send_splits, group=self.group)
+        for name, grad in zip(pulled.names, torch.split(received.index_select(0, pulled.by_table), pulled.table_sizes)):
+            owned = pulled.owned[name]
+            summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
+            self.store[name].push(owned, summed.div_(self.world))
