@@ -16,7 +16,17 @@ Publish stall: a separate measurement of what publishing costs the training thre
 million touched rows (begin + every snapshot slice), and the longest single pause, against
 a bare device-to-host copy of the same rows.
 
+Scaling (``--nproc-per-node N``): the same command, ``streamrec train`` on the sample file
+in a loop, at 1 rank (a lone process, no collectives), at 1 rank under the launcher (the
+sharded exchange and DDP in place at world size 1), and at N ranks under the launcher, each
+rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per rank and
+in total, and scaling efficiency = total at N / (N x the lone process's). Every run is a
+fresh process that pays its own start-up (Triton compiles, first rows); samples/s are
+timed by the trainer itself, so the launcher's start is not counted. CPU ranks get
+``cores // N`` threads each, the lone process all cores' worth of them as 1 rank would.
+
 Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
+       python bench/bench_trainer.py --nproc-per-node 2 [--samples ...] [--batch 4096] [--steps 300] [--device cuda]
 (without --samples: 60 s of generated traffic, made into samples by the reference pipeline)
 Writes bench/out/trainer-<device>-<time>.json.
 """
@@ -178,6 +188,52 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
             "slices": len(pauses), "bare_copy_ms": 1000 * bare, "ratio_to_bare_copy": total / bare}
 
 
+def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path) -> dict:
+    """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher,
+    collectives in place even for one rank); its summary's throughput."""
+    import os
+
+    name = f"{nproc}-{'launched' if launcher else 'lone'}"
+    argv = ["train", "--samples", samples, "--loop", "--max-samples", str(nproc * batch * steps), "--batch-size", str(batch),
+            "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
+            "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work")]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "streamrec.cli", *argv] \
+        if launcher else [sys.executable, "-m", "streamrec.cli", *argv]
+    if launcher:
+        env["STREAMREC_TRAIN_WORKER"] = "1"  # the ranks run the training themselves
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-3000:]}")
+    summary = json.loads(done.stdout)
+    return {"ranks": nproc, "launcher": launcher, "samples": summary["samples_this_run"], "elapsed_s": summary["elapsed_s"],
+            "samples_per_s": summary["samples_per_s"], "samples_per_s_per_rank": summary["samples_per_s"] / nproc,
+            "ms_per_step": summary["ms_per_step"], "auc_online": summary.get("auc_online")}
+
+
+def scaling(args: argparse.Namespace) -> None:
+    device = args.device
+    result = {"bench": "trainer_scaling", "device": device, "batch_per_rank": args.batch, "steps": args.steps,
+              "samples_file": args.samples, "host": platform.node(), "torch": torch.__version__,
+              "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [(1, False), (1, True), *((n, True) for n in args.nproc_per_node if n > 1)]
+        result["runs"] = []
+        for nproc, launcher in runs:
+            print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}: {args.steps} steps of {args.batch} per rank ...",
+                  flush=True)
+            run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp))
+            result["runs"].append(run)
+            print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
+    lone = result["runs"][0]["samples_per_s"]
+    for run in result["runs"]:
+        run["speedup_over_lone"] = run["samples_per_s"] / lone
+        run["scaling_efficiency"] = run["samples_per_s"] / (run["ranks"] * lone)
+    print("speed-up over the lone process: " + ", ".join(f"{r['ranks']}{'L' if r['launcher'] else ''}: {r['speedup_over_lone']:.2f}x"
+                                                          for r in result["runs"]), flush=True)
+    write_result(args.out, f"trainer-scaling-{torch.device(device).type}", result)
+
+
 def make_samples(run: Path) -> str:
     """60 s of generated traffic turned into samples (the reference pipeline), for a self-contained run."""
     print(f"generating samples into {run} ...", flush=True)
@@ -197,10 +253,15 @@ def main() -> None:
     parser.add_argument("--stall-rows", type=int, default=1_000_000)
     parser.add_argument("--stall-rows-per-step", type=int, default=262144)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    parser.add_argument("--nproc-per-node", type=int, nargs="+", default=[], metavar="N",
+                        help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
+    if args.nproc_per_node:
+        args.samples = str(sample_files([args.samples])[0])
+        return scaling(args)
     path = str(sample_files([args.samples])[0])
     table = pq.read_table(path)
     spec = FeatureSpec()

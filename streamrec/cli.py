@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds")
     train.add_argument("--idle-exit", type=float, default=0.0, metavar="S", help="stop after S seconds without samples")
     train.add_argument("--fresh", action="store_true", help="start over (earlier checkpoints are moved aside, not deleted)")
+    train.add_argument("--loop", action="store_true", help="read the sample files again and again (benchmarks)")
     train.add_argument("--model", help="model name (model.name)")
     train.add_argument("--model-store", help=f"model store root or URI (trainer.model_store: {t['model_store']})")
     train.add_argument("--work-dir", help=f"checkpoints and SSD tier (trainer.work_dir: {t['work_dir']})")
@@ -498,7 +499,8 @@ def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
     if args.nproc_per_node > 1 and not os.environ.get(WORKER_ENV):
         return launch(args.nproc_per_node, _without_option(args.argv, "--nproc-per-node"))
     opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
-                        idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None)
+                        idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None,
+                        loop_files=args.loop)
     summary = train(cfg, opts)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for all

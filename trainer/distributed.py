@@ -49,7 +49,8 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        return self.world > 1
+        """Under a launcher: the collectives run, even for one rank (what they cost is measurable)."""
+        return self.group is not None
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
@@ -58,10 +59,11 @@ class Ranks:
 
 def join(device: torch.device, timeout_s: float) -> Ranks:
     """This process's place among the ranks, from the launcher's environment (RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); one rank when WORLD_SIZE is unset or 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); a lone process without a launcher when
+    WORLD_SIZE is unset."""
+    if "WORLD_SIZE" not in os.environ:
         return Ranks()
+    world = int(os.environ["WORLD_SIZE"])
     if timeout_s <= 0:
         raise ValueError("trainer.collective_timeout_s must be > 0 when training on several ranks")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -77,7 +79,7 @@ def join(device: torch.device, timeout_s: float) -> Ranks:
 
 def rank_device(device: torch.device, ranks_env: Mapping[str, str] = os.environ) -> torch.device:
     """One GPU per rank: ``cuda`` becomes ``cuda:<LOCAL_RANK>`` under the launcher."""
-    if device.type != "cuda" or int(ranks_env.get("WORLD_SIZE", "1")) == 1 or device.index not in (None, 0):
+    if device.type != "cuda" or "WORLD_SIZE" not in ranks_env or device.index not in (None, 0):
         return device
     local = int(ranks_env.get("LOCAL_RANK", "0"))
     if local >= torch.cuda.device_count():

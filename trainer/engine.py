@@ -121,7 +121,7 @@ class Trainer:
             shutil.rmtree(stale, ignore_errors=True)
         self.tiers_dir = self.home / f"tiers-r{ranks.rank}-{int(time.time())}"
         checkpoints = self.home / "checkpoints"
-        self.checkpointer = Checkpointer(checkpoints if not ranks.distributed else
+        self.checkpointer = Checkpointer(checkpoints if ranks.world == 1 else
                                          checkpoints / f"rank-{ranks.rank:05d}-of-{ranks.world:05d}")
         self.model_store = ModelStore(tcfg.model_store, mcfg.name)
         self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{cfg.topics.samples}"
@@ -195,7 +195,7 @@ class Trainer:
             root.rename(self.home / f"checkpoints.old-{stamp}")
             log.info("--fresh: earlier checkpoints moved to %s", self.home / f"checkpoints.old-{stamp}")
         gather_to_all(self.ranks, None)  # rank 0 has moved them before any rank looks
-        if self.ranks.distributed and self.checkpointer.dir.exists():
+        if self.ranks.world > 1 and self.checkpointer.dir.exists():
             self.checkpointer.dir.rename(self.checkpointer.dir.with_name(f"{self.checkpointer.dir.name}.old-{stamp}"))
 
     def _check_checkpoint_ranks(self) -> None:
@@ -263,7 +263,9 @@ class Trainer:
         try:
             while True:
                 t0 = time.perf_counter()
-                item = END if ended else prefetch.get(timeout=0.5)
+                # files never idle: wait for the batch, so a slow decode never turns into an
+                # empty step (steps then hold the same samples run after run)
+                item = END if ended else prefetch.get(timeout=None if self.opts.files else 0.5)
                 self.times["input"] += time.perf_counter() - t0
                 batch = item if isinstance(item, SampleBatch) else None
                 ended = ended or item is END

@@ -63,12 +63,16 @@ def sample_files(paths: list[str]) -> list[Path]:
     return out
 
 
+STRIPE_ROWS = 64  # rows of a file that go to one rank in turn (several ranks)
+
+
 class FileSampleSource:
     """Parquet files of samples (``streamrec pipeline offline``), read in row order.
 
-    ``shard=(rank, ranks)``: this rank reads every ``ranks``-th chunk of ``chunk_rows``
-    rows of each file, starting at its ``rank``-th, so the ranks of a sharded trainer
-    read disjoint shares; a rank's position in a file is the end of its last chunk read."""
+    ``shard=(rank, ranks)``: this rank reads every ``ranks``-th stripe of ``STRIPE_ROWS``
+    rows of each file, starting at its ``rank``-th: the ranks of a sharded trainer read
+    disjoint shares and move through the file's time together, as one rank would. A
+    rank's position in a file is the row after the last one it read."""
 
     def __init__(self, paths: list[str], spec: FeatureSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
                  loop: bool = False, shard: tuple[int, int] = (0, 1)) -> None:
@@ -86,19 +90,22 @@ class FileSampleSource:
             for part, path in enumerate(self.files):
                 offset = 0
                 skip = self.start.get(part, 0)
-                for i, batch in enumerate(pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows)):
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows):
                     table = pa.Table.from_batches([batch])
                     lo = offset
                     offset += table.num_rows
-                    if offset <= skip or i % self.ranks != self.rank:
+                    if offset <= skip:
                         continue
                     if lo < skip:
                         table, lo = table.slice(skip - lo), skip
+                    rows = np.arange(lo, offset, dtype=np.int64)
+                    if self.ranks > 1:  # this rank's stripes
+                        mine = (rows // STRIPE_ROWS) % self.ranks == self.rank
+                        table, rows = table.filter(pa.array(mine)), rows[mine]
                     good, reasons = check_samples(table, self.spec)
-                    offsets = np.arange(lo, offset, dtype=np.int64)[good]
                     self._left -= table.num_rows
-                    yield SampleChunk(table.filter(pa.array(good)), np.full(len(offsets), part, np.int64), offsets,
-                                      {part: offset}, [(part, lo + i, r) for i, r in reasons])
+                    yield SampleChunk(table.filter(pa.array(good)), np.full(int(good.sum()), part, np.int64), rows[good],
+                                      {part: offset}, [(part, int(rows[i]), r) for i, r in reasons])
             if not self.loop:
                 return
             self.start = {}

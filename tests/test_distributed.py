@@ -1,0 +1,280 @@
+"""The sharded trainer on CPU (gloo ranks): the embedding exchange equals one store, shards
+are balanced, 2 ranks learn as well as 1 on the same data, a version written by 2 ranks
+serves over real HTTP with the ranks' own scores, and a rank killed with SIGKILL gives a
+clean failure, after which a restart ends exactly where an uninterrupted run ends."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import REPO, free_port, run_cli
+from model.batch import batch_from_table
+from model.network import CTRModel, ModelSpec
+from model.sparse import SparseFeatures
+from pipelines.feature_spec import FeatureSpec
+from ps.sharded import ShardedEmbeddings, owner_of
+from ps.store import EmbeddingStore
+from ps.table import TableConfig
+
+TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
+
+
+def _batches(rank: int, steps: int = 6) -> list[dict[str, torch.Tensor]]:
+    """Per step, the ids each rank asks for: overlapping across ranks, duplicates within."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [{"a": torch.randint(0, 50, (40,), generator=g) * 7919, "b": torch.randint(0, 9, (13,), generator=g)} for _ in range(steps)]
+
+
+def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
+    """A gradient per input id that depends only on the id and the step; tiny, so that the
+    optimizers' eps makes them sensitive to its scale (averaging over ranks is checked)."""
+    g = torch.stack([(ids % 11).float() - 5, (ids % 3).float(), torch.full((len(ids),), step * 0.1), torch.ones(len(ids))], 1)
+    return g * 1e-8
+
+
+def _exchange_worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    store = EmbeddingStore(TABLES)
+    sharded = ShardedEmbeddings(store)
+    pulled_rows = []
+    for step, ids in enumerate(_batches(rank)):
+        pulled = sharded.pull(ids, now_ms=step)
+        pulled_rows.append({n: pulled.embeddings(n).clone() for n in ids})
+        grads = {}
+        for n in ids:  # the gradient of each unique row: the sum over its input ids
+            grads[n] = torch.zeros_like(pulled.rows[n]).index_add_(0, pulled.inverse[n], _grad(ids[n], step))
+        sharded.push(pulled, grads)
+    rows = {n: {k: v.tolist() for keys, values in store[n].iter_rows() for k, v in zip(keys.tolist(), values)} for n in store.tables}
+    torch.save({"pulled": pulled_rows, "rows": rows}, out)
+    dist.destroy_process_group()
+
+
+def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path):
+    """Rows read by each rank and rows stored by each owner equal one store that sees both
+    ranks' ids and the average of their gradients (DDP's averaging) at each step."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=_exchange_worker, args=(r, 2, init, str(tmp_path / f"out{r}"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
+
+    ref = EmbeddingStore(TABLES)
+    per_rank = [_batches(0), _batches(1)]
+    for step in range(6):
+        both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in ("a", "b")}
+        pulled = ref.pull(both, now_ms=step)
+        for r in range(2):
+            for n in ("a", "b"):
+                lo = 0 if r == 0 else len(per_rank[0][step][n])
+                want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
+                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=1e-6)
+        for n in ("a", "b"):
+            grad = _grad(both[n], step)
+            summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, grad)
+            ref[n].push(pulled[n], summed / 2)
+    for n in ("a", "b"):
+        keys, values = (torch.cat(parts) for parts in zip(*ref[n].iter_rows()))
+        assert len(got[0]["rows"][n]) + len(got[1]["rows"][n]) == len(keys)
+        for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
+            assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
+            torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_shards_are_balanced_within_ten_percent_on_zipf_ids(world):
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(rng.zipf(1.05, 2_000_000) % 5_000_000 * 2654435761 + 17)
+    keys = torch.unique(ids)
+    rows = torch.bincount(owner_of(keys, world), minlength=world).float()
+    assert float(rows.max() / rows.mean()) < 1.1 and float(rows.min() / rows.mean()) > 0.9, rows.tolist()
+
+
+def test_file_shares_are_disjoint_cover_every_row_and_resume_exactly(sample_run):
+    """Each rank reads its stripes; stopping anywhere and resuming from the position
+    reads the rest of its share, so over all ranks every row is read exactly once."""
+    from trainer.sources import FileSampleSource
+
+    total = pq.ParquetFile(sample_run / "samples.parquet").metadata.num_rows
+    seen = []
+    for rank in range(3):
+        first = FileSampleSource([str(sample_run)], FeatureSpec(), chunk_rows=5000, shard=(rank, 3))
+        chunks = first.chunks()
+        head = [next(chunks) for _ in range(4)]
+        position = head[-1].consumed
+        rest = list(FileSampleSource([str(sample_run)], FeatureSpec(), start=position, chunk_rows=5000, shard=(rank, 3)).chunks())
+        mine = np.concatenate([c.offsets for c in head + rest] + [np.array([o for _, o, _ in c.rejected], np.int64) for c in head + rest])
+        assert len(mine) == len(np.unique(mine))
+        assert set(((mine // 64) % 3).tolist()) == {rank}
+        seen.append(mine)
+    everything = np.sort(np.concatenate(seen))
+    assert np.array_equal(everything, np.arange(total))
+
+
+# ---------------------------------------------------------------- the CLI on several ranks
+def _train(tmp_path: Path, run: Path, name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run_cli("train", "--samples", str(run), "--model-store", str(tmp_path / name / "models"), "--work-dir",
+                   str(tmp_path / name / "work"), "--device", "cpu", "--no-frozen", "--publish-interval", "3", "--json", *extra,
+                   env={"STREAMREC_TRAINER__EVAL_WINDOW": "1000000"}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(sample_run, tmp_path_factory):
+    """One rank at batch 1024 and two ranks at 512 each (the same 1024 samples per step),
+    over every sample of the run."""
+    root = tmp_path_factory.mktemp("ranks")
+    one = _train(root, sample_run, "one", "--batch-size", "1024")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _train(root, sample_run, "two", "--batch-size", "512", "--nproc-per-node", "2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    return root, json.loads(one.stdout), json.loads(two.stdout)
+
+
+@pytest.mark.slow
+def test_two_ranks_learn_as_well_as_one_on_the_same_data(runs, sample_run):
+    _, one, two = runs
+    rows = pq.ParquetFile(sample_run / "samples.parquet").metadata.num_rows
+    assert one["samples"] == two["samples"] == rows
+    assert sum(r["samples"] for r in two["ranks"]) == rows
+    print({"auc_one": one["auc_online"], "auc_two": two["auc_online"]})
+    assert abs(one["auc_online"] - two["auc_online"]) < 0.01
+    # both ranks trained, and the rows are spread evenly
+    shares = [sum(r["table_rows"].values()) for r in two["ranks"]]
+    assert min(shares) > 0.9 * max(shares), shares
+    assert sum(two["table_rows"].values()) == sum(one["table_rows"].values())  # the same keys, each on one rank
+
+
+@pytest.mark.slow
+def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, sample_run):
+    root, _, two = runs
+    store_root = root / "two" / "models"
+    manifest = json.loads((store_root / "ctr" / "versions" / f"{two['version']:012d}" / "manifest.json").read_text())
+    assert manifest["shards"] == 2 and any(f.endswith("00001-of-00002.arrow") for f in manifest["files"])
+
+    # the ranks' parameters, from their final checkpoints: every shard's rows and the dense model
+    configs, merged = None, {}
+    for rank in range(2):
+        ckpt_dir = root / "two" / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002"
+        ckpt = ckpt_dir / (ckpt_dir / "LATEST").read_text().strip()
+        shard, _ = EmbeddingStore.restore(ckpt / "sparse")
+        configs = configs or [TableConfig(t.config.name, t.config.dim) for t in shard.tables.values()]
+        for name, table in shard.tables.items():
+            for keys, values in table.iter_rows():
+                merged.setdefault(name, []).append((keys, values))
+        shard.close()
+        state = json.loads((ckpt / "state.json").read_text())
+        dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["model"]
+    store = EmbeddingStore(configs)
+    for name, parts in merged.items():
+        store[name].load_rows(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
+    model = CTRModel(ModelSpec.from_json(state["model_spec"]))
+    model.load_state_dict(dense)
+    model.eval()
+    instances = pq.read_table(sample_run / "samples.parquet").slice(50_000, 32).drop(["label", "click_ts"])
+    batch = batch_from_table(instances, FeatureSpec(), model.spec.history_len, with_labels=False)
+    with torch.no_grad():
+        inputs = SparseFeatures(store).lookup(batch, batch.max_ts())
+        want = torch.sigmoid(model(*inputs.as_args())).numpy()
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port),
+                             "--device", "cpu", "--compile", "eager", "--workers", "1"], cwd=REPO,
+                            env={**os.environ, "STREAMREC_SERVING__FEATURE_STORE": "false"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/readyz", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
+            time.sleep(0.2)
+        request = urllib.request.Request(base + "/v1/models/ctr:predict", method="POST", headers={"content-type": "application/json"},
+                                         data=json.dumps({"instances": instances.to_pylist()}).encode())
+        with urllib.request.urlopen(request, timeout=30) as r:
+            body = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert body["model_version"] == two["version"]
+    np.testing.assert_allclose(body["scores"], want, rtol=0, atol=1e-6)
+
+
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the launcher's worker processes."""
+    out = {}
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in kv)
+        if "RANK" in environ:
+            out[int(environ["RANK"])] = int(child)
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_ends(runs, sample_run, tmp_path):
+    root, _, two = runs
+    work = tmp_path / "work"
+    args = [sys.executable, "-m", "streamrec.cli", "train", "--samples", str(sample_run), "--model-store", str(tmp_path / "models"),
+            "--work-dir", str(work), "--device", "cpu", "--no-frozen", "--publish-interval", "3", "--json", "--batch-size", "512",
+            "--nproc-per-node", "2", "--checkpoint-interval", "0.5"]
+    env = {**os.environ, "STREAMREC_TRAINER__EVAL_WINDOW": "1000000", "STREAMREC_TRAINER__COLLECTIVE_TIMEOUT_S": "30"}
+    launcher = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = work / "ctr" / "checkpoints" / "rank-00001-of-00002" / "LATEST"
+    deadline = time.monotonic() + 300
+    while not latest.exists():  # the kill lands after a checkpoint, mid-run
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    pids = _worker_pids(launcher.pid)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, err = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert time.monotonic() - killed_at < 60  # the survivor stopped; it did not wait forever
+    assert "rank 1 (killed by SIGKILL)" in err and "run the same command again to resume" in err, err[-2000:]
+    assert out.strip() == ""  # no summary: the run did not finish
+
+    resumed = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+    assert summary["samples"] == two["samples"]  # every sample trained once over the two runs
+    for rank in range(2):  # the final state equals the unbroken run's, row for row
+        states = []
+        for base in (root / "two" / "work", work):
+            ckpt_dir = base / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002"
+            ckpt = ckpt_dir / (ckpt_dir / "LATEST").read_text().strip()
+            store, _ = EmbeddingStore.restore(ckpt / "sparse")
+            rows = {n: {k: v for keys, values in t.iter_rows() for k, v in zip(keys.tolist(), values)} for n, t in store.tables.items()}
+            store.close()
+            states.append((rows, torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["model"],
+                           json.loads((ckpt / "state.json").read_text())))
+        (rows_a, dense_a, state_a), (rows_b, dense_b, state_b) = states
+        assert state_a["step"] == state_b["step"] and state_a["positions"] == state_b["positions"]
+        for name in rows_a:
+            assert rows_a[name].keys() == rows_b[name].keys(), name
+            for k, v in rows_a[name].items():
+                torch.testing.assert_close(rows_b[name][k], v, rtol=0, atol=1e-5)
+        for key, value in dense_a.items():
+            torch.testing.assert_close(dense_b[key], value, rtol=0, atol=1e-5)
+
+    # the checkpoints are per rank: a run with another number of ranks is refused, clearly
+    other = run_cli("train", "--samples", str(sample_run), "--model-store", str(tmp_path / "models"), "--work-dir", str(work),
+                    "--device", "cpu", "--no-frozen")
+    assert other.returncode != 0 and "written by 2 rank(s)" in other.stderr and "--nproc-per-node 2" in other.stderr
