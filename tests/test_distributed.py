@@ -5,6 +5,7 @@ clean failure, after which a restart ends exactly where an uninterrupted run end
 
 import json
 import os
+from dataclasses import replace
 import signal
 import subprocess
 import sys
@@ -44,14 +45,19 @@ def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
     return g * 1e-8
 
 
-def _exchange_worker(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    store = EmbeddingStore(TABLES)
+def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo") -> None:
+    device = torch.device("cpu")
+    if backend == "nccl":  # one GPU per rank, the GPU-cache tier and the Triton kernels
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    store = EmbeddingStore([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
     sharded = ShardedEmbeddings(store)
     pulled_rows = []
     for step, ids in enumerate(_batches(rank)):
+        ids = {n: t.to(device) for n, t in ids.items()}
         pulled = sharded.pull(ids, now_ms=step)
-        pulled_rows.append({n: pulled.embeddings(n).clone() for n in ids})
+        pulled_rows.append({n: pulled.embeddings(n).cpu() for n in ids})
         grads = {}
         for n in ids:  # the gradient of each unique row: the sum over its input ids
             grads[n] = torch.zeros_like(pulled.rows[n]).index_add_(0, pulled.inverse[n], _grad(ids[n], step))
@@ -61,11 +67,16 @@ def _exchange_worker(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path):
+BACKENDS = ["gloo"] + ([pytest.param("nccl", marks=pytest.mark.gpu)] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, backend):
     """Rows read by each rank and rows stored by each owner equal one store that sees both
     ranks' ids and the average of their gradients (DDP's averaging) at each step."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_exchange_worker, args=(r, 2, init, str(tmp_path / f"out{r}"))) for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=_exchange_worker, args=(r, 2, init, str(tmp_path / f"out{r}"), backend))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

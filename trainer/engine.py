@@ -62,6 +62,7 @@ from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, s
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
 DRAIN_EVERY = 16  # steps between host syncs of losses and scores
+DENSE_INIT_SEED = 0  # training is a function of the data alone: a run and its resumed twin end equal
 
 
 @dataclass
@@ -166,7 +167,9 @@ class Trainer:
         if any(held) and not common:
             raise TrainingError(f"the ranks' checkpoints have no step in common ({held}): start over with --fresh")
         latest = self.checkpointer.at(max(common)) if common else None
-        self.model = CTRModel(self.spec).to(self.device)
+        with torch.random.fork_rng(devices=[]):  # the same initial dense weights on every run (and rank)
+            torch.manual_seed(DENSE_INIT_SEED)
+            self.model = CTRModel(self.spec).to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.model.dense_lr)
         if latest is None:
             self.store = EmbeddingStore(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir, seed=1000 * ranks.rank)
