@@ -24,6 +24,7 @@ expired keys are "deleted". The table is single-writer: one pull/push loop at a 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from ps.optimizers import make_optimizer
 from ps.spill import SpillClock
 from ps.ssd import SsdTier
 from ps.storage import RowStorage
+
+log = logging.getLogger(__name__)
 
 
 def _gather(source: torch.Tensor, slots: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -123,9 +126,10 @@ class EmbeddingTable:
         if self.device.type == "cuda" and not use_cache:
             raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 ([ps] hbm_bytes: the GPU cache is the top tier)")
         if use_cache and config.dram_rows and config.gpu_cache_rows >= config.dram_rows:
-            # a cached row keeps its DRAM slot, so a DRAM tier no larger than the cache could never spill
-            raise ValueError(f"table {config.name}: the DRAM tier ({config.dram_rows} rows, [ps] dram_bytes) must hold more rows "
-                             f"than the GPU cache ({config.gpu_cache_rows}, [ps] hbm_bytes): raise dram_bytes or set it to 0 (unlimited)")
+            # a row brought up from DRAM keeps its DRAM slot while cached, and cached rows never spill
+            log.warning("table %s: the DRAM budget (%d rows, [ps] dram_bytes) is not above the GPU cache (%d rows, [ps] hbm_bytes): "
+                        "DRAM may hold more rows than its budget while the cache holds them", config.name, config.dram_rows,
+                        config.gpu_cache_rows)
         self.cache = RowStorage(config.dim, self.state_dim, self.device, config.gpu_cache_rows, growable=False) if use_cache else None
         self.ssd: SsdTier | None = None
         if config.dram_rows:

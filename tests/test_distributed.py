@@ -41,7 +41,8 @@ def _batches(rank: int, steps: int = 6) -> list[dict[str, torch.Tensor]]:
 def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
     """A gradient per input id that depends only on the id and the step; tiny, so that the
     optimizers' eps makes them sensitive to its scale (averaging over ranks is checked)."""
-    g = torch.stack([(ids % 11).float() - 5, (ids % 3).float(), torch.full((len(ids),), step * 0.1), torch.ones(len(ids))], 1)
+    g = torch.stack([(ids % 11).float() - 5, (ids % 3).float(), torch.full((len(ids),), step * 0.1, device=ids.device),
+                     torch.ones(len(ids), device=ids.device)], 1)
     return g * 1e-8
 
 
