@@ -20,9 +20,10 @@ Scaling (``--nproc-per-node N``): the same command, ``streamrec train`` on the s
 in a loop, at 1 rank (a lone process, no collectives), at 1 rank under the launcher (the
 sharded exchange and DDP in place at world size 1), and at N ranks under the launcher, each
 rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per rank and
-in total, and scaling efficiency = total at N / (N x the lone process's). Every run is a
-fresh process that pays its own start-up (Triton compiles, first rows); samples/s are
-timed by the trainer itself, so the launcher's start is not counted. CPU ranks get
+in total, and scaling efficiency = total at N / (N x the lone process's). A short warm-up
+run first fills the on-disk kernel caches, so no measured run compiles more than another;
+every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
+by the trainer itself (from its first step), so the launcher's start is not counted. CPU ranks get
 ``cores // N`` threads each, the lone process all cores' worth of them as 1 rank would.
 
 Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
@@ -217,6 +218,8 @@ def scaling(args: argparse.Namespace) -> None:
               "samples_file": args.samples, "host": platform.node(), "torch": torch.__version__,
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with tempfile.TemporaryDirectory() as tmp:
+        print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
+        run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")
         runs = [(1, False), (1, True), *((n, True) for n in args.nproc_per_node if n > 1)]
         result["runs"] = []
         for nproc, launcher in runs:
