@@ -84,6 +84,7 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         p.join(timeout=120)
         assert p.exitcode == 0
     got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
+    tol = 1e-6 if backend == "gloo" else 1e-5  # the GPU's fused optimizer kernels round differently from torch on CPU
 
     ref = EmbeddingStore(TABLES)
     per_rank = [_batches(0), _batches(1)]
@@ -94,7 +95,7 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
             for n in ("a", "b"):
                 lo = 0 if r == 0 else len(per_rank[0][step][n])
                 want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
-                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=1e-6)
+                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=tol)
         for n in ("a", "b"):
             grad = _grad(both[n], step)
             summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, grad)
@@ -104,7 +105,7 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         assert len(got[0]["rows"][n]) + len(got[1]["rows"][n]) == len(keys)
         for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
-            torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -525,8 +525,9 @@ def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_
     rows = _rows_with_state(table)
     assert sorted(rows) == sorted(ref)
     for k, (w, s) in ref.items():
-        torch.testing.assert_close(torch.tensor(rows[k][0]), w, rtol=0, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(rows[k][1]), s, rtol=0, atol=1e-6)
+        tol = 1e-5 if device == "cuda" else 1e-6  # the fused Adam kernel rounds differently from torch on CPU
+        torch.testing.assert_close(torch.tensor(rows[k][0]), w, rtol=0, atol=tol)
+        torch.testing.assert_close(torch.tensor(rows[k][1]), s, rtol=0, atol=tol)
     # each spill read a bounded number of slots per row spilled, never all of DRAM
     clock = table.spill_clock
     assert clock.examined <= table.stats["spilled"] * clock.sample + 80 * 2 * clock.min_window
