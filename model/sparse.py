@@ -42,7 +42,7 @@ class PulledRows:
 @dataclass
 class ShardedRows:
     pulled: ShardedPull
-    rows: dict[str, torch.Tensor]  # requires grad
+    rows: dict[str, torch.Tensor]  # one per input id; requires grad
 
 
 class SparseFeatures:
@@ -68,8 +68,7 @@ class SparseFeatures:
         if self.sharded is not None:
             pulled = self.sharded.pull(self.table_ids(batch), now_ms)
             rows = {name: r.detach().requires_grad_(True) for name, r in pulled.rows.items()}
-            embeddings = {name: pulled.embeddings(name, rows[name]) for name in pulled.names}
-            return self._assemble(batch, embeddings), ShardedRows(pulled, rows)
+            return self._assemble(batch, rows), ShardedRows(pulled, rows)  # one row per id already
         embeddings, handles = {}, []
         for name, pulled in self.store.pull(self.table_ids(batch), now_ms).items():
             rows = pulled.rows.detach().requires_grad_(True)

@@ -5,17 +5,21 @@ spread evenly), and only its owner stores the row, in the owner's own ``Embeddin
 with its own HBM/DRAM/SSD tiers, admission and expiry. A training step, for all tables
 at once::
 
-    requester: unique ids per table, grouped by owner
+    requester: every id of every table, grouped by (owner, table)
     all_to_all  counts (owner x table), then ids            -> owners
-    owner:      EmbeddingStore.pull of what it received (rows created/admitted there)
+    owner:      EmbeddingStore.pull of what it received: one de-duplication of the ids
+                of all ranks, rows created/admitted there, one row per id received
     all_to_all  rows                                         -> requesters
     ... forward, backward on the requester ...
-    all_to_all  gradients of the unique rows                -> owners
-    owner:      sums the gradients of a key asked for by several ranks, averages over
-                ranks (as DDP averages dense gradients), applies the table's optimizer
+    all_to_all  the gradient of each id                      -> owners
+    owner:      sums the gradients of each key (over its ids from every rank), averages
+                over ranks (as DDP averages dense gradients), applies the optimizer
 
-Four collectives and two host syncs (the split sizes) per step, whatever the number of
-tables. Tables must share one dim (the rows travel as one tensor).
+The requester sends its ids as they are, not de-duplicated: the owner has to de-duplicate
+what several ranks sent anyway, and one de-duplication means one host sync less per step
+and admission sees every sighting, as on one rank. Four collectives and three host syncs
+per step (the split sizes, and the owner's pull), whatever the number of tables. Tables
+must share one dim (the rows travel as one tensor).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import torch.distributed as dist
 
 from ps.store import EmbeddingStore
 from ps.table import Pulled
-from ps.unique import unique_per_group
 
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
 
@@ -44,18 +47,14 @@ class ShardedPull:
     """One step's exchange: what the requester got, and what the owner must update."""
 
     names: list[str]
-    rows: dict[str, torch.Tensor]  # requester: unique rows per table, [n_t, dim]
-    inverse: dict[str, torch.Tensor]  # requester: position of each input id in its table's rows
-    order: torch.Tensor  # requester: the unique keys of all tables in send order (by owner, then table)
+    rows: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]
+    order: torch.Tensor  # requester: the ids of all tables in send order (by owner, then table)
     send_splits: list[int]  # rows sent to / received back from each rank
     recv_splits: list[int]  # rows received from / sent back to each rank
     by_table: torch.Tensor  # owner: received rows in table order
     table_sizes: list[int]  # owner: rows received per table
     owned: dict[str, Pulled]  # owner: the local pulls, handed to push
 
-    def embeddings(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """One embedding per input id of table ``name`` (``rows``: a grad-requiring copy)."""
-        return (self.rows[name] if rows is None else rows).index_select(0, self.inverse[name])
 
 
 class ShardedEmbeddings:
@@ -75,12 +74,13 @@ class ShardedEmbeddings:
         names, world, device = list(ids), self.world, self.device
         n_tables = len(names)
         flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
-        uniques = unique_per_group(flat) if device.type == "cuda" else [torch.unique(f, return_inverse=True) for f in flat]
-        keys = torch.cat([u[0] for u in uniques])
-        tables = torch.cat([torch.full((len(u[0]),), t, dtype=torch.int64, device=device) for t, u in enumerate(uniques)])
+        sizes = [len(f) for f in flat]
+        keys = torch.cat(flat)
+        tables = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
         code = owner_of(keys, world) * n_tables + tables
         order = torch.argsort(code, stable=True)
-        send_counts = torch.bincount(code, minlength=world * n_tables)
+        # a count per (owner, table): index_add, not bincount (which waits for the device to size its output)
+        send_counts = torch.zeros(world * n_tables, dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         counts = torch.stack([send_counts, recv_counts]).view(2, world, n_tables).cpu()  # host sync 1 of 2
@@ -100,12 +100,11 @@ class ShardedEmbeddings:
         dist.all_to_all_single(back, served, send_splits, recv_splits, group=self.group)
         rows = torch.empty_like(back)
         rows[order] = back
-        per_table = torch.split(rows, [len(u[0]) for u in uniques])
-        return ShardedPull(names, dict(zip(names, per_table)), {n: u[1] for n, u in zip(names, uniques)}, order, send_splits,
-                           recv_splits, by_table, table_sizes, owned)
+        return ShardedPull(names, dict(zip(names, torch.split(rows, sizes))), order, send_splits, recv_splits, by_table,
+                           table_sizes, owned)
 
     def push(self, pulled: ShardedPull, grads: dict[str, torch.Tensor | None]) -> None:
-        """Send each table's gradients of its unique rows (None: no gradient) to their
+        """Send each table's gradient of each input id's row (None: no gradient) to the
         owners, which apply the optimizers. Collective: every rank calls it every step."""
         parts = [grads.get(n) if grads.get(n) is not None else torch.zeros_like(pulled.rows[n]) for n in pulled.names]
         sent = torch.cat(parts).index_select(0, pulled.order) if parts else torch.empty(0, self.dim, device=self.device)

@@ -58,11 +58,8 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
     for step, ids in enumerate(_batches(rank)):
         ids = {n: t.to(device) for n, t in ids.items()}
         pulled = sharded.pull(ids, now_ms=step)
-        pulled_rows.append({n: pulled.embeddings(n).cpu() for n in ids})
-        grads = {}
-        for n in ids:  # the gradient of each unique row: the sum over its input ids
-            grads[n] = torch.zeros_like(pulled.rows[n]).index_add_(0, pulled.inverse[n], _grad(ids[n], step))
-        sharded.push(pulled, grads)
+        pulled_rows.append({n: pulled.rows[n].cpu() for n in ids})
+        sharded.push(pulled, {n: _grad(ids[n], step) for n in ids})  # the gradient of each input id's row
     rows = {n: {k: v.tolist() for keys, values in store[n].iter_rows() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows}, out)
     dist.destroy_process_group()
