@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 
 class FlinkUnreachable(ConnectionError):
-    pass
+    """No Flink REST endpoint answers, or it answers that it is not ready yet (a starting
+    JobManager says 503): either way, ask again later."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class FlinkRest:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 body = response.read()
         except urllib.error.HTTPError as exc:
+            if exc.code == 503:  # the JobManager is up but still starting its services
+                raise FlinkUnreachable(f"the Flink REST endpoint at {self.base} is not ready yet (HTTP 503 on {path})") from exc
             raise RuntimeError(f"Flink REST {method} {path}: HTTP {exc.code} {exc.read()[:300]!r}") from exc
         except (urllib.error.URLError, OSError) as exc:
             raise FlinkUnreachable(f"no Flink REST endpoint answers at {self.base} ({exc})") from exc

@@ -404,3 +404,27 @@ def test_an_unreachable_jobmanager_is_a_clear_error(broker, tmp_path):
     for args in (("status",), ("cancel",), ("submit",)):
         result = run_cli("pipeline", *args, "--jobmanager", nowhere, env=env)
         assert result.returncode != 0 and f"the cluster at {nowhere} does not answer" in result.stderr, result.stderr
+
+
+def test_a_starting_jobmanager_answering_503_is_not_ready_not_an_error():
+    """A JobManager that is up but still starting answers 503 on /overview: the client says
+    "not ready yet" (FlinkUnreachable, which callers retry), never a failure."""
+    import http.server
+    import threading
+
+    class Starting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"errors":["Service temporarily unavailable due to an ongoing leader election."]}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Starting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(FlinkUnreachable, match="not ready yet"):
+            FlinkRest(f"127.0.0.1:{server.server_address[1]}", timeout_s=5).overview()
+    finally:
+        server.shutdown()
