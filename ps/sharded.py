@@ -56,7 +56,6 @@ class ShardedPull:
     owned: dict[str, Pulled]  # owner: the local pulls, handed to push
 
 
-
 class ShardedEmbeddings:
     """The tables of ``store`` (this rank's shard) as one logical set of tables over
     ``group`` (the default group when None)."""
@@ -67,7 +66,7 @@ class ShardedEmbeddings:
             raise ValueError(f"sharded tables must share one dim, got {sorted(dims)}")
         self.store, self.group = store, group
         self.dim = dims.pop()
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.world = dist.get_world_size(group)
         self.device = store.device
 
     def pull(self, ids: dict[str, torch.Tensor], now_ms: int, train: bool = True) -> ShardedPull:
@@ -83,17 +82,17 @@ class ShardedEmbeddings:
         send_counts = torch.zeros(world * n_tables, dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.stack([send_counts, recv_counts]).view(2, world, n_tables).cpu()  # host sync 1 of 2
+        counts = torch.stack([send_counts, recv_counts]).view(2, world, n_tables).cpu()  # host sync: the split sizes
         send_splits, recv_splits = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
         received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
         dist.all_to_all_single(received, keys[order], recv_splits, send_splits, group=self.group)
         # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
         tag = torch.arange(n_tables, device=device).repeat(world)
-        recv_table = torch.repeat_interleave(tag, counts[1].reshape(-1).to(device), output_size=len(received))
+        recv_table = torch.repeat_interleave(tag, recv_counts, output_size=len(received))
         by_table = torch.argsort(recv_table, stable=True)
         table_sizes = counts[1].sum(0).tolist()
         wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
-        owned = self.store.pull(wanted, now_ms, train)  # host sync 2 of 2 (inside, on CUDA)
+        owned = self.store.pull(wanted, now_ms, train)  # its unique counts and created rows: the other two host syncs on CUDA
         served = torch.empty(len(received), self.dim, device=device)
         served[by_table] = torch.cat([owned[n].embeddings() for n in names])
         back = torch.empty(len(keys), self.dim, device=device)

@@ -28,6 +28,7 @@ from pipelines.feature_spec import FeatureSpec
 from ps.sharded import ShardedEmbeddings, owner_of
 from ps.store import EmbeddingStore
 from ps.table import TableConfig
+from trainer.checkpoint import Checkpointer
 
 TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
 
@@ -178,8 +179,7 @@ def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, sample_run
     # the ranks' parameters, from their final checkpoints: every shard's rows and the dense model
     configs, merged = None, {}
     for rank in range(2):
-        ckpt_dir = root / "two" / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002"
-        ckpt = ckpt_dir / (ckpt_dir / "LATEST").read_text().strip()
+        ckpt = Checkpointer(root / "two" / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
         shard, _ = EmbeddingStore.restore(ckpt / "sparse")
         configs = configs or [TableConfig(t.config.name, t.config.dim) for t in shard.tables.values()]
         for name, table in shard.tables.items():
@@ -268,8 +268,7 @@ def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_en
     for rank in range(2):  # the final state equals the unbroken run's, row for row
         states = []
         for base in (root / "two" / "work", work):
-            ckpt_dir = base / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002"
-            ckpt = ckpt_dir / (ckpt_dir / "LATEST").read_text().strip()
+            ckpt = Checkpointer(base / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
             store, _ = EmbeddingStore.restore(ckpt / "sparse")
             rows = {n: {k: v for keys, values in t.iter_rows() for k, v in zip(keys.tolist(), values)} for n, t in store.tables.items()}
             store.close()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ps.model_store import ModelStore, SparseDelta
 from ps.store import EmbeddingStore
+from trainer.publisher import PoisonedModel
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher starts
@@ -41,11 +42,9 @@ class RankFailure(RuntimeError):
 class Ranks:
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     group: Any = None
     control: Any = None
     publish: Any = None
-    timeout_s: float = 0.0
 
     @property
     def distributed(self) -> bool:
@@ -71,8 +70,8 @@ def join(device: torch.device, timeout_s: float) -> Ranks:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timeout, **kwargs)
     rank = dist.get_rank()
-    ranks = Ranks(rank, world, int(os.environ.get("LOCAL_RANK", "0")), dist.group.WORLD,
-                  dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout), timeout_s)
+    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout),
+                  dist.new_group(backend="gloo", timeout=timeout))
     log.info("rank %d of %d (%s, collective timeout %.0f s)", rank, world, backend, timeout_s)
     return ranks
 
@@ -174,8 +173,6 @@ class ShardedVersionWriter:
         status, detail = outcome[0]
         if status == "ok":
             return detail
-        from trainer.publisher import PoisonedModel
-
         raise (PoisonedModel if status == "refused" else RuntimeError)(detail)
 
 

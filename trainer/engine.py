@@ -54,7 +54,7 @@ from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
-from trainer.prefetch import END, IDLE, Prefetcher, Skipped
+from trainer.prefetch import END, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, Publisher
 from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
@@ -174,7 +174,7 @@ class Trainer:
         if latest is None:
             self.store = EmbeddingStore(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir, seed=1000 * ranks.rank)
             self.state: dict[str, Any] = {"step": 0, "samples": 0, "global_samples": 0, "positions": {}, "trained_through_ms": 0,
-                                          "source": self.source_name, "world_size": ranks.world}
+                                          "source": self.source_name}
             return
         self.store, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
         if self.state.get("source") != self.source_name:
