@@ -47,3 +47,5 @@ def test_bad_flag_values_get_clear_errors(tmp_path):
     result = run_cli("generate", "--out", str(tmp_path / "y"), "--rate", "0", "--duration", "1")
     assert result.returncode == 2 and "rate must be > 0" in result.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    result = run_cli("train", "--nproc-per-node", "0", "--samples", str(tmp_path / "none"))
+    assert result.returncode == 2 and "--nproc-per-node must be >= 1, got 0" in result.stderr
