@@ -101,3 +101,19 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     reader.close()
     # (older ones may be garbage-collected by now: keep_fulls)
     assert announced == sorted(set(announced)) and announced[-1] == versions[-1]
+
+
+def test_ranks_split_the_partitions_and_fewer_partitions_than_ranks_is_refused(broker):
+    from pipelines.feature_spec import FeatureSpec
+    from trainer.sources import KafkaSampleSource
+
+    topic = f"t.samples.{uuid.uuid4().hex[:6]}"
+    ensure_topics(broker, [topic], partitions=3)
+    owned = []
+    for rank in range(2):
+        source = KafkaSampleSource(broker, topic, f"g-{topic}", FeatureSpec(), shard=(rank, 2))
+        owned.append(sorted(tp.partition for tp in source.assignment))
+        source.close()
+    assert owned == [[0, 2], [1]]
+    with pytest.raises(ValueError, match="has 3 partitions, fewer than the 4 training ranks"):
+        KafkaSampleSource(broker, topic, f"g-{topic}", FeatureSpec(), shard=(0, 4))
