@@ -8,13 +8,16 @@ Layout (the contract of ../shared/DESIGN.md)::
                                                                  rank of a sharded trainer
                                           dense.arrow            name, shape, values
     <root>/<model>/LATEST                                        the newest complete version, as text
+    <root>/<model>/PIN                                           an operator's pin (rollback): JSON
+    <root>/<model>/leases/<token:012d>.json                      the writer lease (ps/store_lease.py)
 
 Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hdfs://``).
 
 Visibility: a version is written under ``versions/.tmp-*`` (manifest last), renamed into
 place, and only then is ``LATEST`` replaced (temp + rename). A reader trusts a version
 only when its manifest exists and every file's size and sha256 match, so a crash at any
-point leaves either the previous state or the complete new version. Object stores (S3,
+point leaves either the previous state or the complete new version. A version whose
+values are not all finite fails verification like a bad checksum: no reader serves it. Object stores (S3,
 GCS) cannot rename a directory: there the files go straight into the version's directory
 with the manifest last (a version without a manifest is not listed) and ``LATEST`` is
 overwritten in one PUT (atomic per object).
@@ -28,13 +31,17 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
+
+if TYPE_CHECKING:
+    from ps.store_lease import WriterLease
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -42,6 +49,16 @@ MANIFEST = "manifest.json"
 
 class CorruptVersion(RuntimeError):
     """A version is incomplete, fails its checksums, or breaks the format."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An operator's decision to serve ``version`` whatever LATEST says, until released."""
+
+    version: int
+    by: str
+    at: float
+    reason: str
 
 
 @dataclass
@@ -115,6 +132,15 @@ class ModelStore:
         # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
         # refuses a "directory"); their single-object PUTs are atomic instead.
         self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
+        self.lease: "WriterLease | None" = None  # set by a writer that holds one: every commit checks it
+
+    def hold(self, lease: "WriterLease") -> None:
+        """Commit only while ``lease`` is this store's newest (fencing a writer that lost it)."""
+        self.lease = lease
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     # ------------------------------------------------------------------ paths
     def _vdir(self, version: int) -> str:
@@ -130,6 +156,15 @@ class ModelStore:
     def _read(self, path: str) -> bytes:
         with self.fs.open_input_stream(path) as src:
             return src.read()
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        """Readers see the old content or the new, never a part (one PUT on object stores)."""
+        if not self.renames_dirs:
+            self._write(path, data)
+            return
+        tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex[:8]}"
+        self._write(tmp, data)
+        self.fs.move(tmp, path)
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> int | None:
@@ -151,6 +186,45 @@ class ModelStore:
             if info.type == pafs.FileType.Directory and name.isdigit() and self._exists(f"{info.path}/{MANIFEST}"):
                 out.append(int(name))
         return sorted(out)
+
+    def resolve_latest(self) -> tuple[int | None, str | None]:
+        """(the version readers should follow, why LATEST itself could not be used): a
+        garbage or dangling LATEST falls back to the newest version with a manifest."""
+        try:
+            latest = self.latest()
+        except CorruptVersion as exc:
+            problem = str(exc)
+        else:
+            if latest is None or self._exists(f"{self._vdir(latest)}/{MANIFEST}"):
+                return latest, None
+            problem = f"{self.base}/LATEST names version {latest}, which does not exist"
+        versions = self.versions()
+        return (versions[-1] if versions else None), problem
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, version: int, by: str, reason: str = "") -> Pin:
+        """Record that every reader serves ``version`` until :meth:`unpin` (atomic)."""
+        self.manifest(version)  # raises CorruptVersion for a version that is not there
+        pin = Pin(version, by, time.time(), reason)
+        self.replace_file(f"{self.base}/PIN", json.dumps(pin.__dict__).encode())
+        return pin
+
+    def unpin(self) -> Pin | None:
+        """Release the pin; returns the one released."""
+        pin = self.pinned()
+        if self._exists(f"{self.base}/PIN"):
+            self.fs.delete_file(f"{self.base}/PIN")
+        return pin
+
+    def pinned(self) -> Pin | None:
+        """The pin in force, if any (a PIN file that does not parse raises CorruptVersion)."""
+        try:
+            data = json.loads(self._read(f"{self.base}/PIN"))
+            return Pin(int(data["version"]), str(data["by"]), float(data["at"]), str(data.get("reason", "")))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptVersion(f"{self.base}/PIN is not a valid pin ({exc}): fix or delete it (streamrec store unpin)") from None
 
     def manifest(self, version: int) -> dict:
         path = f"{self._vdir(version)}/{MANIFEST}"
@@ -175,25 +249,32 @@ class ModelStore:
         dims: Mapping[str, int],
         dense: Mapping[str, torch.Tensor] | None = None,
         meta: Mapping[str, Any] | None = None,
+        parent: int | None = None,
     ) -> int:
         """Write a complete version atomically and move LATEST to it; returns its number.
 
-        ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since the
-        parent (the current LATEST) plus deleted keys. One writer, one shard: the
-        sharded trainer uses ``begin`` / ``write_shard`` / ``commit`` instead.
+        ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since
+        ``parent`` (default: the current LATEST) plus deleted keys. One writer, one shard:
+        the sharded trainer uses ``begin`` / ``write_shard`` / ``commit`` instead.
         """
-        staged = self.begin(kind)
+        staged = self.begin(kind, parent)
         files = self.write_shard(staged, tables, dims)
         return self.commit(staged, files, dense, meta)
 
-    def begin(self, kind: str) -> "StagedVersion":
+    def begin(self, kind: str, parent: int | None = None) -> "StagedVersion":
         """Fix the number, parent and staging directory of the next version (the writer's
-        rank 0 does this and hands the result to every shard's writer)."""
+        rank 0 does this and hands the result to every shard's writer). A delta holds the
+        rows changed since ``parent``, the writer's previous version: it is refused unless
+        LATEST is that version (a delta over anything else would mix two histories)."""
         if kind not in ("full", "delta"):
             raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
-        parent = self.latest()
-        if kind == "delta" and parent is None:
-            raise ValueError("a delta needs a parent: publish a full version first")
+        if kind == "delta":
+            latest = self.latest()  # a garbage LATEST raises here: the writer publishes a full version instead
+            if latest is None:
+                raise ValueError("a delta needs a parent: publish a full version first")
+            if parent is not None and latest != parent:
+                raise CorruptVersion(f"LATEST is version {latest}, not {parent}, the version this delta was built on")
+            parent = latest
         version = max([parent or 0, *self.versions()]) + 1
         vdir = self._vdir(version)
         staging = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
@@ -242,14 +323,15 @@ class ModelStore:
             **dict(meta or {}),
         }
         self.fs.create_dir(staged.staging, recursive=True)
+        if not self.renames_dirs:
+            self._check_lease()
         self._write(f"{staged.staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
         if not self.renames_dirs:
             self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
             return staged.version
+        self._check_lease()
         self.fs.move(staged.staging, self._vdir(staged.version))
-        latest_tmp = f"{self.base}/.LATEST.tmp-{uuid.uuid4().hex[:8]}"
-        self._write(latest_tmp, f"{staged.version}\n".encode())
-        self.fs.move(latest_tmp, f"{self.base}/LATEST")
+        self.replace_file(f"{self.base}/LATEST", f"{staged.version}\n".encode())
         return staged.version
 
     def abort(self, staged: "StagedVersion") -> None:
@@ -293,13 +375,31 @@ class ModelStore:
             if rel == "dense.arrow":
                 for name, shape, values in zip(table["name"].to_pylist(), table["shape"].to_pylist(), table["values"].to_numpy(zero_copy_only=False)):
                     dense[name] = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).reshape(shape)
+                    if not bool(torch.isfinite(dense[name]).all()):
+                        raise CorruptVersion(f"version {version}: dense parameter {name} holds non-finite values")
             else:  # a table's shards (disjoint keys) read as one table
+                if table.num_rows and not _all_finite(table["value"]):
+                    raise CorruptVersion(f"version {version}: {rel} holds non-finite embedding values")
                 shards.setdefault(info.get("table") or rel[len("sparse/") : -len(".arrow")], []).append(table)
         for name, parts in shards.items():
             if name not in manifest["tables"]:
                 raise CorruptVersion(f"version {version}: files of table {name!r}, which the manifest's tables do not list")
             sparse[name] = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return manifest, sparse, dense
+
+    def verify(self, version: int) -> list[str]:
+        """What is wrong with ``version`` and the chain it needs (empty: a reader can load it)."""
+        try:
+            chain = self.chain(version)
+        except CorruptVersion as exc:
+            return [str(exc)]
+        problems = []
+        for v in chain:
+            try:
+                self.read_version(v)
+            except CorruptVersion as exc:
+                problems.append(str(exc) if v == version else f"needs version {v}: {exc}")
+        return problems
 
     def load(self, version: int | None = None) -> LoadedModel:
         """Materialise a version: its full ancestor plus every delta after it, verified."""
@@ -329,6 +429,9 @@ class ModelStore:
         if len(fulls) <= keep_fulls:
             return []
         horizon = fulls[-keep_fulls]
+        pin = self.pinned()
+        if pin is not None and pin.version in versions:  # the pinned version and the chain it needs stay
+            horizon = min(horizon, self.chain(pin.version)[0])
         doomed = [v for v in versions if v < horizon]
         for v in doomed:
             self.fs.delete_dir(self._vdir(v))
@@ -338,6 +441,11 @@ class ModelStore:
             elif info.base_name.isdigit() and int(info.base_name) < horizon and info.type == pafs.FileType.Directory:
                 self.fs.delete_dir(info.path)  # no manifest: a crashed writer's version on an object store
         return doomed
+
+
+def _all_finite(values: pa.ChunkedArray) -> bool:
+    flat = pa.chunked_array([chunk.flatten() for chunk in values.chunks], pa.float32())
+    return bool(pc.all(pc.is_finite(flat)).as_py() is not False)
 
 
 def sparse_arrays(table: pa.Table, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -166,10 +166,11 @@ class EmbeddingStore:
         return to_host(task.result())
 
     def write(self, model_store: ModelStore, kind: str, tables: dict[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
-              meta: Mapping[str, Any] | None) -> int:
-        """Write a finished snapshot as a version (the publisher calls this on :attr:`writer`)."""
+              meta: Mapping[str, Any] | None, parent: int | None = None) -> int:
+        """Write a finished snapshot as a version (the publisher calls this on :attr:`writer`);
+        a delta's ``parent`` is the version it was built on."""
         dims = {name: t.config.dim for name, t in self.tables.items()}
-        return model_store.publish(kind, to_host(tables), dims, dense, meta)
+        return model_store.publish(kind, to_host(tables), dims, dense, meta, parent)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, path: Path, extra: Mapping[str, Any] | None = None) -> Path:

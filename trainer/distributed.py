@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ps.model_store import ModelStore, SparseDelta
 from ps.store import EmbeddingStore
+from ps.store_lease import LeaseLost
 from trainer.publisher import PoisonedModel
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,18 @@ class ShardedVersionWriter:
     def __init__(self, ranks: Ranks, store: EmbeddingStore) -> None:
         self.ranks, self.store = ranks, store
 
-    def __call__(self, model_store: ModelStore, kind: str, tables: Mapping[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
-                 meta: Mapping[str, Any] | None, refusal: str | None) -> int:
+    def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
+                 dense: Mapping[str, torch.Tensor] | None, meta: Mapping[str, Any] | None, refusal: str | None) -> int:
         ranks, group = self.ranks, self.ranks.publish
-        staged = [model_store.begin(kind) if ranks.rank == 0 else None]
+        staged: list[Any] = [None]
+        if ranks.rank == 0:
+            try:
+                staged = [model_store.begin(kind, parent)]
+            except Exception as exc:  # every rank learns it and fails this version alike
+                staged = [f"rank 0 could not start the version: {exc}"]
         dist.broadcast_object_list(staged, src=0, group=group)
+        if isinstance(staged[0], str):
+            raise RuntimeError(staged[0])
         files, problem = {}, refusal
         if problem is None:
             try:
@@ -167,13 +175,15 @@ class ShardedVersionWriter:
                         # Kafka partitions are disjoint across ranks: one map covers them all
                         meta["offsets"] = {p: o for rank_offsets in offsets for p, o in rank_offsets.items()}
                     outcome = [("ok", model_store.commit(staged[0], merged, dense, meta))]
+                except LeaseLost as exc:
+                    outcome = [("lease", str(exc))]
                 except Exception as exc:
                     outcome = [("failed", f"rank 0 could not commit version {staged[0].version}: {exc}")]
         dist.broadcast_object_list(outcome, src=0, group=group)
         status, detail = outcome[0]
         if status == "ok":
             return detail
-        raise (PoisonedModel if status == "refused" else RuntimeError)(detail)
+        raise {"refused": PoisonedModel, "lease": LeaseLost}.get(status, RuntimeError)(detail)
 
 
 def launch(nproc: int, argv: list[str]) -> int:

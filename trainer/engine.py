@@ -50,13 +50,14 @@ from ps.budget import tier_usage
 from ps.model_store import ModelStore
 from ps.sharded import ShardedEmbeddings
 from ps.store import EmbeddingStore
+from ps.store_lease import LeaseHeld, WriterLease
 from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
 from trainer.prefetch import END, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
-from trainer.publisher import PoisonedModel, Publisher
+from trainer.publisher import PoisonedModel, PublishFailed, Publisher
 from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
 
 log = logging.getLogger("streamrec.trainer")
@@ -111,6 +112,8 @@ class Trainer:
         try:
             self._set_up()
         except BaseException:
+            if getattr(self, "lease", None) is not None:
+                self.lease.release()
             self._lock_fh.close()
             self.ranks.close()
             raise
@@ -125,6 +128,12 @@ class Trainer:
         self.checkpointer = Checkpointer(checkpoints if ranks.world == 1 else
                                          checkpoints / f"rank-{ranks.rank:05d}-of-{ranks.world:05d}")
         self.model_store = ModelStore(tcfg.model_store, mcfg.name)
+        self.lease = None
+        if ranks.rank == 0:  # rank 0 commits every version: it holds the store's writer lease
+            try:
+                self.lease = WriterLease(self.model_store, str(self.home), tcfg.lease_s).acquire()
+            except LeaseHeld as exc:
+                raise TrainingError(str(exc)) from None
         self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{cfg.topics.samples}"
         self._stop = threading.Event()
         self.times = {p: 0.0 for p in PHASES}
@@ -136,7 +145,7 @@ class Trainer:
         if ranks.distributed:  # dense parameters: replicated, gradients all-reduced
             self.forward = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.metrics = WindowMetrics(tcfg.eval_window)
-        self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0)
+        self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
         self.truth = self._open_truth()
         self.producer = None
         announce = (opts.announce if opts.announce is not None else not opts.files) and ranks.rank == 0
@@ -147,7 +156,8 @@ class Trainer:
         self.publisher = Publisher(self.store, self.model_store, tcfg.publish_interval_s, tcfg.full_every, tcfg.publish_rows_per_step,
                                    tcfg.keep_fulls, self._announce if announce else None,
                                    self.state.get("last_version"), self.state.get("deltas_since_full", 0),
-                                   ShardedVersionWriter(ranks, self.store) if ranks.distributed else None, collect_garbage=ranks.rank == 0)
+                                   ShardedVersionWriter(ranks, self.store) if ranks.distributed else None, collect_garbage=ranks.rank == 0,
+                                   max_failures=tcfg.max_publish_failures)
         self.frozen: InferenceModel | None = None
         self._frozen_pending = False
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
@@ -261,7 +271,7 @@ class Trainer:
         self._last_checkpoint = time.monotonic()
         samples_at_start = self.state["global_samples"]
         self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
-        poisoned = failed = None
+        poisoned = failed = unpublished = None
         ended = False
         try:
             while True:
@@ -299,6 +309,8 @@ class Trainer:
             self.checkpoint(source)
         except PoisonedModel as exc:
             poisoned = str(exc)
+        except PublishFailed as exc:
+            unpublished = str(exc)
         except RuntimeError as exc:
             if not self.ranks.distributed or isinstance(exc, TrainingError):
                 raise
@@ -313,6 +325,12 @@ class Trainer:
                 f"{poisoned}. Nothing was published or checkpointed after it: the last good version is "
                 f"{self.publisher.last_version or 'none'}, the last checkpoint is {latest or 'none'}. Lower the learning rates "
                 f"or check the inputs, then run again" + (f": it resumes from {latest.name}." if latest else "."))
+        if unpublished is not None:
+            latest = self.checkpointer.latest()
+            self._close()
+            raise TrainingError(f"{unpublished}. Training stopped: a trainer that cannot publish serves nobody. The last "
+                                f"published version is {self.publisher.last_version or 'none'}, the last checkpoint "
+                                f"{latest.name if latest else 'none'}; fix the model store and run again to resume.")
         if failed is not None:
             latest = self.checkpointer.latest()
             self._close()
@@ -548,6 +566,8 @@ class Trainer:
             self.producer.close(timeout=5)
         self.store.close()
         shutil.rmtree(self.tiers_dir, ignore_errors=True)
+        if self.lease is not None:
+            self.lease.release()
         self._lock_fh.close()
         self.ranks.close()
 

@@ -16,7 +16,7 @@ log = logging.getLogger("streamrec.trainer")
 
 
 class TrainerMetrics:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.samples = Counter("streamrec_trainer_samples", "samples trained on", registry=r)
@@ -31,8 +31,12 @@ class TrainerMetrics:
         self.tier_rows = Gauge("streamrec_trainer_tier_rows", "rows each tier of a sparse table holds (gpu_cache, dram, ssd)",
                                ["table", "tier"], registry=r)
         if port:
-            start_http_server(port, registry=r)
-            log.info("metrics on http://0.0.0.0:%d/metrics", port)
+            try:
+                start_http_server(port, host, registry=r)
+            except OSError as exc:
+                raise OSError(f"cannot serve the trainer's metrics on {host}:{port} ({exc}): set [trainer] metrics_port "
+                              "to a free port, or 0 for none") from None
+            log.info("metrics on http://%s:%d/metrics", host, port)
 
 
 def _tier_rows(status: dict[str, Any]) -> str:

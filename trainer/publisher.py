@@ -9,6 +9,14 @@ version is announced on the model-updates topic.
 A full version every ``full_every`` deltas lets a new serving node start from one full
 plus a few deltas. A poisoned model (non-finite values) is never written: the write
 checks every value it is about to publish and refuses.
+
+A delta is built on the writer's own previous version, and the store refuses it unless
+LATEST is that version; the next version is then a full one. This is also how a resumed
+trainer makes the store equal its state: a store whose LATEST is not the checkpoint's
+last version (versions published after the checkpoint by the run that crashed) gets a
+full version first. A publish that fails is retried as a full version at the next
+interval; ``max_failures`` failures in a row, or a lost writer lease, end training
+(:class:`PublishFailed`): a trainer that cannot publish must not look healthy.
 """
 
 from __future__ import annotations
@@ -24,12 +32,17 @@ import torch
 
 from ps.model_store import ModelStore, SparseDelta
 from ps.store import EmbeddingStore, SnapshotTask, to_host
+from ps.store_lease import LeaseLost
 
 log = logging.getLogger(__name__)
 
 
 class PoisonedModel(RuntimeError):
     """The model holds NaN/inf values: it must not be published or checkpointed."""
+
+
+class PublishFailed(RuntimeError):
+    """Versions cannot be published (failures in a row, or the writer lease was lost)."""
 
 
 @dataclass
@@ -44,7 +57,8 @@ class PublishRecord:
     finished_at: float = field(default_factory=time.time)
 
 
-VersionWriter = Callable[[ModelStore, str, dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
+# (model store, kind, parent: the delta's base, tables, dense, meta, refusal) -> the version written
+VersionWriter = Callable[[ModelStore, str, "int | None", dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
 
 
 def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> str | None:
@@ -62,9 +76,9 @@ class Publisher:
     def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
                  rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
                  last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
-                 collect_garbage: bool = True) -> None:
-        if interval_s <= 0 or full_every < 1 or rows_per_step < 1:
-            raise ValueError("publish_interval_s must be > 0, full_every and publish_rows_per_step >= 1")
+                 collect_garbage: bool = True, max_failures: int = 3) -> None:
+        if interval_s <= 0 or full_every < 1 or rows_per_step < 1 or max_failures < 1:
+            raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
         self.store, self.model_store = store, model_store
         self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
         self.announce = announce
@@ -72,7 +86,13 @@ class Publisher:
         self.collect_garbage = collect_garbage  # one writer deletes old versions
         self.last_version = last_version
         self.deltas_since_full = deltas_since_full
+        self.max_failures, self.failures = max_failures, 0
         self.force_full = last_version is None  # a chain starts with a full version
+        newest, _ = model_store.resolve_latest()
+        if last_version is not None and newest != last_version:
+            self.force_full = True
+            log.warning("the model store's newest version is %s, not %d (this trainer's last): the next version is a full one, "
+                        "so the store equals this trainer's state again", newest, last_version)
         self.records: list[PublishRecord] = []
         self.poisoned: str | None = None
         self._task: SnapshotTask | None = None
@@ -123,10 +143,17 @@ class Publisher:
                 self.poisoned = str(exc)
                 log.critical("NOT PUBLISHED: %s. Publishing is stopped; the last good version is %s.", exc, self.last_version)
                 raise
+            except LeaseLost as exc:
+                raise PublishFailed(str(exc)) from None
             except Exception as exc:  # I/O: keep training, and make the next version a full one
                 self.force_full = True
-                log.error("publishing failed (%s); the next version will be a full one", exc)
+                self.failures += 1
+                if self.failures >= self.max_failures:
+                    raise PublishFailed(f"{self.failures} publishes in a row failed, the last with: {exc}") from None
+                log.error("publishing failed (%s, %d of %d in a row); the next version will be a full one", exc,
+                          self.failures, self.max_failures)
                 return None
+            self.failures = 0
             self._finish(record)
             return record
         return None
@@ -152,18 +179,19 @@ class Publisher:
         t0 = time.perf_counter()
         tables = to_host(tables)
         kind = pending["kind"]
-        version = self.write_version(self.model_store, kind, tables, pending["dense"], pending["meta"], _refusal(tables, pending["dense"]))
+        version = self.write_version(self.model_store, kind, self.last_version, tables, pending["dense"], pending["meta"],
+                                     _refusal(tables, pending["dense"]))
         if kind == "full" and self.keep_fulls and self.collect_garbage:
             self.model_store.gc(keep_fulls=self.keep_fulls)
         rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
         return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
                              int(pending["meta"].get("trained_through_ms", 0)))
 
-    def _write_local(self, model_store: ModelStore, kind: str, tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor],
-                     meta: dict[str, Any], refusal: str | None) -> int:
+    def _write_local(self, model_store: ModelStore, kind: str, parent: int | None, tables: dict[str, SparseDelta],
+                     dense: dict[str, torch.Tensor], meta: dict[str, Any], refusal: str | None) -> int:
         if refusal:
             raise PoisonedModel(refusal)
-        return self.store.write(model_store, kind, tables, dense, meta)
+        return self.store.write(model_store, kind, tables, dense, meta, parent)
 
     def _finish(self, record: PublishRecord) -> None:
         self.last_version = record.version
