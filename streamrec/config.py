@@ -159,8 +159,11 @@ class TrainerConfig:
     warmup_samples: int
     frozen_baseline: bool
     metrics_port: int
+    metrics_host: str
     progress_interval_s: float
     collective_timeout_s: float
+    lease_s: float
+    max_publish_failures: int
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,10 @@ def validate(config: Config) -> None:
         check_serving_mode(s.compile)
     except ConfigError as exc:
         problems.append(str(exc))
+    if config.trainer.lease_s <= 0:
+        problems.append(f"trainer.lease_s must be > 0, got {config.trainer.lease_s}")
+    if config.trainer.max_publish_failures < 1:
+        problems.append(f"trainer.max_publish_failures must be >= 1, got {config.trainer.max_publish_failures}")
     if f.feature_bucket_s < 1:
         problems.append(f"flink.feature_bucket_s must be >= 1, got {f.feature_bucket_s}")
     if s.feature_store_memory_mb < 1:
