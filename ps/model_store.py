@@ -387,20 +387,6 @@ class ModelStore:
             sparse[name] = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         return manifest, sparse, dense
 
-    def verify(self, version: int) -> list[str]:
-        """What is wrong with ``version`` and the chain it needs (empty: a reader can load it)."""
-        try:
-            chain = self.chain(version)
-        except CorruptVersion as exc:
-            return [str(exc)]
-        problems = []
-        for v in chain:
-            try:
-                self.read_version(v)
-            except CorruptVersion as exc:
-                problems.append(str(exc) if v == version else f"needs version {v}: {exc}")
-        return problems
-
     def load(self, version: int | None = None) -> LoadedModel:
         """Materialise a version: its full ancestor plus every delta after it, verified."""
         version = self.latest() if version is None else version
@@ -429,16 +415,19 @@ class ModelStore:
         if len(fulls) <= keep_fulls:
             return []
         horizon = fulls[-keep_fulls]
-        pin = self.pinned()
-        if pin is not None and pin.version in versions:  # the pinned version and the chain it needs stay
-            horizon = min(horizon, self.chain(pin.version)[0])
-        doomed = [v for v in versions if v < horizon]
+        try:
+            pin = self.pinned()
+        except CorruptVersion:  # which versions a pin needs is unknown: delete nothing until it is fixed
+            return []
+        pinned = set(self.chain(pin.version)) if pin is not None and pin.version in versions else set()  # these stay
+        doomed = [v for v in versions if v < horizon and v not in pinned]
         for v in doomed:
             self.fs.delete_dir(self._vdir(v))
         for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
-            elif info.base_name.isdigit() and int(info.base_name) < horizon and info.type == pafs.FileType.Directory:
+            elif info.base_name.isdigit() and int(info.base_name) < horizon and int(info.base_name) not in pinned \
+                    and info.type == pafs.FileType.Directory:
                 self.fs.delete_dir(info.path)  # no manifest: a crashed writer's version on an object store
         return doomed
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,6 +30,7 @@ from serving.errors import ApiError
 from serving.frontend import FrontendPlan, FrontendPool
 from serving.ipc import EngineLink
 from serving.shortcut import read_body
+from serving.state import PinNotRecorded
 from streamrec import __version__
 
 log = logging.getLogger("streamrec.serving")
@@ -85,8 +87,9 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
         if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), settings.admin_token.encode()):
             raise ApiError(401, "admin route: send 'Authorization: Bearer <serving.admin_token>'")
 
-    async def version_arg(request: Request) -> int | None:
-        """The optional ``{"version": N}`` of an admin call."""
+    async def admin_args(request: Request) -> tuple[int | None, dict[str, str]]:
+        """The optional ``{"version": N, "reason": "..."}`` of an admin call, and who asked
+        (recorded with a pin)."""
         body = await read_body(request.scope, request.receive, settings.max_body_bytes)
         try:
             data = orjson.loads(body) if body.strip() else {}
@@ -97,13 +100,21 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
         version = data.get("version")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
             raise ApiError(400, f"'version' must be a positive integer, got {version!r}")
-        return version
+        reason = data.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise ApiError(400, "'reason' must be a string of at most 1000 characters")
+        client = request.client.host if request.client else "unknown"
+        return version, {"by": f"{request.url.path.rsplit(':', 1)[-1]} on {socket.gethostname()} from {client}", "reason": reason}
 
     async def admin_call(fn, *args):
         try:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
         except (LookupError, CorruptVersion) as exc:
             raise ApiError(409 if isinstance(exc, LookupError) else 422, str(exc)) from None
+        except PinNotRecorded as exc:
+            raise ApiError(503, str(exc)) from None
+        except OSError as exc:
+            raise ApiError(503, f"the model store cannot be reached: {exc}") from None
 
     @app.post("/v1/models/{model}:predict")
     async def predict(model: str, request: Request) -> Response:
@@ -121,24 +132,26 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
 
     @app.post("/v1/models/{model}:reload")
     async def reload(model: str, request: Request) -> dict[str, Any]:
-        """``{"version": N}``: serve N and stay on it (pinned); ``{}``: release any pin and
-        catch up to LATEST."""
+        """``{"version": N}``: serve N and pin it in the store (every node stays on it);
+        ``{}``: release the store's pin and catch up to LATEST."""
         engine.check_model(model)
         check_admin(request)
-        version = await version_arg(request)
+        version, who = await admin_args(request)
         if version:
-            reports = [await admin_call(engine.load, version, True)]
+            reports = [await admin_call(engine.load, version, True, who["by"], who["reason"])]
         else:
-            engine.release()
+            await admin_call(engine.release)
             reports = await admin_call(engine.apply)
         return {"model_version": engine.served.version, "applied": [r.__dict__ for r in reports], "pinned": engine.served.pinned}
 
     @app.post("/v1/models/{model}:rollback")
     async def rollback(model: str, request: Request) -> dict[str, Any]:
-        """Back to ``{"version": N}`` or the previous version; pins it until :reload."""
+        """Back to ``{"version": N}`` or the previous version; pins it in the store (every
+        node, a restarted one too, serves it) until :reload."""
         engine.check_model(model)
         check_admin(request)
-        report = await admin_call(engine.rollback, await version_arg(request))
+        version, who = await admin_args(request)
+        report = await admin_call(engine.rollback, version, who["by"], who["reason"])
         return {"model_version": engine.served.version, "previous": report.previous, "seconds": report.locked_s,
                 "pinned": engine.served.pinned}
 

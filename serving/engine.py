@@ -41,21 +41,21 @@ class ServingEngine:
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
 
     # ------------------------------------------------------------------ versions
-    def load(self, version: int | None = None, pin: bool = False) -> ApplyReport:
-        """Serve ``version`` (default: LATEST); ``pin``: and stay on it until released."""
-        return self.served.load(version, pin)
+    def load(self, version: int | None = None, pin: bool = False, by: str = "", reason: str = "") -> ApplyReport:
+        """Serve ``version`` (default: LATEST); ``pin``: and make every node stay on it until released."""
+        return self.served.load(version, pin, by, reason)
 
     def apply(self) -> list[ApplyReport]:
         """Apply every published version after the served one (deltas in place); never raises
         for a bad version: it is recorded as refused."""
         return self.served.catch_up()
 
-    def rollback(self, version: int | None = None) -> ApplyReport:
-        """Back to ``version`` (default: the previous one) from undo data, pinned."""
-        return self.served.rollback(version)
+    def rollback(self, version: int | None = None, by: str = "", reason: str = "") -> ApplyReport:
+        """Back to ``version`` (default: the previous one), pinned in the store for every node."""
+        return self.served.rollback(version, by, reason)
 
     def release(self) -> None:
-        """Un-pin: the watcher follows LATEST again."""
+        """Remove the store's pin: every node follows LATEST again."""
         self.served.release()
 
     # ------------------------------------------------------------------ requests
@@ -199,13 +199,25 @@ class ServingEngine:
             "applied_at": served.applied_at.get(served.version) if served.version else None,
             "rollback_to": sorted({u.version_before for u in served.undo}),
             "pinned": served.pinned,
+            "pin": served.pin.__dict__ if served.pin is not None else None,
             "refused": {str(v): why for v, why in served.refused.items()},
-            "latest_in_store": served.model_store.latest(),
+            **self._latest_in_store(),
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
             "batching": self.batcher.stats.as_json(),
             "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
             "features": self.features.status() if self.features is not None else None,
         }
+
+    def _latest_in_store(self) -> dict[str, Any]:
+        """LATEST as the store has it now, how far it is ahead of what is served, and why it
+        is not followed (garbage, dangling) if so."""
+        try:
+            latest, problem = self.served.model_store.resolve_latest()
+        except OSError as exc:
+            latest, problem = None, f"the model store cannot be read: {exc}"
+        served = self.served.version
+        return {"latest_in_store": latest, "latest_ahead_by": latest - served if latest is not None and served is not None else None,
+                "latest_problem": problem or self.served.latest_problem}
 
     def observe_metrics(self) -> ServingMetrics:
         """The metrics, with the gauges read now."""
@@ -217,6 +229,10 @@ class ServingEngine:
                 self.metrics.freshness.set(through)
             if current.runner is not None:
                 self.metrics.observe_runtime(current.runner.stats.as_json())
+        served = self.served
+        self.metrics.pinned.set(served.pin.version if served.pin is not None else 0)
+        self.metrics.latest_unusable.set(1 if served.latest_problem else 0)
+        self.metrics.refused.set(len(served.refused))
         if self.features is not None:
             self.metrics.observe_features(self.features.status())
         return self.metrics

@@ -16,6 +16,10 @@ class ServingMetrics:
                                 buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1))
         self.version = Gauge("streamrec_serving_model_version", "version being served", registry=r)
         self.freshness = Gauge("streamrec_serving_trained_through_ms", "event time the served version is trained through", registry=r)
+        self.pinned = Gauge("streamrec_serving_pinned_version", "version the store's pin holds every node on (0: none)", registry=r)
+        self.latest_unusable = Gauge("streamrec_serving_latest_unusable",
+                                     "1 while LATEST is garbage or dangling (the newest version that verifies is followed)", registry=r)
+        self.refused = Gauge("streamrec_serving_refused_versions", "versions refused (corrupt, non-finite, incompatible)", registry=r)
         self.buckets = Gauge("streamrec_serving_compiled_buckets", "shape buckets built for the served version", registry=r)
         self.eager = Gauge("streamrec_serving_eager_batches", "batches of the served version run eagerly (out of every bucket)", registry=r)
         self.device_ms = Gauge("streamrec_serving_device_ms_per_batch", "mean forward time per batch on the device, by bucket",

@@ -9,6 +9,13 @@ Applying a version:
 - anything else (a full version, a gap in the chain, a version older than the current
   one) is loaded as a fresh model and swapped in; the previous model object is the undo.
 
+Pins: a rollback, or a reload to an explicit version, writes a pin into the model store
+(``ModelStore.pin``: who, when, why) before it changes anything here. Every node follows
+the store's pin at its next look (``catch_up``), a node started later included, until
+``:reload`` without a version (or ``streamrec store unpin``) removes it. A garbage or
+dangling ``LATEST`` never stops a node: it follows the newest version that verifies and
+says why in ``latest_problem``.
+
 Consistency: every batch runs under a shared lock and every apply/rollback mutates under
 the exclusive one, so a batch sees exactly one version (never sparse rows of N with
 dense weights of N+1). Everything slow (reading, verifying and decoding the version's
@@ -34,7 +41,7 @@ from model.batch import SampleBatch
 from model.inference import manifest_spec
 from pipelines.feature_spec import FeatureSpec
 from ps.locks import RWLock
-from ps.model_store import CorruptVersion, ModelStore, sparse_arrays
+from ps.model_store import CorruptVersion, ModelStore, Pin, sparse_arrays
 from serving.runner import RuntimeConfig
 from serving.version import ServedVersion
 
@@ -79,6 +86,10 @@ class IncompatibleVersion(CorruptVersion):
     """A sound version this node must not serve: it was trained with another feature spec."""
 
 
+class PinNotRecorded(RuntimeError):
+    """The model store did not take a pin (read-only, unreachable): nothing was changed."""
+
+
 class ServedModel:
     def __init__(self, model_store: ModelStore, device: torch.device | str = "cpu", gpu_cache_rows: int = 1_000_000,
                  undo_depth: int = 8, runtime: RuntimeConfig | None = None, feature_spec: FeatureSpec | None = None) -> None:
@@ -97,13 +108,18 @@ class ServedModel:
         self._changing = threading.RLock()
         self.current: ServedVersion | None = None
         self.undo: list[UndoRecord] = []
-        self.pinned = False  # set by rollback: automatic applies stop until reload releases it
+        self.pin: Pin | None = None  # the store's pin this node follows: automatic applies stop until it is released
+        self.latest_problem: str | None = None  # why LATEST itself is not followed (garbage, dangling, unreadable pin)
         self.applied_at: dict[int, float] = {}
         self.refused: dict[int, str] = {}  # version -> why it was not applied
 
     @property
     def version(self) -> int | None:
         return self.current.version if self.current is not None else None
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None
 
     # ------------------------------------------------------------------ serving
     def predict(self, batch: SampleBatch, now_ms: int | None = None) -> tuple[int, np.ndarray]:
@@ -115,23 +131,31 @@ class ServedModel:
 
     # ------------------------------------------------------------------ changing versions
     @_one_change_at_a_time
-    def load(self, version: int | None = None, pin: bool = False) -> ApplyReport:
+    def load(self, version: int | None = None, pin: bool = False, by: str = "", reason: str = "") -> ApplyReport:
         """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a
-        swap. ``pin``: and stay on it until released (an operator's explicit version: unpinned,
-        the watcher would move on to LATEST at its next poll). Pinning happens in the same
-        change, so no catch-up can slip in between."""
-        target = self.model_store.latest() if version is None else version
+        swap. ``pin``: and make every node stay on it until released (an operator's explicit
+        version: unpinned, the watcher would move on to LATEST at its next poll). The pin is
+        recorded in the store before anything changes, in the same change, so no catch-up
+        can slip in between."""
+        target = self.model_store.resolve_latest()[0] if version is None else version
         if target is None:
             raise CorruptVersion(f"model {self.model_store.model} has no published version under {self.model_store.base}")
         manifest = self.model_store.manifest(target)
         self._check_spec(target, manifest)
+        if pin:
+            self._record_pin(target, by, reason)
         current = self.version
         if current is not None and manifest["kind"] == "delta" and manifest["parent"] == current:
-            report = self._apply_delta(target)
-        else:
-            report = self._swap(target)
-        self.pinned = pin
-        return report
+            return self._apply_delta(target)
+        return self._swap(target)
+
+    def _record_pin(self, version: int, by: str, reason: str) -> None:
+        try:
+            self.pin = self.model_store.pin(version, by, reason)
+        except OSError as exc:
+            raise PinNotRecorded(f"the pin to version {version} could not be written to the model store "
+                                 f"({self.model_store.base}): {exc}; nothing was changed") from None
+        log.warning("pinned version %d of %s (by %s%s)", version, self.model_store.model, by, f": {reason}" if reason else "")
 
     @_one_change_at_a_time
     def catch_up(self) -> list[ApplyReport]:
@@ -141,8 +165,13 @@ class ServedModel:
         served version stays. Deltas that depend on a refused version cannot apply; the next
         full version (or a loadable LATEST chain) gets the server going again.
         """
-        latest = self.model_store.latest()
-        if latest is None or (self.version is not None and latest <= self.version) or self.pinned:
+        pinned = self._follow_pin()
+        if pinned is not None:
+            return pinned
+        latest, self.latest_problem = self.model_store.resolve_latest()
+        if self.latest_problem:
+            log.error("%s; following version %s, the newest in the store", self.latest_problem, latest)
+        if latest is None or (self.version is not None and latest <= self.version):
             return []
         reports = []
         if self.version is not None:
@@ -162,7 +191,45 @@ class ServedModel:
                 reports.append(self._swap(latest))
             except CorruptVersion as exc:
                 self._refuse(latest, exc)
+        if self.version is None:  # nothing served: the newest version that loads, rather than nothing
+            for v in reversed(self.model_store.versions()):
+                if v < latest and v not in self.refused:
+                    try:
+                        self._check_spec(v, self.model_store.manifest(v))
+                        reports.append(self._swap(v))
+                        break
+                    except CorruptVersion as exc:
+                        self._refuse(v, exc)
         return reports
+
+    def _follow_pin(self) -> list[ApplyReport] | None:
+        """Reports when the store's pin decides what is served (None: follow LATEST). A pin
+        released elsewhere (another node's :reload, `streamrec store unpin`) releases it here."""
+        try:
+            pin = self.model_store.pinned()
+        except CorruptVersion as exc:  # an unreadable pin: stay where we are until it is fixed
+            self.latest_problem = str(exc)
+            return []
+        if pin is None:
+            if self.pin is not None:
+                log.warning("pin to version %d released: following LATEST again", self.pin.version)
+            self.pin = None
+            return None
+        self.pin = pin
+        if pin.version == self.version or pin.version in self.refused:
+            return []
+        try:
+            return [self._go_to(pin.version)]
+        except CorruptVersion as exc:
+            self._refuse(pin.version, exc)
+            return []
+
+    def _go_to(self, version: int) -> ApplyReport:
+        """Serve ``version``: from the undo records when they reach it, else loaded from the store."""
+        if version in [u.version_before for u in self.undo]:
+            return self._undo_to(version)
+        self._check_spec(version, self.model_store.manifest(version))
+        return self._swap(version)
 
     def _check_spec(self, version: int, manifest: dict) -> None:
         """Refuse a version trained with another feature spec than this node's."""
@@ -180,27 +247,33 @@ class ServedModel:
         log.error("version %d refused, still serving %s: %s", version, self.version, exc)
 
     @_one_change_at_a_time
-    def rollback(self, version: int | None = None) -> ApplyReport:
-        """Back to ``version`` (default: the previous one) from the undo records, and pin."""
-        if not self.undo:
-            raise LookupError("no earlier version to roll back to (no undo data kept)")
-        target = self.undo[-1].version_before if version is None else version
-        kept = [u.version_before for u in self.undo]
-        if target not in kept:
-            raise LookupError(f"cannot roll back to version {target}: undo data is kept for {sorted(set(kept))}")
+    def rollback(self, version: int | None = None, by: str = "", reason: str = "") -> ApplyReport:
+        """Back to ``version`` (default: the previous one), pinned in the store for every node.
+        From the undo records when they reach it (instant), else loaded from the store."""
+        if version is None:
+            if not self.undo:
+                raise LookupError("no earlier version to roll back to (no undo data kept): name one, {\"version\": N}")
+            version = self.undo[-1].version_before
+        if version not in [u.version_before for u in self.undo]:
+            self._check_spec(version, self.model_store.manifest(version))  # absent or incompatible: refused before the pin
+        self._record_pin(version, by, reason)
+        return self._go_to(version)
+
+    def _undo_to(self, target: int) -> ApplyReport:
         t0 = time.perf_counter()
         previous = self.version
         with self.lock.write():
             while self.version != target:
                 self._undo_one(self.undo.pop())
             self._settle()
-        self.pinned = True
         return ApplyReport(target, previous, "rollback", 0, 0.0, time.perf_counter() - t0)
 
     @_one_change_at_a_time
-    def release(self) -> None:
-        """Un-pin after a rollback (``:reload``)."""
-        self.pinned = False
+    def release(self) -> Pin | None:
+        """Remove the store's pin (``:reload``): every node follows LATEST again."""
+        released = self.model_store.unpin()
+        self.pin = None
+        return released
 
     # ------------------------------------------------------------------ internals
     def _apply_delta(self, version: int) -> ApplyReport:

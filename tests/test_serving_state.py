@@ -33,8 +33,10 @@ def expected(root, version, batch):
         model.close()
 
 
-def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(published, batch):
-    root, versions = published
+def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(published, batch, tmp_path):
+    shared, versions = published
+    root = tmp_path / "models"  # pins are written into the store: not into the shared fixture's
+    shutil.copytree(shared, root)
     served = ServedModel(ModelStore(str(root), "ctr"), undo_depth=3)
     assert served.load(versions[0]).mode == "swap"
     scores = {versions[0]: served.predict(batch)[1]}
@@ -45,10 +47,8 @@ def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(publis
         assert version == v
         np.testing.assert_array_equal(scores[v], expected(root, v, batch))
     assert len({s.tobytes() for s in scores.values()}) == len(versions)  # every version scores differently
-    # rollback: the previous version exactly, then a named one; pinned until released
-    with pytest.raises(LookupError, match="undo data is kept for"):
-        served.rollback(versions[0])  # older than the undo depth
-    served.rollback()
+    # rollback: the previous version exactly (undo data), then a named one; pinned until released
+    assert served.rollback(by="test", reason="bad CTR").mode == "rollback"
     assert served.version == versions[-2] and served.pinned
     np.testing.assert_array_equal(served.predict(batch)[1], scores[versions[-2]])
     served.rollback(versions[-4])
@@ -56,9 +56,20 @@ def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(publis
     with pytest.raises(LookupError, match="no earlier version"):
         served.rollback()  # the undo records are used up
     assert served.catch_up() == []  # pinned: no automatic apply
+    # older than the undo depth: loaded from the store; the pin is in the store, with who and why
+    assert served.rollback(versions[0], by="test", reason="older").mode == "swap"
+    np.testing.assert_array_equal(served.predict(batch)[1], scores[versions[0]])
+    pin = ModelStore(str(root), "ctr").pinned()
+    assert (pin.version, pin.by, pin.reason) == (versions[0], "test", "older")
+    restarted = ServedModel(ModelStore(str(root), "ctr"))  # a node started later serves the pin, not LATEST
+    assert [r.version for r in restarted.catch_up()] == [versions[0]] and restarted.pinned
+    np.testing.assert_array_equal(restarted.predict(batch)[1], scores[versions[0]])
     served.release()
-    assert [r.version for r in served.catch_up()] == versions[-3:]
+    assert ModelStore(str(root), "ctr").pinned() is None
+    assert [r.version for r in served.catch_up()] == versions[1:]  # the deltas after the pinned full, in place
     np.testing.assert_array_equal(served.predict(batch)[1], scores[versions[-1]])
+    assert [r.version for r in restarted.catch_up()][-1] == versions[-1] and not restarted.pinned  # released everywhere
+    restarted.close()
     served.close()
 
 
@@ -142,8 +153,8 @@ def test_a_version_with_an_unreadable_feature_spec_is_refused_not_fatal(publishe
     manifest["feature_spec"] = {"history_len": "fifty", "windows_s": [60, 600], "attribution_window_s": 10}
     manifest_path.write_text(json.dumps(manifest))
     checked = ServedModel(ModelStore(str(copy), "ctr"), feature_spec=FeatureSpec())
-    checked.catch_up()  # a first load tries LATEST only
-    assert checked.version is None and "unreadable 'feature_spec'" in checked.refused[versions[-1]]
+    checked.catch_up()  # a first load: LATEST is refused, the newest version that loads is served instead
+    assert checked.version == versions[-2] and "unreadable 'feature_spec'" in checked.refused[versions[-1]]
     checked.load(versions[0])
     checked.catch_up()  # the deltas up to the bad one apply; the bad one stays refused
     assert checked.version == versions[-2] and list(checked.refused) == [versions[-1]]

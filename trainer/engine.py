@@ -134,6 +134,8 @@ class Trainer:
                 self.lease = WriterLease(self.model_store, str(self.home), tcfg.lease_s).acquire()
             except LeaseHeld as exc:
                 raise TrainingError(str(exc)) from None
+            except OSError as exc:
+                raise TrainingError(f"cannot take the writer lease in the model store {self.model_store.base}: {exc}") from None
         self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{cfg.topics.samples}"
         self._stop = threading.Event()
         self.times = {p: 0.0 for p in PHASES}
@@ -157,7 +159,7 @@ class Trainer:
                                    tcfg.keep_fulls, self._announce if announce else None,
                                    self.state.get("last_version"), self.state.get("deltas_since_full", 0),
                                    ShardedVersionWriter(ranks, self.store) if ranks.distributed else None, collect_garbage=ranks.rank == 0,
-                                   max_failures=tcfg.max_publish_failures)
+                                   max_failures=tcfg.max_publish_failures, force_full=self.state.get("force_full", False))
         self.frozen: InferenceModel | None = None
         self._frozen_pending = False
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
@@ -307,6 +309,9 @@ class Trainer:
                 self._begin_publish()
                 self.publisher.flush()
             self.checkpoint(source)
+            if self.publisher.failures:  # what was trained last is not in the store: not a clean stop
+                raise PublishFailed(f"the last publish failed ({self.publisher.last_error}); the checkpoint holds what "
+                                    "was trained, and the next run publishes it as a full version")
         except PoisonedModel as exc:
             poisoned = str(exc)
         except PublishFailed as exc:
@@ -362,7 +367,9 @@ class Trainer:
         return batch_from_table(self.feature_spec.schema().empty_table(), self.feature_spec, self.spec.history_len)
 
     def _dirty(self) -> bool:
-        return self.state["global_samples"] > self.state.get("published_samples", -1)
+        """Something the store lacks: samples since the last publish, a failed publish, or
+        versions in the store this trainer's state does not match (a full version is due)."""
+        return self.state["global_samples"] > self.state.get("published_samples", -1) or self.publisher.force_full
 
     def _step(self, batch: SampleBatch, agreed: Agreed) -> None:
         sync = self.opts.sync_timings and self.device.type == "cuda"
@@ -491,6 +498,7 @@ class Trainer:
             "positions": {str(p): o for p, o in sorted(self._positions.items())},
             "last_version": self.publisher.last_version,
             "deltas_since_full": self.publisher.deltas_since_full,
+            "force_full": self.publisher.force_full,
             "model_spec": self.spec.to_json(),
             "rejected": dict(self.rejected),
             "source": self.source_name,

@@ -76,7 +76,7 @@ class Publisher:
     def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
                  rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
                  last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
-                 collect_garbage: bool = True, max_failures: int = 3) -> None:
+                 collect_garbage: bool = True, max_failures: int = 3, force_full: bool = False) -> None:
         if interval_s <= 0 or full_every < 1 or rows_per_step < 1 or max_failures < 1:
             raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
         self.store, self.model_store = store, model_store
@@ -86,8 +86,8 @@ class Publisher:
         self.collect_garbage = collect_garbage  # one writer deletes old versions
         self.last_version = last_version
         self.deltas_since_full = deltas_since_full
-        self.max_failures, self.failures = max_failures, 0
-        self.force_full = last_version is None  # a chain starts with a full version
+        self.max_failures, self.failures, self.last_error = max_failures, 0, ""
+        self.force_full = force_full or last_version is None  # a chain starts with a full version
         newest, _ = model_store.resolve_latest()
         if last_version is not None and newest != last_version:
             self.force_full = True
@@ -147,7 +147,7 @@ class Publisher:
                 raise PublishFailed(str(exc)) from None
             except Exception as exc:  # I/O: keep training, and make the next version a full one
                 self.force_full = True
-                self.failures += 1
+                self.failures, self.last_error = self.failures + 1, str(exc)
                 if self.failures >= self.max_failures:
                     raise PublishFailed(f"{self.failures} publishes in a row failed, the last with: {exc}") from None
                 log.error("publishing failed (%s, %d of %d in a row); the next version will be a full one", exc,
@@ -182,7 +182,10 @@ class Publisher:
         version = self.write_version(self.model_store, kind, self.last_version, tables, pending["dense"], pending["meta"],
                                      _refusal(tables, pending["dense"]))
         if kind == "full" and self.keep_fulls and self.collect_garbage:
-            self.model_store.gc(keep_fulls=self.keep_fulls)
+            try:
+                self.model_store.gc(keep_fulls=self.keep_fulls)
+            except Exception as exc:  # the version is out: old ones are deleted at the next full
+                log.warning("deleting old versions failed: %s", exc)
         rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
         return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
                              int(pending["meta"].get("trained_through_ms", 0)))

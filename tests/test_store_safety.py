@@ -1,0 +1,240 @@
+"""What keeps a model store safe to operate: a garbage or dangling LATEST and non-finite
+values never reach a served model, one trainer writes a store at a time (a lease with a
+fencing token), a resumed trainer makes the store equal its state, a trainer that cannot
+publish fails loudly, pins keep their chains through garbage collection, and
+`streamrec store ls|verify|pin|unpin` shows and changes all of it."""
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import REPO
+from model.batch import batch_from_table
+from pipelines.feature_spec import FeatureSpec
+from ps.model_store import CorruptVersion, ModelStore, SparseDelta
+from ps.store_lease import LeaseHeld, LeaseLost, WriterLease
+from serving.state import ServedModel
+from streamrec.config import load_config
+from trainer.engine import Trainer, TrainOptions
+
+
+def cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "streamrec.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def tiny_store(root, versions=3) -> ModelStore:
+    """A full version and deltas of one 4-wide table and one dense tensor."""
+    store = ModelStore(str(root), "ctr")
+    keys = torch.arange(10)
+    for n in range(versions):
+        store.publish("full" if n == 0 else "delta", {"t": SparseDelta(keys[: 10 - 3 * n], torch.full((10 - 3 * n, 4), float(n)))},
+                      {"t": 4}, {"w": torch.full((3,), float(n))})
+    return store
+
+
+@pytest.fixture
+def store_copy(published_model, tmp_path):
+    root, versions = published_model
+    shutil.copytree(root, tmp_path / "models")
+    return tmp_path / "models", versions
+
+
+@pytest.fixture(scope="module")
+def batch(sample_run):
+    return batch_from_table(pq.read_table(sample_run / "samples.parquet").slice(50_000, 256), FeatureSpec(), 50)
+
+
+# ---------------------------------------------------------------- LATEST and values
+@pytest.mark.parametrize("latest", ["abc", "999999\n"])
+def test_a_garbage_or_dangling_latest_falls_back_to_the_newest_version(store_copy, latest):
+    root, versions = store_copy
+    (root / "ctr" / "LATEST").write_text(latest)
+    served = ServedModel(ModelStore(str(root), "ctr"))
+    served.catch_up()  # a fresh node: never raises, never stays empty
+    assert served.version == versions[-1]
+    assert ("'abc'" if latest == "abc" else "999999, which does not exist") in served.latest_problem
+    served.close()
+
+
+def test_a_fresh_node_whose_latest_is_corrupt_serves_the_newest_version_that_verifies(store_copy, batch):
+    root, versions = store_copy
+    target = root / "ctr" / "versions" / f"{versions[-1]:012d}" / "dense.arrow"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    served = ServedModel(ModelStore(str(root), "ctr"))
+    served.catch_up()
+    assert served.version == versions[-2] and "checksum" in served.refused[versions[-1]]
+    assert served.predict(batch)[0] == versions[-2]
+    served.close()
+
+
+@pytest.mark.parametrize("where", ["dense", "sparse"])
+def test_a_version_with_valid_checksums_but_non_finite_values_is_refused(store_copy, batch, where):
+    root, versions = store_copy
+    store = ModelStore(str(root), "ctr")
+    manifest, sparse, dense = store.read_version(versions[-1])
+    name = sorted(dense)[0]
+    poisoned = {name: torch.full_like(dense[name], float("nan"))} if where == "dense" else {}
+    table = sorted(manifest["tables"])[0]
+    dim = manifest["tables"][table]["dim"]
+    rows = {table: SparseDelta(torch.tensor([1, 2]), torch.tensor([[float("inf")] * dim, [0.0] * dim]))} if where == "sparse" else {}
+    bad = store.publish("delta", rows, {table: dim}, poisoned, {k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest})
+    with pytest.raises(CorruptVersion, match="non-finite"):
+        store.read_version(bad)
+    served = ServedModel(store)
+    served.load(versions[-1])
+    before = served.predict(batch)
+    assert served.catch_up() == [] and "non-finite" in served.refused[bad]
+    after = served.predict(batch)
+    assert after[0] == versions[-1] and np.isfinite(after[1]).all()
+    np.testing.assert_array_equal(after[1], before[1])
+    served.close()
+
+
+# ---------------------------------------------------------------- writer lease
+def test_one_writer_per_store_and_a_fenced_writer_cannot_move_latest(tmp_path):
+    root = tmp_path / "models"
+    first_store = tiny_store(root, 1)
+    first = WriterLease(first_store, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    with pytest.raises(LeaseHeld, match="being written by another trainer .*work-a"):
+        WriterLease(ModelStore(str(root), "ctr"), str(tmp_path / "work-b"), ttl_s=30).acquire()
+    # the same work dir (a restart after a crash: its lock file proves the old process is gone) takes over at once
+    second_store = ModelStore(str(root), "ctr")
+    second = WriterLease(second_store, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    assert second.record.token == first.record.token + 1
+    with pytest.raises(LeaseLost, match="taken over"):
+        first_store.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4})
+    assert first_store.latest() == 1  # the fenced writer moved nothing
+    assert second_store.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4}) == 2
+    second.release()  # released: another writer need not wait for expiry
+    third = WriterLease(ModelStore(str(root), "ctr"), str(tmp_path / "work-c"), ttl_s=0.3).acquire()
+    third._stop.set()  # stop renewing: the lease expires as a hung or dead writer's would
+    time.sleep(0.5)
+    fourth = WriterLease(ModelStore(str(root), "ctr"), str(tmp_path / "work-d"), ttl_s=30).acquire()
+    with pytest.raises(LeaseLost):
+        third.check()
+    fourth.release()
+    first.release()  # a fenced writer's release changes nothing
+    assert len(list((root / "ctr" / "leases").glob("*.json"))) <= 3
+
+
+def _trainer_config(tmp_path, store_root, work="work", **extra):
+    return load_config(overrides={"trainer.model_store": str(store_root), "trainer.work_dir": str(tmp_path / work),
+                                  "trainer.publish_interval_s": 0.5, "trainer.warmup_samples": 10**9, "trainer.device": "cpu",
+                                  "trainer.progress_interval_s": 3600.0, "trainer.checkpoint_interval_s": 0.0, **extra}, environ={})
+
+
+def test_a_second_trainer_on_a_leased_store_is_refused(sample_run, tmp_path):
+    store = tiny_store(tmp_path / "models", 1)
+    lease = WriterLease(store, str(tmp_path / "elsewhere"), ttl_s=60).acquire()
+    try:
+        result = cli("train", "--samples", str(sample_run), "--model-store", str(tmp_path / "models"), "--work-dir",
+                     str(tmp_path / "work"), "--max-samples", "2000", "--device", "cpu", "--no-announce", "--no-frozen")
+    finally:
+        lease.release()
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "being written by another trainer" in result.stderr and "elsewhere" in result.stderr
+    assert store.versions() == [1]
+
+
+def test_a_trainer_that_cannot_reach_its_store_fails_at_start(sample_run, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the model store's directory should be")
+    result = cli("train", "--samples", str(sample_run), "--model-store", str(blocker / "models"), "--work-dir",
+                 str(tmp_path / "work"), "--max-samples", "3000", "--device", "cpu", "--no-announce", "--no-frozen")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "cannot take the writer lease" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_trainer_whose_publishes_keep_failing_stops_with_an_error(sample_run, tmp_path):
+    from trainer.engine import TrainingError
+
+    cfg = _trainer_config(tmp_path, tmp_path / "models", **{"trainer.publish_interval_s": 0.05, "trainer.max_publish_failures": 2})
+    trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=60000, progress=False))
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    trainer.model_store.versions_dir = str(blocker / "versions")  # the store's disk fails under the running trainer
+    with pytest.raises(TrainingError, match="(publishes in a row|the last publish) failed.*a trainer that cannot publish"):
+        trainer.run()
+    assert ModelStore(str(tmp_path / "models"), "ctr").versions() == []
+
+
+def test_a_resumed_trainer_makes_the_store_equal_its_state_with_its_first_publish(sample_run, tmp_path, caplog):
+    """Versions published after the checkpoint (by a run that then crashed) are not the
+    resumed trainer's state: its first version is a full one, not a delta on top of them."""
+    store_root = tmp_path / "models"
+    cfg = _trainer_config(tmp_path, store_root)
+    Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=4000, progress=False)).run()
+    store = ModelStore(str(store_root), "ctr")
+    checkpointed = store.latest()
+    manifest, sparse, _ = store.read_version(checkpointed)
+    table = sorted(manifest["tables"])[0]
+    dim = manifest["tables"][table]["dim"]
+    keys = torch.from_numpy(sparse[table]["key"].to_numpy()[:50].copy())
+    rogue = store.publish("delta", {table: SparseDelta(keys, torch.full((len(keys), dim), 7.0))}, {table: dim},
+                          meta={k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest})  # the crashed run's
+    caplog.set_level(logging.INFO)
+    summary = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=4000, progress=False)).run()
+    first = summary["published"][0]
+    assert first["kind"] == "full" and first["version"] > rogue
+    assert "publishing failed" not in caplog.text  # decided at start, not learnt from a refused delta
+    loaded = store.load()
+    assert rogue not in loaded.chain
+    values = dict(zip(*loaded.tables[table]))
+    assert all(not np.all(values[int(k)] == 7.0) for k in keys.tolist() if int(k) in values)
+
+
+def test_a_garbage_latest_is_repaired_by_the_trainers_next_version(sample_run, tmp_path):
+    store_root = tmp_path / "models"
+    cfg = _trainer_config(tmp_path, store_root)
+    Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=3000, progress=False)).run()
+    (store_root / "ctr" / "LATEST").write_text("garbage")
+    summary = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=3000, progress=False)).run()
+    store = ModelStore(str(store_root), "ctr")
+    assert store.latest() == summary["published"][-1]["version"] == store.versions()[-1]
+    assert store.manifest(store.latest())["kind"] == "full"
+
+
+# ---------------------------------------------------------------- pins, gc, CLI
+def test_gc_keeps_the_pinned_version_and_the_chain_it_needs(tmp_path):
+    store = tiny_store(tmp_path / "models", 3)  # 1 full, 2, 3 deltas
+    store.pin(2, "test", "keep me")
+    keys = torch.arange(4)
+    for _ in range(2):
+        store.publish("full", {"t": SparseDelta(keys, torch.ones(4, 4))}, {"t": 4})
+    store.gc(keep_fulls=1)
+    assert store.versions() == [1, 2, 5]  # 3 and 4 go; 1 and 2 stay for the pin
+    store.unpin()
+    store.gc(keep_fulls=1)
+    assert store.versions() == [5]
+
+
+def test_store_cli_lists_verifies_pins_and_unpins(tmp_path):
+    root = tmp_path / "models"
+    tiny_store(root, 3)
+    listed = cli("store", "ls", "--model-store", str(root))
+    assert listed.returncode == 0 and "LATEST" in listed.stdout and "delta" in listed.stdout, listed.stderr
+    assert cli("store", "verify", "--model-store", str(root)).returncode == 0
+    target = root / "ctr" / "versions" / f"{2:012d}" / "sparse" / "t.arrow"
+    target.write_bytes(target.read_bytes()[:-8])
+    verified = cli("store", "verify", "--model-store", str(root))
+    assert verified.returncode == 1
+    assert "2: version 2: sparse/t.arrow fails its checksum" in verified.stdout and "3: needs version 2" in verified.stdout
+    pinned = cli("store", "pin", "1", "--reason", "CTR dropped", "--model-store", str(root))
+    assert pinned.returncode == 0, pinned.stderr
+    assert ModelStore(str(root), "ctr").pinned().reason == "CTR dropped"
+    assert "pinned to 1" in cli("store", "ls", "--model-store", str(root)).stdout
+    missing = cli("store", "pin", "42", "--model-store", str(root))
+    assert missing.returncode == 2 and "version 42 of ctr has no manifest" in missing.stderr
+    assert cli("store", "unpin", "--model-store", str(root)).returncode == 0
+    assert ModelStore(str(root), "ctr").pinned() is None
