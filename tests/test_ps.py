@@ -2,6 +2,7 @@
 model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
 CUDA is present (the same tests, on the `cuda` parameter)."""
 
+import json
 import os
 import random
 import signal
@@ -226,12 +227,35 @@ def test_corrupt_or_incomplete_versions_are_refused(tmp_path):
         ms.load(99)
 
 
+# A writer that publishes 16 MB versions in a loop. From its third version on it stops at
+# the point named by argv[2] - inside the real ModelStore.publish, on the file write that
+# point is about - writes a marker and sleeps, so the test's SIGKILL lands exactly there
+# (a sleep in the test could land between two writes and test nothing). The pause wraps this
+# one store's ``_write`` in this script only: production code has no hook.
+#   sparse:   half of a sparse file is on disk in the staging dir (a torn file)
+#   manifest: the staging dir is complete, manifest included, not yet renamed into place
+#   latest:   the version is in place; LATEST's temp file is written, not yet moved
 CRASH_WRITER = r"""
-import sys, torch
+import json, os, sys, time, torch
 from ps.model_store import ModelStore, SparseDelta
-ms = ModelStore(sys.argv[1], "m")
+root, pause_at, marker = sys.argv[1:4]
+ms = ModelStore(root, "m")
 keys = torch.arange(250_000)
 n = 0
+write = ms._write
+
+def pausing_write(path, data):
+    name = path.rsplit("/", 1)[-1]
+    at = {"t.arrow": "sparse", "manifest.json": "manifest"}.get(name, "latest" if name.startswith(".LATEST.tmp-") else None)
+    if n < 3 or at != pause_at:
+        return write(path, data)
+    write(path, data[: len(data) // 2] if at == "sparse" else data)
+    with open(marker + ".tmp", "w") as fh:
+        json.dump({"at": at, "path": path, "bytes": len(data)}, fh)
+    os.rename(marker + ".tmp", marker)
+    time.sleep(600)
+
+ms._write = pausing_write
 while True:
     n += 1
     ms.publish("full" if n == 1 else "delta", {"t": SparseDelta(keys, torch.full((len(keys), 16), float(n)))}, {"t": 16},
@@ -241,18 +265,35 @@ while True:
 
 def test_killed_publisher_never_leaves_a_readable_torn_version(tmp_path):
     root = str(tmp_path / "models")
+    base, versions_dir = tmp_path / "models" / "m", tmp_path / "models" / "m" / "versions"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, root], env=env)
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "models" / "m" / "LATEST").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.15 + 0.37 * attempt)  # land somewhere inside a later write
+    for pause_at in ("sparse", "manifest", "latest"):
+        marker = tmp_path / f"paused-{pause_at}.json"
+        before = ModelStore(root, "m").versions()
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, root, pause_at, str(marker)], env=env)
+        deadline = time.monotonic() + 120
+        while not marker.exists():  # the writer is inside the window, and stays there
+            assert proc.poll() is None and time.monotonic() < deadline, f"the writer never reached {pause_at}"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        paused = json.loads(marker.read_text())
+
+        # the kill left the partial state that this point is about
         ms = ModelStore(root, "m")
         latest = ms.latest()
-        assert latest is not None
+        assert latest is not None and latest == ms.versions()[-1 if pause_at != "latest" else -2]
+        staged = sorted(p.name for p in versions_dir.glob(".tmp-*"))
+        if pause_at in ("sparse", "manifest"):
+            torn = versions_dir / paused["path"].split("/versions/", 1)[1].split("/", 1)[0]
+            assert torn.name in staged and torn.name.startswith(f".tmp-{latest + 1:012d}-"), (paused, staged)
+            assert (torn / "manifest.json").exists() == (pause_at == "manifest")
+            on_disk = os.path.getsize(paused["path"])  # the file the kill landed on
+            assert on_disk == (paused["bytes"] // 2 if pause_at == "sparse" else paused["bytes"])
+            assert latest + 1 not in ms.versions()  # the torn/unrenamed version is not listed
+        else:
+            assert list(base.glob(".LATEST.tmp-*")), "LATEST's temp file should be left behind"
+            assert ms.versions()[-1] == latest + 1 and latest + 1 not in before  # complete, in place, not yet LATEST
         for version in ms.versions():  # every listed version is complete and verifies
             loaded = ms.load(version)
             assert loaded.tables["t"][1].shape == (250_000, 16)
