@@ -104,7 +104,7 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
         if not isinstance(reason, str) or len(reason) > 1000:
             raise ApiError(400, "'reason' must be a string of at most 1000 characters")
         client = request.client.host if request.client else "unknown"
-        return version, {"by": f"{request.url.path.rsplit(':', 1)[-1]} on {socket.gethostname()} from {client}", "reason": reason}
+        return version, {"by": f":{request.url.path.rsplit(':', 1)[-1]} on {socket.gethostname()} from {client}", "reason": reason}
 
     async def admin_call(fn, *args):
         try:

@@ -238,3 +238,88 @@ def test_store_cli_lists_verifies_pins_and_unpins(tmp_path):
     assert missing.returncode == 2 and "version 42 of ctr has no manifest" in missing.stderr
     assert cli("store", "unpin", "--model-store", str(root)).returncode == 0
     assert ModelStore(str(root), "ctr").pinned() is None
+
+
+# ---------------------------------------------------------------- serving nodes over HTTP
+TOKEN = "store-safety-token"
+
+
+def start_node(store_root, port):
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
+         "--poll-interval", "0.2", "--compile", "eager"],
+        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FEATURE_STORE": "false",
+                       "STREAMREC_SERVING__FOLLOW_UPDATES": "false"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def http(base, method, path, body=None, token=None):
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    request = urllib.request.Request(base + path, data=orjson.dumps(body) if body is not None else None, method=method,
+                                     headers={"content-type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+def wait_until(check, what, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_a_rollback_pins_every_node_survives_a_kill_and_reload_releases_it(store_copy):
+    from conftest import free_port
+
+    root, versions = store_copy
+    ports = [free_port(), free_port()]
+    bases = [f"http://127.0.0.1:{p}" for p in ports]
+    nodes = [start_node(root, p) for p in ports]
+    try:
+        for base, node in zip(bases, nodes):
+            wait_until(lambda: node.poll() is None and http(base, "GET", "/readyz")[0] == 200, f"{base} ready")
+            assert http(base, "GET", "/v1/models/ctr")[1]["model_version"] == versions[-1]
+        status, answer = http(bases[0], "POST", "/v1/models/ctr:rollback", {"version": versions[1], "reason": "CTR dropped"}, TOKEN)
+        assert status == 200 and answer["model_version"] == versions[1] and answer["pinned"], answer
+        # the other node follows the pin from the store
+        wait_until(lambda: http(bases[1], "GET", "/v1/models/ctr")[1]["model_version"] == versions[1], "node 2 to follow the pin", 30)
+        nodes[0].kill()  # kill -9, then a restart: the pin, not LATEST, is what it serves
+        nodes[0].wait()
+        nodes[0] = start_node(root, ports[0])
+        wait_until(lambda: http(bases[0], "GET", "/readyz")[0] == 200, "the restarted node")
+        status = http(bases[0], "GET", "/v1/models/ctr")[1]
+        assert status["model_version"] == versions[1] and status["pinned"]
+        assert status["pin"]["reason"] == "CTR dropped" and ":rollback on" in status["pin"]["by"]
+        assert status["latest_in_store"] == versions[-1] and status["latest_ahead_by"] == versions[-1] - versions[1]
+        # :reload on any node releases the pin for all
+        status, answer = http(bases[1], "POST", "/v1/models/ctr:reload", {}, TOKEN)
+        assert status == 200 and answer["model_version"] == versions[-1] and not answer["pinned"]
+        wait_until(lambda: http(bases[0], "GET", "/v1/models/ctr")[1]["model_version"] == versions[-1], "node 1 released", 30)
+        # a garbage LATEST: every route still answers, the status says why; a restarted node starts and serves
+        (root / "ctr" / "LATEST").write_text("abc")
+        wait_until(lambda: http(bases[0], "GET", "/v1/models/ctr")[1]["latest_problem"] is not None, "the problem reported", 30)
+        nodes[1].terminate()
+        nodes[1].wait(timeout=30)
+        nodes[1] = start_node(root, ports[1])
+        wait_until(lambda: nodes[1].poll() is None and http(bases[1], "GET", "/readyz")[0] == 200, "a node started on garbage LATEST")
+        status = http(bases[1], "GET", "/v1/models/ctr")[1]
+        assert status["model_version"] == versions[-1] and "'abc'" in status["latest_problem"]
+        metrics = __import__("urllib.request").request.urlopen(bases[1] + "/metrics").read().decode()
+        assert "streamrec_serving_latest_unusable 1.0" in metrics and "streamrec_serving_pinned_version 0.0" in metrics
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
