@@ -2,15 +2,16 @@
 model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
 CUDA is present (the same tests, on the `cuda` parameter)."""
 
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import pause_points
 import pytest
 import torch
 
@@ -227,35 +228,15 @@ def test_corrupt_or_incomplete_versions_are_refused(tmp_path):
         ms.load(99)
 
 
-# A writer that publishes 16 MB versions in a loop. From its third version on it stops at
-# the point named by argv[2] - inside the real ModelStore.publish, on the file write that
-# point is about - writes a marker and sleeps, so the test's SIGKILL lands exactly there
-# (a sleep in the test could land between two writes and test nothing). The pause wraps this
-# one store's ``_write`` in this script only: production code has no hook.
-#   sparse:   half of a sparse file is on disk in the staging dir (a torn file)
-#   manifest: the staging dir is complete, manifest included, not yet renamed into place
-#   latest:   the version is in place; LATEST's temp file is written, not yet moved
+# Publishes 16 MB versions in a loop; the test kills it at a pause point (tests/pause_points.py).
 CRASH_WRITER = r"""
-import json, os, sys, time, torch
+import sys, torch
+import pause_points
+pause_points.install()
 from ps.model_store import ModelStore, SparseDelta
-root, pause_at, marker = sys.argv[1:4]
-ms = ModelStore(root, "m")
+ms = ModelStore(sys.argv[1], "m")
 keys = torch.arange(250_000)
 n = 0
-write = ms._write
-
-def pausing_write(path, data):
-    name = path.rsplit("/", 1)[-1]
-    at = {"t.arrow": "sparse", "manifest.json": "manifest"}.get(name, "latest" if name.startswith(".LATEST.tmp-") else None)
-    if n < 3 or at != pause_at:
-        return write(path, data)
-    write(path, data[: len(data) // 2] if at == "sparse" else data)
-    with open(marker + ".tmp", "w") as fh:
-        json.dump({"at": at, "path": path, "bytes": len(data)}, fh)
-    os.rename(marker + ".tmp", marker)
-    time.sleep(600)
-
-ms._write = pausing_write
 while True:
     n += 1
     ms.publish("full" if n == 1 else "delta", {"t": SparseDelta(keys, torch.full((len(keys), 16), float(n)))}, {"t": 16},
@@ -264,36 +245,35 @@ while True:
 
 
 def test_killed_publisher_never_leaves_a_readable_torn_version(tmp_path):
+    """SIGKILL inside a later version's write, at each pause point: a torn sparse file, a
+    complete staged version not yet renamed, a version in place with LATEST not yet moved."""
     root = str(tmp_path / "models")
-    base, versions_dir = tmp_path / "models" / "m", tmp_path / "models" / "m" / "versions"
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    for pause_at in ("sparse", "manifest", "latest"):
-        marker = tmp_path / f"paused-{pause_at}.json"
+    base = tmp_path / "models" / "m"
+    arm_file = tmp_path / "arm"
+    for point in pause_points.POINTS:
         before = ModelStore(root, "m").versions()
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, root, pause_at, str(marker)], env=env)
-        deadline = time.monotonic() + 120
-        while not marker.exists():  # the writer is inside the window, and stays there
-            assert proc.poll() is None and time.monotonic() < deadline, f"the writer never reached {pause_at}"
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, root], env=pause_points.child_env(arm_file))
+        deadline = time.monotonic() + 60
+        while len(ModelStore(root, "m").versions()) < len(before) + 2:  # a full and a delta by this writer first
+            assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
+        pause_points.arm(arm_file, point)
+        paused = pause_points.wait_paused(arm_file, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        paused = json.loads(marker.read_text())
 
-        # the kill left the partial state that this point is about
+        # the kill left the partial state of its window on disk
         ms = ModelStore(root, "m")
         latest = ms.latest()
-        assert latest is not None and latest == ms.versions()[-1 if pause_at != "latest" else -2]
-        staged = sorted(p.name for p in versions_dir.glob(".tmp-*"))
-        if pause_at in ("sparse", "manifest"):
-            torn = versions_dir / paused["path"].split("/versions/", 1)[1].split("/", 1)[0]
-            assert torn.name in staged and torn.name.startswith(f".tmp-{latest + 1:012d}-"), (paused, staged)
-            assert (torn / "manifest.json").exists() == (pause_at == "manifest")
-            on_disk = os.path.getsize(paused["path"])  # the file the kill landed on
-            assert on_disk == (paused["bytes"] // 2 if pause_at == "sparse" else paused["bytes"])
-            assert latest + 1 not in ms.versions()  # the torn/unrenamed version is not listed
-        else:
-            assert list(base.glob(".LATEST.tmp-*")), "LATEST's temp file should be left behind"
+        assert os.path.getsize(paused["path"]) == (paused["bytes"] // 2 if point == "sparse" else paused["bytes"])
+        if point == "latest":
+            assert paused["path"].startswith(str(base / ".LATEST.tmp-"))
             assert ms.versions()[-1] == latest + 1 and latest + 1 not in before  # complete, in place, not yet LATEST
+        else:
+            staged = Path(paused["path"]).parent.parent if point == "sparse" else Path(paused["path"]).parent
+            assert staged.parent == base / "versions" and staged.name.startswith(f".tmp-{latest + 1:012d}-"), paused
+            assert (staged / "manifest.json").exists() == (point == "manifest")
+            assert ms.versions()[-1] == latest  # the torn or unrenamed version is not listed
         for version in ms.versions():  # every listed version is complete and verifies
             loaded = ms.load(version)
             assert loaded.tables["t"][1].shape == (250_000, 16)
