@@ -164,6 +164,7 @@ class TrainerConfig:
     collective_timeout_s: float
     lease_s: float
     max_publish_failures: int
+    rejected_keep_mb: int
 
 
 @dataclass(frozen=True)
@@ -381,6 +382,8 @@ def validate(config: Config) -> None:
         problems.append(str(exc))
     if config.trainer.lease_s <= 0:
         problems.append(f"trainer.lease_s must be > 0, got {config.trainer.lease_s}")
+    if config.trainer.rejected_keep_mb < 1:
+        problems.append(f"trainer.rejected_keep_mb must be >= 1, got {config.trainer.rejected_keep_mb}")
     if config.trainer.max_publish_failures < 1:
         problems.append(f"trainer.max_publish_failures must be >= 1, got {config.trainer.max_publish_failures}")
     if f.feature_bucket_s < 1:

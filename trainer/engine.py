@@ -58,6 +58,7 @@ from trainer.evaluation import TruthLookup, WindowMetrics
 from trainer.prefetch import END, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, PublishFailed, Publisher
+from trainer.rejected import RejectedLog
 from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
 
 log = logging.getLogger("streamrec.trainer")
@@ -240,8 +241,10 @@ class Trainer:
         shard = (self.ranks.rank, self.ranks.world)
         if self.opts.files:
             return FileSampleSource(self.opts.files, self.feature_spec, positions, loop=self.opts.loop_files, shard=shard)
+        kept = self.home / "rejected" / f"rank-{self.ranks.rank:05d}.jsonl"
         return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.feature_spec,
-                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s, shard=shard)
+                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s, shard=shard,
+                                 rejected_log=RejectedLog(kept, self.cfg.trainer.rejected_keep_mb << 20))
 
     def _announce(self, message: dict) -> None:
         import orjson

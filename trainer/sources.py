@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from pipelines.feature_spec import FeatureSpec
 from pipelines.sample_wire import check_samples, decode_samples
+from trainer.rejected import RejectedLog
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +136,14 @@ class KafkaSampleSource:
     """
 
     def __init__(self, bootstrap: str, topic: str, group: str, spec: FeatureSpec, start: dict[int, int] | None = None,
-                 timeout_s: float = 20.0, poll_ms: int = 200, max_records: int = 8192, shard: tuple[int, int] = (0, 1)) -> None:
+                 timeout_s: float = 20.0, poll_ms: int = 200, max_records: int = 8192, shard: tuple[int, int] = (0, 1),
+                 rejected_log: RejectedLog | None = None) -> None:
         from kafka import TopicPartition
 
         from streamrec.bus.clients import make_consumer
 
         self.topic, self.spec, self.poll_ms, self.max_records = topic, spec, poll_ms, max_records
+        self.rejected_log = rejected_log  # refused messages are kept there, not only counted
         self.consumer = make_consumer(bootstrap, group_id=group, timeout_s=timeout_s, auto_offset_reset="earliest",
                                       isolation_level="read_committed",  # the pipeline writes in transactions
                                       max_poll_records=max_records)
@@ -185,6 +188,10 @@ class KafkaSampleSource:
                 consumed[p] = max(consumed.get(p, 0), o + 1)
             for i, reason in rejected:
                 log.debug("rejected sample at %s:%d:%d: %s", self.topic, partitions[i], offsets[i], reason)
+                if self.rejected_log is not None:
+                    self.rejected_log.add(self.topic, int(partitions[i]), int(offsets[i]), reason, records[i].value)
+            if rejected and self.rejected_log is not None:
+                self.rejected_log.flush()
             yield SampleChunk(table, partitions[index], offsets[index], consumed,
                               [(int(partitions[i]), int(offsets[i]), reason) for i, reason in rejected])
 
@@ -218,3 +225,5 @@ class KafkaSampleSource:
         """Commit what the caller last asked for, then leave (call after the polling stopped)."""
         self._commit_pending()
         self.consumer.close()
+        if self.rejected_log is not None:
+            self.rejected_log.close()
