@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pause_points
 import pytest
 import torch
 
+import pause_points
 from ps.hash_index import HashIndex, ReservedKeyError
 from ps.model_store import CorruptVersion, ModelStore
 from ps.optimizers import make_optimizer

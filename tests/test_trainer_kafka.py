@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pyarrow.parquet as pq
 import pytest
 from kafka import TopicPartition
 
+import pause_points
 from conftest import REPO
 from pipelines.sample_wire import encode_samples
 from ps.model_store import ModelStore
@@ -23,11 +25,14 @@ pytestmark = pytest.mark.slow
 N_SAMPLES = 80_000
 
 
-def _train(broker, tmp_path, env, *extra):
-    args = [sys.executable, "-m", "streamrec.cli", "train", "--bootstrap", broker, "--model-store", str(tmp_path / "models"),
+def _train(broker, tmp_path, env, *extra, arm_file=None):
+    """``streamrec train``; with ``arm_file``, with the pause points of tests/pause_points.py installed."""
+    args = ["train", "--bootstrap", broker, "--model-store", str(tmp_path / "models"),
             "--work-dir", str(tmp_path / "work"), "--batch-size", "512", "--publish-interval", "0.3",
             "--checkpoint-interval", "1", "--no-frozen", *extra]
-    return subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    argv, env = ((pause_points.streamrec_argv(*args), pause_points.child_env(arm_file, env)) if arm_file
+                 else ([sys.executable, "-m", "streamrec.cli", *args], {**os.environ, **env}))
+    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
 
@@ -54,19 +59,36 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     env = {"STREAMREC_TOPICS__SAMPLES": topic, "STREAMREC_TOPICS__MODEL_UPDATES": updates,
            "STREAMREC_TRAINER__GROUP": f"g-{topic}"}
 
-    # Kill -9 twice, each time after a new checkpoint and while versions are being published.
-    for round_ in range(2):
-        proc = _train(broker, tmp_path, env)
+    # Kill -9 twice, each time after a new checkpoint and inside the write of a version trained
+    # past it, at a pause point (tests/pause_points.py; a sleep could land between publishes):
+    # first on a torn sparse file in the staging dir, then with a version complete in place
+    # but LATEST not yet moved to it (the next run must number past it).
+    store = ModelStore(str(tmp_path / "models"), "ctr")
+    arm_file = tmp_path / "arm"
+    for point in ("sparse", "latest"):
+        proc = _train(broker, tmp_path, env, arm_file=arm_file)
         before = (_state(tmp_path) or {}).get("step", -1)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (_state(tmp_path) or {}).get("step", -1) <= before:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        time.sleep(0.7 + 0.4 * round_)  # past the checkpoint, inside the next publish cycle
+        # a checkpoint of this run with samples in it (a run starts with one of step 0)
+        while (_state(tmp_path) or {}).get("step", -1) <= max(before, 0):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate() if proc.poll() is not None else "no checkpoint"
+            time.sleep(0.05)
+        pause_points.arm(arm_file, point)
+        paused = pause_points.wait_paused(arm_file, proc)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL
-    assert 0 < _state(tmp_path)["samples"] < N_SAMPLES - len(bad), "the kills should land mid-stream"
+        # the kill landed where it was meant to: after this run's checkpoint, mid-stream, inside
+        # the write of a later version, whose partial state is on disk and not visible
+        state, latest = _state(tmp_path), store.latest()
+        assert state["step"] > before and 0 < state["samples"] < N_SAMPLES - len(bad), state
+        assert os.path.getsize(paused["path"]) == (paused["bytes"] // 2 if point == "sparse" else paused["bytes"])
+        if point == "sparse":
+            staged = Path(paused["path"]).parent.parent
+            assert staged.name.startswith(f".tmp-{latest + 1:012d}-") and not (staged / "manifest.json").exists()
+            assert store.versions()[-1] == latest
+        else:
+            assert store.versions()[-1] == latest + 1  # complete and listed, LATEST still on the one before
 
     # No torn version is visible: every complete version verifies, LATEST loads.
     store = ModelStore(str(tmp_path / "models"), "ctr")
