@@ -269,7 +269,7 @@ class ModelStore:
         if kind not in ("full", "delta"):
             raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
         if kind == "delta":
-            latest = self.latest()  # a garbage LATEST raises here: the writer publishes a full version instead
+            latest, _ = self.resolve_latest()  # a garbage LATEST over the writer's own newest version is repaired by the commit
             if latest is None:
                 raise ValueError("a delta needs a parent: publish a full version first")
             if parent is not None and latest != parent:
