@@ -132,12 +132,21 @@ def test_bad_files_and_locks_give_clear_errors(tmp_path, sample_run):
         Trainer(other, TrainOptions(files=[str(sample_run)], progress=False))
 
 
-def test_a_nan_loss_stops_training_and_publishes_nothing_poisoned(tmp_path, sample_run):
-    cfg = _cfg(tmp_path, **{"model.dense_lr": 1e30, "model.sparse_lr": 1e30, "trainer.publish_interval_s": 0.05,
+@pytest.mark.parametrize("dense_lr, sparse_lr, cause", [
+    (1e30, 1e30, "loss became nan at step 1"),  # nothing good to publish first
+    (0.005, 1e10, "loss became nan at step"),  # good versions first, then the loss (step 7 here)
+    (1e10, 0.05, "non-finite embedding values"),  # good versions first, then the publish refuses the values
+])
+def test_a_nan_loss_stops_training_and_publishes_nothing_poisoned(tmp_path, sample_run, dense_lr, sparse_lr, cause):
+    cfg = _cfg(tmp_path, **{"model.dense_lr": dense_lr, "model.sparse_lr": sparse_lr, "trainer.publish_interval_s": 0.05,
                             "trainer.warmup_samples": 10**9})
-    with pytest.raises(TrainingError, match="(loss became nan|non-finite).*last good version"):
+    with pytest.raises(TrainingError, match=f"{cause}.*last good version") as err:
         train(cfg, TrainOptions(files=[str(sample_run)], max_samples=100000, progress=False))
     ms = ModelStore(str(tmp_path / "models"), "ctr")
+    # the error names the store's LATEST as the last good version; where versions were
+    # published before it went wrong, each of them is checked below (not an empty loop)
+    assert f"the last good version is {ms.latest() or 'none'}" in str(err.value)
+    assert (ms.latest() is None) == (dense_lr == 1e30) and ms.versions()[-1:] == ([ms.latest()] if ms.latest() else [])
     for version in ms.versions():
         _, sparse, dense = ms.read_version(version)
         assert all(torch.isfinite(v).all() for v in dense.values())
