@@ -247,10 +247,12 @@ def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_en
             "--nproc-per-node", "2", "--checkpoint-interval", "0.5"]
     env = {**os.environ, "STREAMREC_TRAINER__EVAL_WINDOW": "1000000", "STREAMREC_TRAINER__COLLECTIVE_TIMEOUT_S": "30"}
     launcher = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    latest = work / "ctr" / "checkpoints" / "rank-00001-of-00002" / "LATEST"
+    checkpointers = [Checkpointer(work / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002") for rank in range(2)]
     deadline = time.monotonic() + 300
-    while not latest.exists():  # the kill lands after a checkpoint, mid-run
-        assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+    # the kill lands after a checkpoint of both ranks with samples in it (a run starts with
+    # one of step 0, after which a restart would merely start over), before the run ends
+    while not all(any(step > 0 for step in c.steps()) for c in checkpointers):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run ended before a checkpoint with samples"
         time.sleep(0.05)
     pids = _worker_pids(launcher.pid)
     os.kill(pids[1], signal.SIGKILL)
@@ -260,9 +262,14 @@ def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_en
     assert time.monotonic() - killed_at < 60  # the survivor stopped; it did not wait forever
     assert "rank 1 (killed by SIGKILL)" in err and "run the same command again to resume" in err, err[-2000:]
     assert out.strip() == ""  # no summary: the run did not finish
+    # the window was hit: the ranks hold a common checkpoint from mid-run, and the restart resumes from it
+    common = max(set(checkpointers[0].steps()) & set(checkpointers[1].steps()))
+    at_kill = json.loads((checkpointers[0].at(common) / "state.json").read_text())
+    assert common > 0 and 0 < at_kill["global_samples"] < two["samples"], (common, at_kill["global_samples"])
 
     resumed = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from ckpt-{common:012d}: step {common}," in resumed.stderr, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout)
     assert summary["samples"] == two["samples"]  # every sample trained once over the two runs
     for rank in range(2):  # the final state equals the unbroken run's, row for row
