@@ -47,20 +47,44 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     assert skew["impressions"] > 500 and skew["replayed"]["impressions"] > 100, skew
     assert skew["replayed"]["identical_pct"] >= 99.0, skew
     assert skew["mismatched_impressions_by_reason"]["unexplained"] <= 0.01 * skew["impressions"], skew
-    fresh = result["freshness"]["event_to_servable_ms"]
-    assert fresh["n"] > 50 and fresh["p99"] > 0
-    assert set(result["freshness"]["stages_ms"]) == {"event_to_sample", "sample_to_trained", "trained_to_published",
-                                                     "published_to_applied"}
-    q = result["quality"]["overall"]
+    # freshness, bounded by the run's cadence: P = publish interval (8 s here); checkpoints every
+    # 1 s; the server applies a version when its announcement arrives (or polls LATEST every
+    # 0.5 s). A server polling every 12 s, deaf to announcements, failed here. Seen on the 2-core
+    # box (bench/results/demo-*.json, P 8-10 s): event -> sample p99 3-8 s, sample -> trained
+    # p99 P + ~1 s, trained -> published < 1 s, published -> applied p99 0.6-2.2 s; end to
+    # end p50 8-11 s, p99 13-17 s.
+    P = result["publish_interval_s"] * 1000
+    f = result["freshness"]
+    fresh, stages = f["event_to_servable_ms"], f["stages_ms"]
+    assert fresh["n"] > 50 and f["not_yet_servable"] <= 0.01 * f["clicks"], f  # the drain lets the last clicks through
+    assert set(stages) == {"event_to_sample", "sample_to_trained", "trained_to_published", "published_to_applied"}
+    for name, s in stages.items():  # each stage measured, and time runs forward through it
+        assert s.get("p50", 0) > 0, (name, s)
+    assert stages["event_to_sample"]["p99"] <= 15_000, stages  # the job: seconds (watermark, checkpoint, queue)
+    # a sample waits for the next publish tick (at most P) plus the trainer's lag behind the topic
+    assert stages["sample_to_trained"]["p50"] <= P and stages["sample_to_trained"]["p99"] <= P + 5_000, stages
+    # writing a version and applying it keep up with the cadence (else versions would queue up)
+    assert stages["trained_to_published"]["p99"] <= P / 2 and stages["published_to_applied"]["p99"] <= P, stages
+    assert fresh["p50"] <= P + 5_000 and fresh["p99"] <= 2 * P + 5_000, fresh
+    assert f["steady_event_to_servable_ms"]["n"] > 20 and f["steady_event_to_servable_ms"]["p99"] <= 2 * P + 5_000, f
+    q, late = result["quality"]["overall"], result["quality"]["steady"]
     assert result["quality"]["samples"] > 2000 and {"online", "frozen", "bayes"} <= set(q)
     # scores line up with their samples: the truth ranks them far better than either model
     assert q["bayes"]["auc"] > 0.7 and q["bayes"]["auc"] > max(q["online"]["auc"], q["frozen"]["auc"]) + 0.1
-    # online learning pays: on the same samples the hot-swapped model scores better than itself
-    # frozen after warm-up by logloss (a proper score: ranking and calibration). The AUC gap of a
-    # 60 s run is within its noise (~500 positives; it went both ways by ~0.02 in CI runs), so
-    # AUC only has to stay level; longer runs show the gap (README, bench/RESULTS.md).
-    assert q["online"]["logloss"] < q["frozen"]["logloss"], q
-    assert q["online"]["auc"] > q["frozen"]["auc"] - 0.04, q
+    # Online learning pays, on the same samples, against the same model frozen after warm-up:
+    # by logloss (a proper score: ranking and calibration) over the run and its second half,
+    # and by AUC over the second half. Not by AUC over the whole run: its first half is scored
+    # by versions that had seen little more than the warm-up, and a 60 s run has ~400 clicks,
+    # so that AUC gap is within its noise (0.548 vs 0.5705 in one CI run, logloss 0.25 vs 0.82).
+    # By the second half the online model has had the first half's versions and the frozen
+    # one has drifted: 0.635 vs 0.551 in a CI run (~200 clicks; an AUC s.e. of ~0.02-0.03).
+    # The margins tell learning from none: a trainer whose learning rates were ~0 (online =
+    # frozen) gave 0.4766 vs 0.4768 AUC and 1.4031 vs 1.4032 logloss, which a bare < or >
+    # passes half the time. Learning runs were 22-70% lower in logloss.
+    assert q["online"]["logloss"] < 0.95 * q["frozen"]["logloss"], q
+    assert late["positives"] > 100 and {"online", "frozen"} <= set(late["overall"]), late
+    assert late["overall"]["online"]["logloss"] < 0.95 * late["overall"]["frozen"]["logloss"], late
+    assert late["overall"]["online"]["auc"] > late["overall"]["frozen"]["auc"] + 0.01, late
     assert all(p["left"] == 0 for p in result["processes"].values()), result["processes"]
     res = result["resources"]  # each stage's CPU and memory, the Flink JVM counted with the pipeline
     assert {"pipeline", "trainer", "serving", "generator", "demo (probe)"} <= set(res), res

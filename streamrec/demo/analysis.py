@@ -28,10 +28,13 @@ def trained_on(snapshot: dict, manifests: dict[int, dict]) -> np.ndarray:
     return out
 
 
-def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: float = 10.0, window_s: float = 30.0) -> dict:
-    """AUC/logloss of each scorer on the same samples: overall and over sliding
-    ``window_s`` windows of event time, one point per ``bin_s``. Samples the answering
-    version had already trained on are left out (no leakage in the online figures)."""
+def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: float = 10.0, window_s: float = 30.0,
+            steady_from_ms: int | None = None) -> dict:
+    """AUC/logloss of each scorer on the same samples: overall, over sliding ``window_s``
+    windows of event time (one point per ``bin_s``) and, with ``steady_from_ms``, over the
+    samples from then on (``steady``: the second half of a run, when the online model has
+    had versions to learn the drift; the frozen one is as at warm-up throughout). Samples
+    the answering version had already trained on are left out (no leakage in the online figures)."""
     leaked = trained_on(snapshot, manifests)
     snapshot = {k: (v[~leaked] if isinstance(v, np.ndarray) and len(v) == len(leaked) else v) for k, v in snapshot.items()}
     ts, label = snapshot["ts"], snapshot["label"]
@@ -44,6 +47,14 @@ def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: fl
     for name, s in scorers.items():
         use = known if name == "bayes" else np.ones(len(ts), bool)
         out["overall"][name] = {"auc": _round(auc(s[use], label[use])), "logloss": _round(logloss(s[use], label[use]))}
+    if steady_from_ms is not None:
+        late = ts >= steady_from_ms
+        steady = out["steady"] = {"from_ms": int(steady_from_ms), "samples": int(late.sum()), "positives": int(label[late].sum()),
+                                  "overall": {}}
+        if 0 < steady["positives"] < steady["samples"]:
+            for name, s in scorers.items():
+                use = late & known if name == "bayes" else late
+                steady["overall"][name] = {"auc": _round(auc(s[use], label[use])), "logloss": _round(logloss(s[use], label[use]))}
     end_s = (ts.max() - start_ms) / 1000
     t = bin_s
     while t <= end_s + bin_s:

@@ -103,7 +103,9 @@ def _table(rows: list[tuple], header: tuple) -> str:
 def _html(r: dict) -> str:
     q, f, t, v = r["quality"], r["freshness"], r["throughput"], r["versions"]
     e = f["event_to_servable_ms"]
-    overall = [(n, m["auc"], m["logloss"]) for n, m in q["overall"].items()]
+    late = (q.get("steady") or {}).get("overall", {})
+    overall = [(n, m["auc"], m["logloss"], *((late[n]["auc"], late[n]["logloss"]) if n in late else ("", "")))
+               for n, m in q["overall"].items()]
     timeline = [(ver, m.get("kind"), m.get("samples_trained"), _clock(m.get("created_at")), _clock(m.get("applied_at")))
                 for ver, m in v["timeline"].items()]
     rb = r.get("rollback", {})
@@ -123,7 +125,7 @@ the serving node hot-swapped each version while every sample was scored through 
 <p>Serving-side AUC over a sliding 30 s window of event time, on the same samples: the hot-swapped <b>online</b> model,
 the same model <b>frozen</b> after warm-up (the first version trained on the warm-up samples), and the generator's <b>Bayes</b>-optimal click probability.</p>
 {_line_chart(q['series'], ('online', 'frozen', 'bayes'))}
-{_table(overall, ('scorer', 'AUC', 'logloss'))}
+{_table(overall, ('scorer', 'AUC', 'logloss', 'AUC, 2nd half', 'logloss, 2nd half'))}
 <p>{q['samples']:,} samples scored ({q['positives']:,} clicks); Bayes known for {q['with_bayes']:,};
 {q['left_out_trained_on']:,} left out because the answering version had already trained on them.</p>
 <h2>Freshness: click event time → prediction served by a version that learned it</h2>

@@ -147,7 +147,7 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         result = {
             "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
             "publish_interval_s": args.publish_interval, "topics": run.topics,
-            "quality": quality(snapshot, start_ms, timeline.manifests),
+            "quality": quality(snapshot, start_ms, timeline.manifests, steady_from_ms=start_ms + int(args.duration * 500)),
             "freshness": freshness(snapshot["positives"], timeline.manifests, timeline.applied,
                                    steady_from_ms=start_ms + int(args.duration * 500)),
             "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
@@ -308,9 +308,12 @@ def _print_summary(result: dict, paths: dict) -> None:
     v = result["versions"]
     print(f"  versions published {v['published']}, applied by the serving node {v['applied']}; "
           f"rollback {'ok' if result['rollback'].get('ok') else 'not done' if not result['rollback'].get('done') else 'FAILED'}")
+    steady = result["quality"].get("steady", {})
     for name in ("online", "frozen", "bayes"):
         if name in q:
-            print(f"  serving-side {name:6s} AUC {q[name]['auc']}  logloss {q[name]['logloss']}")
+            late = steady.get("overall", {}).get(name)
+            print(f"  serving-side {name:6s} AUC {q[name]['auc']}  logloss {q[name]['logloss']}"
+                  + (f"  (second half: AUC {late['auc']}  logloss {late['logloss']})" if late else ""))
     e = f["event_to_servable_ms"]
     if e.get("n"):
         print(f"  freshness (click event time -> servable), {e['n']} clicks: p50 {e['p50'] / 1000:.1f} s, p99 {e['p99'] / 1000:.1f} s")
