@@ -34,7 +34,9 @@ def table(sample_run):
 
 
 def test_history_lands_where_the_model_reads_it(table):
-    rows = table.slice(0, 400)
+    rows = table.slice(100_000, 400)  # mid-run: users have histories (the run's first samples have none)
+    lengths = [len(h) for h in rows["hist_item_ids"].to_pylist()]
+    assert sum(0 < n < 8 for n in lengths) > 20 and sum(n > 8 for n in lengths) > 20  # short ones and cut ones
     batch = batch_from_table(rows, SPEC, history_len=8)  # shorter than the samples' 50: keeps the most recent 8
     store = EmbeddingStore([TableConfig(name, 4) for name in TABLES])
     inputs, _ = SparseFeatures(store).pull(batch, now_ms=0)
