@@ -37,7 +37,7 @@ log = logging.getLogger("streamrec.serving")
 
 
 def _error(exc: ApiError) -> Response:
-    return Response(exc.body(), status_code=exc.status, media_type="application/json")
+    return Response(exc.body(), status_code=exc.status, headers={k.decode(): v.decode() for k, v in exc.headers()})
 
 
 def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> FastAPI:

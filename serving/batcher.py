@@ -6,6 +6,10 @@ batches run at once on a thread pool (decoding and the model run outside the eve
 accepting requests). ``run_batch`` gets every request's payload at once — so the batch
 is decoded, checked and scored in one pass, whatever the number of requests — and
 returns one outcome per request: its scores, or the exception that request gets.
+
+Overload is shed, not queued: past ``max_queue_instances`` waiting instances a request is
+refused at once, and one that waits ``queue_timeout_s`` without reaching a batch is dropped
+(never run) — both with :class:`Shed`. A queue that only grows makes every answer late.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+
+
+class Shed(Exception):
+    """A request the batcher refused (``reason`` "queue_full") or dropped unrun ("deadline")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -48,6 +60,7 @@ class BatchingStats:
     queued_s: float = 0.0  # summed over requests
     run_s: float = 0.0  # summed over batches: decode, lookups, model, copy back (worker thread)
     longest_run_s: float = 0.0
+    shed: dict[str, int] = field(default_factory=lambda: {"queue_full": 0, "deadline": 0})
 
     def add(self, batch: list[_Request], rows: int, started: float, ended: float) -> None:
         self.batches += 1
@@ -67,6 +80,7 @@ class BatchingStats:
                 "requests_per_batch": round(self.requests / b, 2), "rows_per_batch": round(self.rows / b, 1),
                 "queued_ms_per_request": round(self.queued_s / max(self.requests, 1) * 1000, 3),
                 "run_ms_per_batch": round(self.run_s / b * 1000, 3), "longest_run_ms": round(self.longest_run_s * 1000, 3),
+                "shed": dict(self.shed),
                 "recent": {"batches": len(self.recent_runs), "run_ms_p50": _percentile_ms(self.recent_runs, 50),
                            "run_ms_p99": _percentile_ms(self.recent_runs, 99), "queued_ms_p99": _percentile_ms(self.recent_waits, 99)}}
 
@@ -77,11 +91,13 @@ def _percentile_ms(values: deque, q: float) -> float | None:
 
 class RequestBatcher:
     def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
-                 workers: int) -> None:
-        if max_batch < 1 or max_delay_us < 0 or workers < 1:
-            raise ValueError("serving.max_batch and serving.workers must be >= 1, serving.max_delay_us >= 0")
+                 workers: int, *, max_queue_instances: int, queue_timeout_s: float) -> None:
+        if max_batch < 1 or max_delay_us < 0 or workers < 1 or max_queue_instances < 1 or queue_timeout_s <= 0:
+            raise ValueError("serving.max_batch, serving.workers and serving.max_queue_instances must be >= 1, "
+                             "serving.max_delay_us >= 0, serving.queue_timeout_ms > 0")
         self.run_batch = run_batch
         self.max_batch, self.max_delay_s, self.workers = max_batch, max_delay_us / 1e6, workers
+        self.max_queue_instances, self.queue_timeout_s = max_queue_instances, queue_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
         self._pending: deque[_Request] = deque()
         self._pending_rows = 0
@@ -107,8 +123,18 @@ class RequestBatcher:
                 pass
         self._executor.shutdown(wait=True)
 
+    @property
+    def queued_instances(self) -> int:
+        return self._pending_rows
+
     async def submit(self, payload: list) -> BatchResult:
-        """Queue one request (cheap: no task or timer per request) and wait for its outcome."""
+        """Queue one request (cheap: no task or timer per request) and wait for its outcome;
+        :class:`Shed` at once when the queue is full, or when the request waits past its deadline."""
+        if self._pending_rows + len(payload) > self.max_queue_instances:
+            self.stats.shed["queue_full"] += 1
+            raise Shed("queue_full", f"overloaded: {self._pending_rows:,} instances are waiting for a batch and this request's "
+                                     f"{len(payload):,} would pass serving.max_queue_instances ({self.max_queue_instances:,}); "
+                                     "retry shortly or elsewhere")
         request = _Request(payload, asyncio.get_running_loop().create_future())
         if self._last_arrival:
             self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
@@ -128,15 +154,43 @@ class RequestBatcher:
         window): the batch closes as soon as a worker is free."""
         while True:
             await self._waiting.wait()
-            await self._slots.acquire()
+            if self._slots.locked():  # every worker busy: wait for one, dropping requests whose deadline passes meanwhile
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), self._pending[0].enqueued + self.queue_timeout_s - time.perf_counter())
+                except asyncio.TimeoutError:
+                    self._drop_expired()
+                    continue
+            else:
+                await self._slots.acquire()
             left = self._pending[0].enqueued + self.max_delay_s - time.perf_counter()
             if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s:
                 try:
                     await asyncio.wait_for(self._full.wait(), left)
                 except asyncio.TimeoutError:
                     pass
+            self._drop_expired()
+            if not self._pending:
+                self._slots.release()
+                continue
             batch, rows = self._take()
             asyncio.create_task(self._run(batch, rows))
+
+    def _drop_expired(self) -> None:
+        """Answer the requests that waited ``queue_timeout_s`` (the oldest ones: the queue is in
+        arrival order) with :class:`Shed`; they are never run."""
+        now = time.perf_counter()
+        while self._pending and now - self._pending[0].enqueued >= self.queue_timeout_s:
+            request = self._pending.popleft()
+            self._pending_rows -= len(request.payload)
+            self.stats.shed["deadline"] += 1
+            if not request.future.done():
+                request.future.set_exception(Shed("deadline", f"overloaded: this request waited {(now - request.enqueued) * 1000:,.0f} ms "
+                                                              f"for a batch, past serving.queue_timeout_ms "
+                                                              f"({self.queue_timeout_s * 1000:,.0f}); it was not run, retry shortly"))
+        if not self._pending:
+            self._waiting.clear()
+        if self._pending_rows < self.max_batch:
+            self._full.clear()
 
     def _take(self) -> tuple[list[_Request], int]:
         """The oldest pending requests, up to ``max_batch`` instances (at least one request)."""

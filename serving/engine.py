@@ -19,7 +19,7 @@ from model.batch import batch_from_columns
 from model.columns import FeatureColumns
 from pipelines.events import MAX_FUTURE_SKEW_MS
 from pipelines.feature_spec import FeatureSpec
-from serving.batcher import RequestBatcher
+from serving.batcher import RequestBatcher, Shed
 from serving.errors import ApiError, not_loaded, unknown_model
 from serving.feature_store import REPLAY_HORIZON_MS, OnlineFeatureStore
 from serving.metrics import ServingMetrics
@@ -37,7 +37,8 @@ class ServingEngine:
         self._started_at = time.monotonic()
         self.model_name = served.model_store.model
         self.metrics = ServingMetrics()
-        self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.workers)
+        self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.workers,
+                                      max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
 
     # ------------------------------------------------------------------ versions
@@ -127,6 +128,10 @@ class ServingEngine:
             self.metrics.instances.inc(len(payload))
             status = "ok"
             return result.version, result.scores
+        except Shed as exc:
+            status = "shed"
+            self.metrics.shed.labels(exc.reason).inc()
+            raise ApiError(503, str(exc)) from None
         finally:
             self.metrics.requests.labels(status).inc()
             self.metrics.latency.observe(time.perf_counter() - t0)
@@ -203,7 +208,7 @@ class ServingEngine:
             "refused": {str(v): why for v, why in served.refused.items()},
             **self._latest_in_store(),
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
-            "batching": self.batcher.stats.as_json(),
+            "batching": {**self.batcher.stats.as_json(), "queued_instances": self.batcher.queued_instances},
             "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
             "features": self.features.status() if self.features is not None else None,
         }

@@ -16,6 +16,12 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return orjson.dumps({"error": {"code": self.status, "message": self.message}})
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """JSON; a 503 (overloaded, no version yet, store unreachable) also says when to retry."""
+        if self.status == 503:
+            return [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+        return [(b"content-type", b"application/json")]
+
 
 def unknown_model(asked: str, served: str | None) -> ApiError:
     return ApiError(404, f"unknown model {asked!r}; this server serves {served!r}")

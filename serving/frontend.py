@@ -36,6 +36,7 @@ import uvicorn
 
 from pipelines.feature_spec import FeatureSpec
 from serving.errors import ApiError, not_loaded, unknown_model
+from serving.guard import HttpLimits, throttle_logs
 from serving.ipc import frame, pack_columns, read_frame
 from serving.pauses import freeze_heap
 from serving.request import InstanceDecoder, invalid_instances, is_by_ids
@@ -71,10 +72,12 @@ class EngineClient:
         await self.hello()
 
     async def hello(self) -> None:
-        """Learn the model name and the served version's sample spec (again after a schema change)."""
-        self._hello = asyncio.get_running_loop().create_future()
-        self._writer.write(frame(("hello",)))
-        _, self.model, spec = await self._hello
+        """Learn the model name and the served version's sample spec (again after a schema change,
+        or a 503: maybe one). Concurrent callers share one exchange: answers carry no id."""
+        if self._hello is None or self._hello.done():
+            self._hello = asyncio.get_running_loop().create_future()
+            self._writer.write(frame(("hello",)))
+        _, self.model, spec = await asyncio.shield(self._hello)
         self.decoder = InstanceDecoder(FeatureSpec.from_json(spec), self.max_instances) if spec else None
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -140,15 +143,20 @@ class EngineRelay:
             return
         try:
             body = await read_body(scope, receive, self.max_body_bytes)
-        except ApiError as exc:
-            return await send_answer(send, exc.status, exc.body())
-        target = scope["path"] + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else "")
-        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k not in HOP_HEADERS}
-        try:
+            # Headers and the target as the client sent them: latin-1 maps bytes to str one to
+            # one (http.client encodes them back the same way); any byte is relayed, none crashes.
+            target = (scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")).decode("latin-1")
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in HOP_HEADERS}
             status, reply_headers, answer = await asyncio.get_running_loop().run_in_executor(
                 None, self._forward, scope["method"], target, headers, body)
-        except OSError as exc:
-            return await send_answer(send, 503, ApiError(503, f"the serving engine is not reachable: {exc}").body())
+        except ApiError as exc:
+            status, reply_headers, answer = exc.status, exc.headers(), exc.body()
+        except (OSError, http.client.HTTPException) as exc:
+            error = ApiError(503, f"the serving engine is not reachable: {exc}")
+            status, reply_headers, answer = error.status, error.headers(), error.body()
+        except ValueError as exc:  # http.client refuses to send it (a control character, a non-ASCII path)
+            error = ApiError(400, f"request cannot be relayed to the engine: {exc}")
+            status, reply_headers, answer = error.status, error.headers(), error.body()
         await send_answer(send, status, answer, reply_headers)
 
     def _forward(self, method: str, target: str, headers: dict, body: bytes) -> tuple[int, list, bytes]:
@@ -157,7 +165,8 @@ class EngineRelay:
             conn.request(method, target, body=body or None, headers=headers)
             response = conn.getresponse()
             data = response.read()
-            kept = [(k.lower().encode(), v.encode()) for k, v in response.getheaders() if k.lower().encode() not in HOP_HEADERS]
+            kept = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.getheaders()
+                    if k.lower().encode("latin-1") not in HOP_HEADERS]
             return response.status, kept, data
         finally:
             conn.close()
@@ -189,12 +198,13 @@ class FrontendPlan:
     port: int
     max_body_bytes: int
     max_instances: int
+    limits: HttpLimits
     switch_interval_us: int = 500
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "serving.frontend", "--socket", self.socket_path, "--engine-port", str(self.engine_port),
                 "--host", self.host, "--port", str(self.port), "--max-body-bytes", str(self.max_body_bytes),
-                "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us)]
+                "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us), *self.limits.args()]
 
 
 class FrontendPool:
@@ -248,16 +258,22 @@ def main() -> None:
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--max-instances", type=int, required=True)
     parser.add_argument("--switch-interval-us", type=int, default=500)
+    parser.add_argument("--keep-alive-s", type=float, required=True)
+    parser.add_argument("--read-timeout-s", type=float, required=True)
+    parser.add_argument("--max-connections", type=int, required=True)
     args = parser.parse_args()
     sys.setswitchinterval(args.switch_interval_us / 1e6)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s frontend %(process)d %(levelname)s %(message)s")
+    throttle_logs()
+    limits = HttpLimits(args.keep_alive_s, args.read_timeout_s, args.max_connections)
     engine = EngineClient(args.socket, args.max_instances)
     app = PredictShortcut(EngineRelay(engine, args.engine_port, args.max_body_bytes), engine.predict_body, args.max_body_bytes)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # every front-end binds the public port
     sock.bind((args.host, args.port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, lifespan="on", proxy_headers=False))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, lifespan="on", proxy_headers=False,
+                                           **limits.uvicorn_options()))
     server.run(sockets=[sock])
 
 

@@ -10,6 +10,10 @@ class ServingMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("streamrec_serving_requests", "predict requests", ["status"], registry=r)
         self.instances = Counter("streamrec_serving_instances", "instances scored", registry=r)
+        self.shed = Counter("streamrec_serving_shed_requests", "predict requests answered 503 unrun: queue full or waited past "
+                            "serving.queue_timeout_ms", ["reason"], registry=r)
+        for reason in ("queue_full", "deadline"):
+            self.shed.labels(reason)
         self.latency = Histogram("streamrec_serving_request_seconds", "predict request latency", registry=r,
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
         self.queued = Histogram("streamrec_serving_queue_seconds", "time a request waited for its batch", registry=r,

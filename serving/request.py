@@ -56,6 +56,20 @@ def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
     return msgspec.defstruct("Instance", fields, kw_only=True, forbid_unknown_fields=True)
 
 
+# What msgspec raises for a body that is not JSON: bad syntax, nesting deeper than Python's
+# recursion limit, or bytes that are not UTF-8 inside a string.
+NOT_JSON = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+
+
+def not_json(exc: Exception) -> ApiError:
+    """The 400 for a body that :data:`NOT_JSON` refused."""
+    if isinstance(exc, RecursionError):
+        return ApiError(400, "request body is JSON nested too deeply (over ~1,000 levels)")
+    if isinstance(exc, UnicodeDecodeError):
+        return ApiError(400, f"request body is not valid UTF-8: a JSON string holds byte {exc.object[exc.start]:#04x} ({exc.reason})")
+    return ApiError(400, f"request body is not valid JSON: {exc}")
+
+
 def reason_of(error: msgspec.ValidationError) -> str:
     """A rejection reason in the vocabulary of the sample checks (``wrong_type:user_id``, ...)."""
     message = str(error)
@@ -88,7 +102,7 @@ class InstanceDecoder:
         """The instances of a request body; ApiError (400/413) with a clear message otherwise."""
         try:
             instances = self._body.decode(body).instances
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except NOT_JSON:
             raise self._explain(body) from None
         if not instances:
             raise ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
@@ -103,8 +117,8 @@ class InstanceDecoder:
         """Why a body failed the typed decode (the slow path: bad requests only)."""
         try:
             data = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            return ApiError(400, f"request body is not valid JSON: {exc}")
+        except NOT_JSON as exc:
+            return not_json(exc)
         if not isinstance(data, dict):
             return ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
         instances = data.get("instances")
@@ -222,11 +236,11 @@ class ByIdsDecoder:
     def decode(self, body: bytes, now_ms: int) -> ByIdsRequest:
         try:
             request = self._decoder.decode(body)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         except msgspec.ValidationError as exc:
             raise ApiError(400, f"invalid predict-by-ids request: {exc} (expected {BY_IDS_FORM}, "
                                 'or {"instances": [...]} with every feature)') from None
+        except NOT_JSON as exc:
+            raise not_json(exc) from None
         if not request.candidates:
             raise ApiError(400, "'candidates' must be a non-empty list of candidate ads")
         if len(request.candidates) > self.max_candidates:

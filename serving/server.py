@@ -19,6 +19,7 @@ from serving.app import create_app
 from serving.engine import ServingEngine
 from serving.feature_store import OnlineFeatureStore
 from serving.frontend import FrontendPlan
+from serving.guard import HttpLimits, throttle_logs
 from serving.pauses import GcPauses, freeze_heap
 from serving.runner import RuntimeConfig
 from serving.shortcut import PredictShortcut
@@ -48,6 +49,7 @@ def serve(cfg: Config) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn then stops accepting and drains in-flight requests."""
     s = cfg.serving
     sys.setswitchinterval(s.switch_interval_us / 1e6)
+    throttle_logs()
     device = pick_device(s.device, "serving.device")
     runtime = RuntimeConfig.from_serving(s)
     runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
@@ -61,8 +63,9 @@ def serve(cfg: Config) -> None:
     listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
     watcher = VersionWatcher(served, s.poll_interval_s, listener).start()
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
+    limits = HttpLimits.from_serving(s)
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
-                        s.max_instances, s.switch_interval_us) if private else None
+                        s.max_instances, limits, s.switch_interval_us) if private else None
     features = None
     if s.feature_store:
         features = OnlineFeatureStore(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
@@ -78,7 +81,7 @@ def serve(cfg: Config) -> None:
         # With front-ends they own the public port and this process listens on the loopback only.
         host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
         _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                               lifespan="on", proxy_headers=False)).run()
+                               lifespan="on", proxy_headers=False, **limits.uvicorn_options())).run()
     finally:
         watcher.stop()
         engine.close()

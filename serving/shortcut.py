@@ -30,15 +30,15 @@ class PredictShortcut:
         path = scope.get("path", "")
         if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(self.PREFIX) or not path.endswith(self.SUFFIX):
             return await self.app(scope, receive, send)
-        status = 200
+        status, headers = 200, None
         try:
             answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await read_body(scope, receive, self.max_body_bytes))
         except ApiError as exc:
-            status, answer = exc.status, exc.body()
+            status, answer, headers = exc.status, exc.body(), exc.headers()
         except Exception as exc:  # noqa: BLE001 -- every failure is answered, as the FastAPI handler does
             log.exception("unexpected error")
             status, answer = 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body()
-        await send_answer(send, status, answer)
+        await send_answer(send, status, answer, headers)
 
 
 async def read_body(scope, receive, max_bytes: int) -> bytes:

@@ -181,6 +181,11 @@ class ServingConfig:
     switch_interval_us: int
     max_instances: int
     max_body_bytes: int
+    max_queue_instances: int
+    queue_timeout_ms: int
+    keep_alive_s: float
+    read_timeout_s: float
+    max_connections: int
     poll_interval_s: float
     undo_depth: int
     compile: str
@@ -394,6 +399,13 @@ def validate(config: Config) -> None:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
         problems.append(f"serving.frontends must be >= 0, got {s.frontends}")
+    if s.max_queue_instances < s.max_instances:
+        problems.append(f"serving.max_queue_instances ({s.max_queue_instances}) must be >= serving.max_instances ({s.max_instances})")
+    for name in ("keep_alive_s", "read_timeout_s", "max_connections"):
+        if getattr(s, name) <= 0:
+            problems.append(f"serving.{name} must be > 0, got {getattr(s, name)}")
+    if s.queue_timeout_ms * 1000 <= s.max_delay_us:  # else a request waiting out the batching window is dropped
+        problems.append(f"serving.queue_timeout_ms ({s.queue_timeout_ms}) must be longer than serving.max_delay_us ({s.max_delay_us} us)")
     for name in ("batch_buckets", "history_buckets"):
         try:
             parse_sizes(getattr(s, name), f"serving.{name}")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from serving.batcher import RequestBatcher
+from serving.batcher import RequestBatcher, Shed
 
 
 class Recorder:
@@ -30,6 +30,9 @@ class Recorder:
         return [ValueError(f"bad {p[0]}") if p[0] < 0 else (7, np.array(p, np.float32) * 2) for p in payloads]
 
 
+ROOMY = {"max_queue_instances": 10_000, "queue_timeout_s": 60.0}  # never sheds in these tests
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -38,7 +41,7 @@ def test_concurrent_requests_merge_up_to_max_batch_and_get_their_own_scores():
     recorder = Recorder()
 
     async def main():
-        batcher = RequestBatcher(recorder, max_batch=8, max_delay_us=200_000, workers=1)
+        batcher = RequestBatcher(recorder, max_batch=8, max_delay_us=200_000, workers=1, **ROOMY)
         await batcher.start()
         results = await asyncio.gather(*(batcher.submit([i, i]) for i in range(1, 9)))
         await batcher.stop()
@@ -54,7 +57,7 @@ def test_a_lone_request_waits_at_most_the_delay_and_errors_reach_only_their_requ
     recorder = Recorder()
 
     async def main():
-        batcher = RequestBatcher(recorder, max_batch=1024, max_delay_us=50_000, workers=2)
+        batcher = RequestBatcher(recorder, max_batch=1024, max_delay_us=50_000, workers=2, **ROOMY)
         await batcher.start()
         t0 = time.perf_counter()
         alone = await batcher.submit([3])
@@ -72,7 +75,7 @@ def test_no_more_than_workers_batches_run_at_once_and_waiting_batches_grow():
     recorder = Recorder(seconds=0.05)
 
     async def main():
-        batcher = RequestBatcher(recorder, max_batch=4, max_delay_us=0, workers=2)
+        batcher = RequestBatcher(recorder, max_batch=4, max_delay_us=0, workers=2, **ROOMY)
         await batcher.start()
         first = []
         for _ in range(2):  # each runs alone (no delay) on one of the two workers ...
@@ -91,7 +94,7 @@ def test_sparse_requests_do_not_wait_for_the_window():
     recorder = Recorder()
 
     async def main():
-        batcher = RequestBatcher(recorder, max_batch=1024, max_delay_us=30_000, workers=1)
+        batcher = RequestBatcher(recorder, max_batch=1024, max_delay_us=30_000, workers=1, **ROOMY)
         await batcher.start()
         waits = []
         for i in range(12):  # one request every 80 ms: far apart compared with the 30 ms window
@@ -109,4 +112,53 @@ def test_sparse_requests_do_not_wait_for_the_window():
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_batch"):
-        RequestBatcher(Recorder(), max_batch=0, max_delay_us=0, workers=1)
+        RequestBatcher(Recorder(), max_batch=0, max_delay_us=0, workers=1, **ROOMY)
+
+
+def test_a_full_queue_sheds_at_once_and_counts_it():
+    recorder = Recorder(seconds=0.3)
+
+    async def main():
+        batcher = RequestBatcher(recorder, max_batch=4, max_delay_us=0, workers=1, max_queue_instances=6, queue_timeout_s=60.0)
+        await batcher.start()
+        running = asyncio.ensure_future(batcher.submit([1, 1, 1, 1]))
+        await asyncio.sleep(0.05)  # the worker is busy with it: the next requests queue
+        queued = [asyncio.ensure_future(batcher.submit([2, 2, 2])) for _ in range(2)]
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        with pytest.raises(Shed, match="max_queue_instances") as refused:
+            await batcher.submit([3])  # 6 instances wait: one more passes the bound
+        refused_after = time.perf_counter() - t0
+        results = await asyncio.gather(running, *queued)
+        await batcher.stop()
+        return refused.value, refused_after, results, batcher.stats.as_json()["shed"]
+
+    refused, refused_after, results, shed = run(main())
+    assert refused.reason == "queue_full" and refused_after < 0.1  # answered at once, not after the running batch
+    assert [r.scores.tolist() for r in results] == [[2, 2, 2, 2], [4, 4, 4], [4, 4, 4]]
+    assert shed == {"queue_full": 1, "deadline": 0}
+    assert recorder.batches == [[4], [3], [3]]  # the refused request never ran
+
+
+def test_a_request_past_its_deadline_in_the_queue_is_dropped_and_never_run():
+    recorder = Recorder(seconds=0.5)
+
+    async def main():
+        batcher = RequestBatcher(recorder, max_batch=4, max_delay_us=0, workers=1, max_queue_instances=100, queue_timeout_s=0.1)
+        await batcher.start()
+        running = asyncio.ensure_future(batcher.submit([1]))
+        await asyncio.sleep(0.05)  # the only worker is busy for 0.5 s: the next request's 0.1 s deadline passes in the queue
+        t0 = time.perf_counter()
+        with pytest.raises(Shed, match="queue_timeout_ms") as dropped:
+            await batcher.submit([-5])  # would be an error if it ran; it must not run at all
+        dropped_after = time.perf_counter() - t0
+        first = await running
+        after = await batcher.submit([7])  # the batcher goes on serving
+        await batcher.stop()
+        return dropped.value, dropped_after, first, after, batcher.stats.as_json()["shed"]
+
+    dropped, dropped_after, first, after, shed = run(main())
+    assert dropped.reason == "deadline" and 0.09 < dropped_after < 0.4  # at its deadline, not when the worker frees
+    assert first.scores.tolist() == [2] and after.scores.tolist() == [14]
+    assert recorder.batches == [[1], [1]]  # the expired request never reached run_batch
+    assert shed == {"queue_full": 0, "deadline": 1}
