@@ -31,7 +31,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -40,8 +40,12 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
 
-if TYPE_CHECKING:
-    from ps.store_lease import WriterLease
+
+
+class Lease(Protocol):
+    """What a commit needs from a writer lease (ps/store_lease.py): raise if it was lost."""
+
+    def check(self) -> None: ...
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -132,9 +136,9 @@ class ModelStore:
         # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
         # refuses a "directory"); their single-object PUTs are atomic instead.
         self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
-        self.lease: "WriterLease | None" = None  # set by a writer that holds one: every commit checks it
+        self.lease: Lease | None = None  # set by a writer that holds one: every commit checks it
 
-    def hold(self, lease: "WriterLease") -> None:
+    def hold(self, lease: Lease) -> None:
         """Commit only while ``lease`` is this store's newest (fencing a writer that lost it)."""
         self.lease = lease
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -153,4 +154,11 @@ def published_model(sample_run, tmp_path_factory):
     versions = store.versions()
     assert len(versions) >= 4 and store.manifest(versions[0])["kind"] == "full"
     assert all(store.manifest(v)["kind"] == "delta" for v in versions[1:])
-    return root / "models", versions
+    yield root / "models", versions
+    assert store.pinned() is None, "a test pinned the shared store: give it copy_store(...) instead"
+
+
+def copy_store(root: Path, dest: Path) -> Path:
+    """A private copy of a shared model store, for tests that write pins or versions into it."""
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns("PIN"))
+    return dest

@@ -4,7 +4,6 @@ restart rebuilds it from the topic without loss (spilling to RocksDB on the way)
 predict by ids works over real HTTP against a store fed by the live job."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from conftest import REPO, free_port, read_topic, run_cli
+from conftest import REPO, copy_store, free_port, read_topic, run_cli
 from pipelines.feature_spec import FeatureSpec
 from pipelines.feature_state import Candidate, differing_features, entity_partition
 from pipelines.sample_wire import decode_samples
@@ -174,7 +173,7 @@ def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, 
     ensure_topics(broker, [f"{name}.events"], 2)
     job = _submit_in_background(env, "--fresh")
     store_root = tmp_path / "models"
-    shutil.copytree(root, store_root)
+    copy_store(root, store_root)
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, copy_store, free_port
 from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from streamrec.demo.resources import process_tree
@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(published_model):
-    root, versions = published_model
+def engine(published_model, tmp_path_factory):
+    versions = published_model[1]
+    root = copy_store(published_model[0], tmp_path_factory.mktemp("frontends") / "models")  # rollback pins it
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(root), "--port", str(port), "--device", "cpu",

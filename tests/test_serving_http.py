@@ -20,7 +20,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, copy_store, free_port
 from pipelines.feature_spec import FeatureSpec
 from ps.model_store import ModelStore
 from model.batch import batch_from_table
@@ -67,7 +67,7 @@ def server(published_model, tmp_path_factory):
     """A server started on a store that holds only the first two versions."""
     root, versions = published_model
     store_root = tmp_path_factory.mktemp("serving") / "models"
-    shutil.copytree(root, store_root)
+    copy_store(root, store_root)
     for v in versions[2:]:
         shutil.rmtree(store_root / "ctr" / "versions" / f"{v:012d}")
     (store_root / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
@@ -246,7 +246,7 @@ def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_
 
     root, versions = published_model
     store_root = tmp_path / "models"
-    shutil.copytree(root, store_root)
+    copy_store(root, store_root)
     shutil.rmtree(store_root / "ctr" / "versions" / f"{versions[-1]:012d}")
     (store_root / "ctr" / "LATEST").write_text(f"{versions[-2]}\n")
     topic = f"updates-{time.time_ns()}"

@@ -1,13 +1,13 @@
 """The served model: in-place deltas equal fresh loads, rollback is exact, corrupt versions
 are refused, and every batch sees exactly one version while versions change under load."""
 
-import shutil
 import threading
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import copy_store
 from pipelines.feature_spec import FeatureSpec
 from ps.model_store import CorruptVersion, ModelStore
 from serving.state import IncompatibleVersion, ServedModel
@@ -35,8 +35,7 @@ def expected(root, version, batch):
 
 def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(published, batch, tmp_path):
     shared, versions = published
-    root = tmp_path / "models"  # pins are written into the store: not into the shared fixture's
-    shutil.copytree(shared, root)
+    root = copy_store(shared, tmp_path / "models")  # pins are written into the store
     served = ServedModel(ModelStore(str(root), "ctr"), undo_depth=3)
     assert served.load(versions[0]).mode == "swap"
     scores = {versions[0]: served.predict(batch)[1]}
@@ -75,8 +74,7 @@ def test_deltas_applied_in_place_equal_a_fresh_load_and_rollback_is_exact(publis
 
 def test_a_corrupt_delta_is_refused_and_the_served_version_stays(published, batch, tmp_path):
     root, versions = published
-    copy = tmp_path / "models"
-    shutil.copytree(root, copy)
+    copy = copy_store(root, tmp_path / "models")
     target = copy / "ctr" / "versions" / f"{versions[2]:012d}" / "sparse" / "item.arrow"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -96,8 +94,9 @@ def test_a_corrupt_delta_is_refused_and_the_served_version_stays(published, batc
     served.close()
 
 
-def test_every_batch_sees_exactly_one_version_while_versions_change(published, batch):
-    root, versions = published
+def test_every_batch_sees_exactly_one_version_while_versions_change(published, batch, tmp_path):
+    versions = published[1]
+    root = copy_store(published[0], tmp_path / "models")  # rollbacks pin the store
     truth = {v: expected(root, v, batch) for v in versions}
     served = ServedModel(ModelStore(str(root), "ctr"), undo_depth=len(versions))
     served.load(versions[0])
@@ -146,8 +145,7 @@ def test_a_version_with_an_unreadable_feature_spec_is_refused_not_fatal(publishe
     import json
 
     root, versions = published
-    copy = tmp_path / "models"
-    shutil.copytree(root, copy)
+    copy = copy_store(root, tmp_path / "models")
     manifest_path = copy / "ctr" / "versions" / f"{versions[-1]:012d}" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["feature_spec"] = {"history_len": "fifty", "windows_s": [60, 600], "attribution_window_s": 10}

@@ -1,0 +1,310 @@
+"""Hostile and excessive traffic against `streamrec serve` over real HTTP, answered by the
+engine itself and through a front-end process: input that used to get a 500 (JSON nested too
+deeply, invalid UTF-8 in a JSON string, a non-UTF-8 header byte) gets a 4xx or is served;
+stalled connections are closed after serving.read_timeout_s; past serving.max_connections a
+request gets a 503 while /healthz and /readyz answer, also under a flood of idle connections
+bigger than the process's file-descriptor limit; an overloaded queue refuses at once or drops a
+request at its deadline, never running it, and counts both; and no client input leaves a
+traceback in the server's log."""
+
+import http.client
+import logging
+import math
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, copy_store, free_port
+from serving.guard import LogThrottle
+from test_serving_http import TOKEN, call
+
+pytestmark = pytest.mark.slow
+READ_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, NOFILE = 2, 1, 8, 256
+PREDICT = "/v1/models/ctr:predict"
+
+
+class Server:
+    """A `streamrec serve` process, its public port and everything it printed."""
+
+    def __init__(self, published_model, tmp_path, env: dict, args: tuple = (), nofile: int | None = None) -> None:
+        root = tmp_path / "models"
+        copy_store(published_model[0], root)
+        self.port = free_port()
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(root), "--port", str(self.port), "--device", "cpu",
+             "--compile", "eager", *args],
+            cwd=REPO, env={**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
+                           "STREAMREC_SERVING__FEATURE_STORE_DIR": str(tmp_path / "features"), **env},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.output: list[str] = []
+        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if call(self.base, "GET", "/readyz")[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.output)[-3000:]
+            time.sleep(0.2)
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        time.sleep(0.2)  # the reader thread drains the pipe
+        return "".join(self.output)
+
+
+def limited_env(broker: str) -> dict:
+    return {"STREAMREC_SERVING__READ_TIMEOUT_S": str(READ_TIMEOUT_S), "STREAMREC_SERVING__KEEP_ALIVE_S": str(KEEP_ALIVE_S),
+            "STREAMREC_SERVING__MAX_CONNECTIONS": str(MAX_CONNECTIONS), "STREAMREC_KAFKA__BOOTSTRAP": broker,
+            "STREAMREC_TOPICS__FEATURES": f"hostile-{uuid.uuid4().hex[:8]}.features",  # by ids: decoded before the store is read
+            "STREAMREC_SERVING__FEATURE_STORE_READY_TIMEOUT_S": "1"}
+
+
+@pytest.fixture(scope="module", params=["engine", "frontends"])
+def server(request, published_model, broker, tmp_path_factory):
+    """The engine answering HTTP itself (with fewer file descriptors than the flood test's
+    connections), or one front-end process answering for it."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "engine":
+        s = Server(published_model, tmp, limited_env(broker), nofile=NOFILE)
+    else:
+        s = Server(published_model, tmp, limited_env(broker), ("--frontends", "1"))
+    yield s
+    output = s.stop()
+    assert s.proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-5000:]  # no input above was a server error
+
+
+@pytest.fixture(scope="module")
+def instances(sample_run):
+    return pq.read_table(sample_run / "samples.parquet").slice(60_000, 256).drop(["label", "click_ts"]).to_pylist()
+
+
+def request(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) over a fresh connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body or None, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, orjson.loads(response.read())
+    finally:
+        conn.close()
+
+
+def raw(port: int, data: bytes, timeout_s: float = 30) -> tuple[int, bytes]:
+    """Send ``data`` as it is on a fresh connection; (status, body) of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_the_log_throttle_lets_one_record_of_a_kind_through_per_interval():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("test.throttle")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.addFilter(LogThrottle(interval_s=0.5))
+
+    def fail(kind):
+        try:
+            raise kind("boom")
+        except Exception:
+            logger.exception("unexpected error")
+
+    for _ in range(5):
+        fail(ValueError)
+    fail(KeyError)
+    for _ in range(2):
+        logger.warning("no traceback")
+    assert [r.exc_info[0] if r.exc_info else r.msg for r in records] == [ValueError, KeyError, "no traceback", "no traceback"]
+    time.sleep(0.6)
+    fail(ValueError)
+    assert records[-1].exc_info[0] is ValueError and "(4 more like it in the last" in records[-1].msg
+
+    uvicorn_like = logging.getLogger("test.throttle.all")
+    uvicorn_like.addFilter(LogThrottle(interval_s=60, tracebacks_only=False))
+    for _ in range(3):
+        uvicorn_like.warning("Invalid HTTP request received.")
+    assert [r.msg for r in records[5:]] == ["Invalid HTTP request received."]
+
+
+def test_deep_json_and_invalid_utf8_get_a_400(server):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    bad = b"\"\xff\xfe\""
+    by_ids = b'{"user_id": 5, "context": {"device": %s, "local_hour": 3}, "candidates": [{"item_id": 1, "category_id": 1, "advertiser_id": 1, "position": 0}]}'
+    cases = [
+        (PREDICT, b'{"instances": ' + deep + b"}", "nested too deeply"),
+        (PREDICT, b'{"instances": [{"hist_item_ids": ' + deep + b"}]}", "nested too deeply"),
+        (PREDICT, b'{"instances": [{"device": ' + bad + b"}]}", "not valid UTF-8"),
+        (PREDICT, by_ids % bad, "not valid UTF-8"),
+        (PREDICT, by_ids % deep, "by-ids"),
+        ("/v1/models/ctr:rollback", b'{"reason": ' + deep + b"}", "not valid JSON"),
+        ("/v1/models/ctr:reload", b'{"reason": ' + bad + b"}", "not valid JSON"),
+    ]
+    for path, body, says in cases:
+        status, _, answer = request(server.port, "POST", path, body, {"authorization": f"Bearer {TOKEN}"})
+        assert status == 400 and says in answer["error"]["message"], (path, body[:60], status, answer)
+
+
+def test_non_utf8_header_bytes_are_served(server, instances):
+    junk = b"x-junk: caf\xe9 \xff\xfe\r\n"
+    status, body = raw(server.port, b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + junk + b"connection: close\r\n\r\n")
+    assert status == 200 and orjson.loads(body) == {"status": "ok"}
+    status, body = raw(server.port, b"GET /v1/models/ctr HTTP/1.1\r\nhost: x\r\n" + junk + b"connection: close\r\n\r\n")
+    assert status == 200 and orjson.loads(body)["model"] == "ctr"
+    payload = orjson.dumps({"instances": instances[:4]})
+    status, body = raw(server.port, b"POST %s HTTP/1.1\r\nhost: x\r\n%scontent-type: application/json\r\ncontent-length: %d\r\n"
+                                    b"connection: close\r\n\r\n%s" % (PREDICT.encode(), junk, len(payload), payload))
+    assert status == 200 and len(orjson.loads(body)["scores"]) == 4
+    status, body = raw(server.port, b"POST /v1/models/ctr:rollback HTTP/1.1\r\nhost: x\r\nauthorization: Bearer \xff\xfe\r\n"
+                                    b"content-length: 0\r\nconnection: close\r\n\r\n")
+    assert status == 401 and b"Bearer" in body
+    status, _ = raw(server.port, b"GET /healthz?q=%ff%fe HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert status == 200
+
+
+def closed_after(sock: socket.socket) -> float:
+    """Seconds until the server closes ``sock`` (reading and dropping what it sends)."""
+    t0 = time.monotonic()
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:  # still open after the socket's timeout
+        return math.inf
+    return time.monotonic() - t0
+
+
+def test_stalled_and_idle_connections_are_closed(server):
+    payload = b'{"instances": []}'
+    stalls = {
+        "sends nothing": b"",
+        "half a request head": b"POST " + PREDICT.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-len",
+        "half a body": b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (PREDICT.encode(), len(payload) + 100, payload),
+        "a request head a byte a second": b"GET /healthz HTTP/1.1\r\n",
+    }
+    socks = {}
+    for name, data in stalls.items():
+        socks[name] = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        socks[name].sendall(data)
+    trickle = socks["a request head a byte a second"]
+
+    def drip():  # each byte arrives well within the timeout; the whole head never does
+        for byte in b"x-slow: " + b"a" * 60:
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=drip, daemon=True).start()
+    kept_alive = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    kept_alive.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
+    waited = {name: closed_after(sock) for name, sock in socks.items()}
+    waited["idle after a response (keep-alive)"] = closed_after(kept_alive)
+    for sock in [*socks.values(), kept_alive]:
+        sock.close()
+    assert all(w < READ_TIMEOUT_S + 8 for w in waited.values()), waited  # closed, not left open (the socket timeout is 30 s)
+    assert waited["idle after a response (keep-alive)"] < KEEP_ALIVE_S + 5, waited
+
+
+def test_past_max_connections_a_request_gets_503_and_health_checks_answer(server, instances):
+    payload = orjson.dumps({"instances": instances[:2]})
+    busy = []
+    for _ in range(MAX_CONNECTIONS):  # requests in progress: their bodies never finish (until the read timeout)
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (PREDICT.encode(), len(payload), payload[:10]))
+        busy.append(sock)
+    time.sleep(0.5)
+    status, headers, answer = request(server.port, "POST", PREDICT, payload)
+    assert status == 503 and "serving.max_connections" in answer["error"]["message"] and headers["retry-after"] == "1", answer
+    assert request(server.port, "GET", "/healthz")[0] == 200
+    assert request(server.port, "GET", "/readyz")[0] == 200
+    for sock in busy:
+        sock.close()
+    deadline = time.monotonic() + 30
+    while request(server.port, "POST", PREDICT, payload)[0] != 200:  # the server recovers once they are gone
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_flood_of_idle_connections_leaves_health_checks_answering(server):
+    """More idle connections than the engine's process may open files (ulimit -n 256): the
+    idle ones are closed for new ones, so a health check is always accepted and answered."""
+    flood = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(NOFILE + 300)]
+    try:
+        for path in ("/healthz", "/readyz"):
+            status, _, answer = request(server.port, "GET", path)
+            assert status == 200, answer
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def overloaded(published_model, tmp_path_factory):
+    """One worker, room in the queue for two requests of 256 instances, and 30 ms at most in it."""
+    s = Server(published_model, tmp_path_factory.mktemp("overloaded"), {
+        "STREAMREC_SERVING__FEATURE_STORE": "false", "STREAMREC_SERVING__WORKERS": "1", "STREAMREC_SERVING__MAX_INSTANCES": "256",
+        "STREAMREC_SERVING__MAX_BATCH": "256", "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": "512",
+        "STREAMREC_SERVING__QUEUE_TIMEOUT_MS": "30", "STREAMREC_SERVING__MAX_DELAY_US": "1000"})
+    yield s
+    output = s.stop()
+    assert s.proc.returncode == 0 and "Traceback" not in output, output[-3000:]
+
+
+def test_overload_is_shed_with_a_503_and_counted_and_a_dropped_request_never_runs(overloaded, instances):
+    """16 clients at once against a queue with room for two requests: the rest are refused at
+    once. Requests that waited past the deadline (how many depends on the machine's speed;
+    tests/test_serving_batcher.py drops one deterministically) are answered 503 and never run."""
+    payload = orjson.dumps({"instances": instances})
+    answers = []
+    start = threading.Barrier(16)
+
+    def client():
+        start.wait()
+        for _ in range(3):
+            answers.append(request(overloaded.port, "POST", PREDICT, payload))
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [a for a in answers if a[0] == 200]
+    full = [a for a in answers if a[0] == 503 and "serving.max_queue_instances" in a[2]["error"]["message"]]
+    late = [a for a in answers if a[0] == 503 and "serving.queue_timeout_ms" in a[2]["error"]["message"]]
+    assert len(ok) + len(full) + len(late) == len(answers) == 48, [a for a in answers if a not in ok + full + late]
+    assert full and all(a[1]["retry-after"] == "1" for a in full + late)
+    assert all(len(a[2]["scores"]) == 256 for a in ok)
+    batching = call(overloaded.base, "GET", "/v1/models/ctr")[1]["batching"]
+    assert batching["shed"] == {"queue_full": len(full), "deadline": len(late)}
+    assert batching["rows"] == 256 * len(ok)  # no refused or dropped request ran
+    with urllib.request.urlopen(overloaded.base + "/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    assert f'streamrec_serving_shed_requests_total{{reason="queue_full"}} {float(len(full))}' in metrics
+    assert f'streamrec_serving_shed_requests_total{{reason="deadline"}} {float(len(late))}' in metrics
+    assert request(overloaded.port, "POST", PREDICT, payload)[0] == 200  # once the burst is over, requests are served
