@@ -48,13 +48,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, workers: int, compile_mode: str,
-                 frontends: int = 0, switch_interval_us: int = 500, poll_interval_s: float = 1.0) -> tuple[subprocess.Popen, int]:
+                 frontends: int = 0, switch_interval_us: int = 500, poll_interval_s: float = 1.0,
+                 extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
            "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false", "STREAMREC_SERVING__FEATURE_STORE": "false",
-           "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us)}
+           "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us),
+           **(extra_env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
                              "--device", device], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600  # buckets are compiled before the server is ready

@@ -29,7 +29,7 @@ from serving.engine import ServingEngine
 from serving.errors import ApiError
 from serving.frontend import FrontendPlan, FrontendPool
 from serving.ipc import EngineLink
-from serving.shortcut import read_body
+from serving.shortcut import read_body, request_timeout_s
 from serving.state import PinNotRecorded
 from streamrec import __version__
 
@@ -121,8 +121,9 @@ def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> 
         """Scores for ``{"user_id", "context", "candidates"}`` (features from the online feature
         store) or ``{"instances": [sample without label, ...]}``. (`streamrec serve` answers
         this route through :class:`PredictShortcut`, with the same code and errors.)"""
+        timeout_s = request_timeout_s(request.scope)
         body = await read_body(request.scope, request.receive, settings.max_body_bytes)
-        return Response(await engine.predict(model, body), media_type="application/json")
+        return Response(await engine.predict(model, body, timeout_s), media_type="application/json")
 
     @app.get("/v1/models/{model}")
     async def model_status(model: str) -> dict[str, Any]:

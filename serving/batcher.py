@@ -8,13 +8,16 @@ is decoded, checked and scored in one pass, whatever the number of requests — 
 returns one outcome per request: its scores, or the exception that request gets.
 
 Overload is shed, not queued: past ``max_queue_instances`` waiting instances a request is
-refused at once, and one that waits ``queue_timeout_s`` without reaching a batch is dropped
-(never run) — both with :class:`Shed`. A queue that only grows makes every answer late.
+refused at once, and one that waits past its deadline (``queue_timeout_s``, or less if its
+client asked) without reaching a batch is dropped (never run) — both with :class:`Shed`. A
+queue that only grows makes every answer late.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +39,14 @@ class Shed(Exception):
 class _Request:
     payload: list  # one item per instance
     future: asyncio.Future
+    timeout_s: float  # dropped unrun once it has waited this long
+    asked: bool  # the timeout is the client's own (shorter than serving.queue_timeout_ms)
     enqueued: float = field(default_factory=time.perf_counter)
+    out: bool = False  # taken into a batch or dropped: its queue entries are stale
+
+    @property
+    def deadline(self) -> float:
+        return self.enqueued + self.timeout_s
 
 
 @dataclass
@@ -99,7 +109,9 @@ class RequestBatcher:
         self.max_batch, self.max_delay_s, self.workers = max_batch, max_delay_us / 1e6, workers
         self.max_queue_instances, self.queue_timeout_s = max_queue_instances, queue_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
-        self._pending: deque[_Request] = deque()
+        self._pending: deque[_Request] = deque()  # arrival order; entries with ``out`` set are skipped
+        self._deadlines: list[tuple[float, int, _Request]] = []  # heap: the next request to expire
+        self._sequence = itertools.count()
         self._pending_rows = 0
         self._last_arrival = 0.0
         self._gap_s = 0.0  # moving average of the time between requests
@@ -127,15 +139,18 @@ class RequestBatcher:
     def queued_instances(self) -> int:
         return self._pending_rows
 
-    async def submit(self, payload: list) -> BatchResult:
+    async def submit(self, payload: list, timeout_s: float | None = None) -> BatchResult:
         """Queue one request (cheap: no task or timer per request) and wait for its outcome;
-        :class:`Shed` at once when the queue is full, or when the request waits past its deadline."""
+        :class:`Shed` at once when the queue is full, or when the request waits past its
+        deadline: ``timeout_s`` (the client's) if shorter than ``queue_timeout_s``."""
         if self._pending_rows + len(payload) > self.max_queue_instances:
             self.stats.shed["queue_full"] += 1
             raise Shed("queue_full", f"overloaded: {self._pending_rows:,} instances are waiting for a batch and this request's "
                                      f"{len(payload):,} would pass serving.max_queue_instances ({self.max_queue_instances:,}); "
                                      "retry shortly or elsewhere")
-        request = _Request(payload, asyncio.get_running_loop().create_future())
+        asked = timeout_s is not None and timeout_s < self.queue_timeout_s
+        request = _Request(payload, asyncio.get_running_loop().create_future(), timeout_s if asked else self.queue_timeout_s, asked)
+        heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
         if self._last_arrival:
             self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
         self._last_arrival = request.enqueued
@@ -156,7 +171,7 @@ class RequestBatcher:
             await self._waiting.wait()
             if self._slots.locked():  # every worker busy: wait for one, dropping requests whose deadline passes meanwhile
                 try:
-                    await asyncio.wait_for(self._slots.acquire(), self._pending[0].enqueued + self.queue_timeout_s - time.perf_counter())
+                    await asyncio.wait_for(self._slots.acquire(), self._next_deadline() - time.perf_counter())
                 except asyncio.TimeoutError:
                     self._drop_expired()
                     continue
@@ -175,18 +190,34 @@ class RequestBatcher:
             batch, rows = self._take()
             asyncio.create_task(self._run(batch, rows))
 
+    def _next_deadline(self) -> float:
+        """The earliest deadline of a request still queued (stale heap entries are dropped)."""
+        while self._deadlines[0][2].out:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0]
+
     def _drop_expired(self) -> None:
-        """Answer the requests that waited ``queue_timeout_s`` (the oldest ones: the queue is in
-        arrival order) with :class:`Shed`; they are never run."""
+        """Answer the queued requests whose deadline has passed with :class:`Shed`; they are
+        never run."""
         now = time.perf_counter()
-        while self._pending and now - self._pending[0].enqueued >= self.queue_timeout_s:
-            request = self._pending.popleft()
+        while self._deadlines and (self._deadlines[0][2].out or self._deadlines[0][0] <= now):
+            request = heapq.heappop(self._deadlines)[2]
+            if request.out:
+                continue
+            request.out = True
             self._pending_rows -= len(request.payload)
             self.stats.shed["deadline"] += 1
             if not request.future.done():
+                limit = (f"its x-request-timeout-ms ({request.timeout_s * 1000:,.0f})" if request.asked
+                         else f"serving.queue_timeout_ms ({self.queue_timeout_s * 1000:,.0f})")
                 request.future.set_exception(Shed("deadline", f"overloaded: this request waited {(now - request.enqueued) * 1000:,.0f} ms "
-                                                              f"for a batch, past serving.queue_timeout_ms "
-                                                              f"({self.queue_timeout_s * 1000:,.0f}); it was not run, retry shortly"))
+                                                              f"for a batch, past {limit}; it was not run, retry shortly"))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Drop stale entries at the head of the queue and reset the events to what is queued."""
+        while self._pending and self._pending[0].out:
+            self._pending.popleft()
         if not self._pending:
             self._waiting.clear()
         if self._pending_rows < self.max_batch:
@@ -194,17 +225,18 @@ class RequestBatcher:
 
     def _take(self) -> tuple[list[_Request], int]:
         """The oldest pending requests, up to ``max_batch`` instances (at least one request)."""
-        batch = [self._pending.popleft()]
+        batch = [self._pending.popleft()]  # the head is never stale (see _settle)
+        batch[0].out = True
         rows = len(batch[0].payload)
-        while self._pending and rows + len(self._pending[0].payload) <= self.max_batch:
+        while self._pending and (self._pending[0].out or rows + len(self._pending[0].payload) <= self.max_batch):
             request = self._pending.popleft()
+            if request.out:
+                continue
+            request.out = True
             batch.append(request)
             rows += len(request.payload)
         self._pending_rows -= rows
-        if not self._pending:
-            self._waiting.clear()
-        if self._pending_rows < self.max_batch:
-            self._full.clear()
+        self._settle()
         return batch, rows
 
     async def _run(self, batch: list[_Request], rows: int) -> None:

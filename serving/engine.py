@@ -70,7 +70,7 @@ class ServingEngine:
             self._decoders[spec] = InstanceDecoder(spec, self.settings.max_instances)
         return self._decoders[spec]
 
-    async def predict(self, model: str, body: bytes) -> bytes:
+    async def predict(self, model: str, body: bytes, timeout_s: float | None = None) -> bytes:
         """A predict body (size already checked by the reader) -> the JSON answer: by ids
         (features from the online store) or with every feature in ``instances``."""
         self.check_model(model)
@@ -78,11 +78,11 @@ class ServingEngine:
         if current is None:
             raise not_loaded()
         if is_by_ids(body):
-            return await self.predict_by_ids(body)
-        version, scores = await self.score(self.decoder(current.feature_spec).decode(body))
+            return await self.predict_by_ids(body, timeout_s)
+        version, scores = await self.score(self.decoder(current.feature_spec).decode(body), timeout_s)
         return orjson.dumps({"model_version": version, "scores": scores.tolist()})
 
-    async def predict_by_ids(self, body: bytes) -> bytes:
+    async def predict_by_ids(self, body: bytes, timeout_s: float | None = None) -> bytes:
         """``{"user_id", "context", "candidates", "ts"?}`` -> scores in candidate order, with
         the time the features are complete to (``features_as_of``)."""
         store = self.features
@@ -100,7 +100,7 @@ class ServingEngine:
         assembled = store.assemble(request.user_id, ts, request.context.device, request.context.local_hour,
                                    request.candidates, request.return_features)
         self.metrics.assembly.observe(time.perf_counter() - t0)
-        version, scores = await self.score(assembled.columns)
+        version, scores = await self.score(assembled.columns, timeout_s)
         answer = {"model_version": version, "features_as_of": assembled.as_of, "ts": ts, "scores": scores.tolist()}
         if assembled.features is not None:
             answer["features"] = assembled.features
@@ -117,13 +117,14 @@ class ServingEngine:
                 return f"the online feature store is catching up with {store.topic} ({store.lag_records():,} records behind)"
         return None
 
-    async def score(self, payload) -> tuple[int, np.ndarray]:
+    async def score(self, payload, timeout_s: float | None = None) -> tuple[int, np.ndarray]:
         """One request's (version, scores) through the batcher, counted in the metrics. A
-        payload is a request's decoded instances or, from a front-end process, its columns."""
+        payload is a request's decoded instances or, from a front-end process, its columns;
+        ``timeout_s`` is the client's own queueing deadline, if it sent one."""
         t0 = time.perf_counter()
         status = "error"
         try:
-            result = await self.batcher.submit(payload)
+            result = await self.batcher.submit(payload, timeout_s)
             self.metrics.queued.observe(result.queued_s)
             self.metrics.instances.inc(len(payload))
             status = "ok"
@@ -131,7 +132,7 @@ class ServingEngine:
         except Shed as exc:
             status = "shed"
             self.metrics.shed.labels(exc.reason).inc()
-            raise ApiError(503, str(exc)) from None
+            raise ApiError(429 if exc.reason == "queue_full" else 503, str(exc)) from None
         finally:
             self.metrics.requests.labels(status).inc()
             self.metrics.latency.observe(time.perf_counter() - t0)

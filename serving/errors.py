@@ -17,8 +17,9 @@ class ApiError(Exception):
         return orjson.dumps({"error": {"code": self.status, "message": self.message}})
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """JSON; a 503 (overloaded, no version yet, store unreachable) also says when to retry."""
-        if self.status == 503:
+        """JSON; a 429 (queue full) or 503 (deadline passed, no version yet, store unreachable)
+        also says when to retry."""
+        if self.status in (429, 503):
             return [(b"content-type", b"application/json"), (b"retry-after", b"1")]
         return [(b"content-type", b"application/json")]
 

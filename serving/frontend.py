@@ -97,7 +97,7 @@ class EngineClient:
                 future.set_exception(ApiError(503, "the serving engine went away; retry"))
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains and exits
 
-    async def predict_body(self, model: str, body: bytes) -> bytes:
+    async def predict_body(self, model: str, body: bytes, timeout_s: float | None = None) -> bytes:
         if model != self.model:
             raise unknown_model(model, self.model)
         if self.decoder is None:
@@ -107,7 +107,7 @@ class EngineClient:
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
         if is_by_ids(body):  # the features are in the engine's store: it decodes these itself
-            self._writer.write(frame(("predict_body", request_id, model, body)))
+            self._writer.write(frame(("predict_body", request_id, timeout_s, model, body)))
         else:
             try:
                 instances = self.decoder.decode(body)
@@ -117,7 +117,7 @@ class EngineClient:
             except ApiError:
                 del self._pending[request_id]
                 raise
-            self._writer.write(frame(("predict", request_id, *pack_columns(columns))))
+            self._writer.write(frame(("predict", request_id, timeout_s, *pack_columns(columns))))
         answer = await future
         if answer[0] == "body":
             return answer[2]

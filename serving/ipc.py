@@ -5,12 +5,14 @@ One Unix-socket connection per front-end, multiplexed: frames of a 4-byte big-en
 and a pickle (protocol 5: numpy arrays travel as raw buffers). Messages:
 
 - front-end -> engine ``("hello",)``; engine -> ``("hello", model name, sample spec as JSON)``
-- front-end -> engine ``("predict", id, rows, history ids, counters, packed columns)``; engine ->
+- front-end -> engine ``("predict", id, timeout, rows, history ids, counters, packed columns)``; engine ->
   ``("ok", id, version, float32 scores as bytes)`` or ``("error", id, http status, message)``;
   answers come in completion order, matched by id.
-- front-end -> engine ``("predict_body", id, model, body)`` (predict by ids: the features
+- front-end -> engine ``("predict_body", id, timeout, model, body)`` (predict by ids: the features
   live in the engine's online feature store); engine -> ``("body", id, JSON answer)`` or an
   ``"error"`` as above.
+
+``timeout`` is the client's queueing deadline in seconds (header ``x-request-timeout-ms``) or None.
 
 A request's feature columns travel as one int64 buffer (:func:`pack_columns`): the engine
 rebuilds it in ~6 us, a pickled dataclass of a dozen numpy arrays in ~23 us
@@ -78,7 +80,7 @@ class EngineLink:
     """Engine side: answers the front-ends' predict messages through ``score(columns)``."""
 
     def __init__(self, path: str, hello: Callable[[], tuple], score: Callable[[Any], Awaitable[tuple[int, Any]]],
-                 predict: Callable[[str, bytes], Awaitable[bytes]]) -> None:
+                 predict: Callable[[str, bytes, float | None], Awaitable[bytes]]) -> None:
         self.path, self.hello, self.score, self.predict = path, hello, score, predict
         self.connected = 0
         self._server: asyncio.AbstractServer | None = None
@@ -100,7 +102,7 @@ class EngineLink:
                 if message[0] == "hello":
                     writer.write(frame(self.hello()))
                 elif message[0] in ("predict", "predict_body"):
-                    task = asyncio.create_task(self._answer(writer, message[0], message[1], message[2:]))
+                    task = asyncio.create_task(self._answer(writer, message[0], message[1], message[2], message[3:]))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -111,12 +113,12 @@ class EngineLink:
             self.connected -= 1
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, kind: str, request_id: int, packed: tuple) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, kind: str, request_id: int, timeout_s: float | None, packed: tuple) -> None:
         try:
             if kind == "predict_body":
-                answer = ("body", request_id, await self.predict(*packed))
+                answer = ("body", request_id, await self.predict(*packed, timeout_s))
             else:
-                version, scores = await self.score(unpack_columns(*packed))
+                version, scores = await self.score(unpack_columns(*packed), timeout_s)
                 answer = ("ok", request_id, version, np.asarray(scores, np.float32).tobytes())
         except ApiError as exc:
             answer = ("error", request_id, exc.status, exc.message)

@@ -23,7 +23,7 @@ class PredictShortcut:
 
     PREFIX, SUFFIX = "/v1/models/", ":predict"
 
-    def __init__(self, app: Callable, predict_body: Callable[[str, bytes], Awaitable[bytes]], max_body_bytes: int) -> None:
+    def __init__(self, app: Callable, predict_body: Callable[[str, bytes, float | None], Awaitable[bytes]], max_body_bytes: int) -> None:
         self.app, self.predict_body, self.max_body_bytes = app, predict_body, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
@@ -32,13 +32,34 @@ class PredictShortcut:
             return await self.app(scope, receive, send)
         status, headers = 200, None
         try:
-            answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await read_body(scope, receive, self.max_body_bytes))
+            timeout_s = request_timeout_s(scope)
+            answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await read_body(scope, receive, self.max_body_bytes),
+                                             timeout_s)
         except ApiError as exc:
             status, answer, headers = exc.status, exc.body(), exc.headers()
         except Exception as exc:  # noqa: BLE001 -- every failure is answered, as the FastAPI handler does
             log.exception("unexpected error")
             status, answer = 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body()
         await send_answer(send, status, answer, headers)
+
+
+TIMEOUT_HEADER = b"x-request-timeout-ms"
+
+
+def request_timeout_s(scope) -> float | None:
+    """The client's own queueing deadline (header ``x-request-timeout-ms``, a positive number of
+    milliseconds), or None; the batcher caps it at serving.queue_timeout_ms."""
+    for name, value in scope["headers"]:
+        if name == TIMEOUT_HEADER:
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = float("nan")
+            if not 0 < ms < float("inf"):
+                raise ApiError(400, f"header x-request-timeout-ms must be a positive number of milliseconds, got "
+                                    f"{value.decode('latin-1')[:40]!r}")
+            return ms / 1000
+    return None
 
 
 async def read_body(scope, receive, max_bytes: int) -> bytes:

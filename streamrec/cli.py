@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", nargs="?", help="a run directory (default: the newest under var/reports)")
 
     bench = add("bench", "run a benchmark from bench/ (writes JSON under bench/out/)")
-    bench.add_argument("part", choices=("generator", "pipeline", "ps", "trainer", "serving", "serving_swap", "serving_runtime", "serving_decode", "consumer_idle", "features"), help="what to benchmark")
+    bench.add_argument("part", choices=("generator", "pipeline", "ps", "trainer", "serving", "serving_swap", "serving_runtime", "serving_decode", "serving_overload", "consumer_idle", "features"), help="what to benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
     return parser
 

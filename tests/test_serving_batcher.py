@@ -162,3 +162,29 @@ def test_a_request_past_its_deadline_in_the_queue_is_dropped_and_never_run():
     assert first.scores.tolist() == [2] and after.scores.tolist() == [14]
     assert recorder.batches == [[1], [1]]  # the expired request never reached run_batch
     assert shed == {"queue_full": 0, "deadline": 1}
+
+
+def test_a_client_deadline_shorter_than_the_queues_drops_that_request_first():
+    """Deadlines out of arrival order: a later request with its own 0.1 s timeout expires while
+    the earlier one (serving's 10 s) still waits, then runs; a longer client timeout is capped."""
+    recorder = Recorder(seconds=0.4)
+
+    async def main():
+        batcher = RequestBatcher(recorder, max_batch=1, max_delay_us=0, workers=1, max_queue_instances=100, queue_timeout_s=10.0)
+        await batcher.start()
+        running = asyncio.ensure_future(batcher.submit([1]))
+        await asyncio.sleep(0.05)
+        patient = asyncio.ensure_future(batcher.submit([2]))
+        capped = asyncio.ensure_future(batcher.submit([3], timeout_s=3600.0))
+        t0 = time.perf_counter()
+        with pytest.raises(Shed, match="x-request-timeout-ms") as dropped:
+            await batcher.submit([-5], timeout_s=0.1)
+        dropped_after = time.perf_counter() - t0
+        results = await asyncio.gather(running, patient, capped)
+        await batcher.stop()
+        return dropped.value, dropped_after, results, batcher.stats.as_json()["shed"]
+
+    dropped, dropped_after, results, shed = run(main())
+    assert dropped.reason == "deadline" and 0.09 < dropped_after < 0.3  # before the worker frees (0.35 s)
+    assert [r.scores.tolist() for r in results] == [[2], [4], [6]]
+    assert recorder.batches == [[1], [1], [1]] and shed == {"queue_full": 0, "deadline": 1}

@@ -3,8 +3,9 @@ engine itself and through a front-end process: input that used to get a 500 (JSO
 deeply, invalid UTF-8 in a JSON string, a non-UTF-8 header byte) gets a 4xx or is served;
 stalled connections are closed after serving.read_timeout_s; past serving.max_connections a
 request gets a 503 while /healthz and /readyz answer, also under a flood of idle connections
-bigger than the process's file-descriptor limit; an overloaded queue refuses at once or drops a
-request at its deadline, never running it, and counts both; and no client input leaves a
+bigger than the process's file-descriptor limit; an overloaded queue refuses at once (429) or
+drops a request at its deadline (503; the server's or the client's own), never running it, and
+counts both; and no client input leaves a
 traceback in the server's log."""
 
 import http.client
@@ -184,6 +185,19 @@ def test_non_utf8_header_bytes_are_served(server, instances):
     assert status == 200
 
 
+def test_a_clients_own_deadline_is_kept_and_a_bad_one_is_refused(server, instances):
+    """``x-request-timeout-ms`` reaches the engine's queue (through a front-end too): one of
+    1 us has passed before any batch closes, so the request is dropped unrun."""
+    payload = orjson.dumps({"instances": instances[:2]})
+    status, headers, answer = request(server.port, "POST", PREDICT, payload, {"x-request-timeout-ms": "0.001"})
+    assert status == 503 and "x-request-timeout-ms" in answer["error"]["message"] and headers["retry-after"] == "1", answer
+    for bad in ("soon", "0", "-5", "inf"):
+        status, _, answer = request(server.port, "POST", PREDICT, payload, {"x-request-timeout-ms": bad})
+        assert status == 400 and "x-request-timeout-ms" in answer["error"]["message"], (bad, answer)
+    status, _, answer = request(server.port, "POST", PREDICT, payload, {"x-request-timeout-ms": "5000"})
+    assert status == 200 and len(answer["scores"]) == 2
+
+
 def closed_after(sock: socket.socket) -> float:
     """Seconds until the server closes ``sock`` (reading and dropping what it sends)."""
     t0 = time.monotonic()
@@ -295,7 +309,7 @@ def test_overload_is_shed_with_a_503_and_counted_and_a_dropped_request_never_run
     for t in threads:
         t.join()
     ok = [a for a in answers if a[0] == 200]
-    full = [a for a in answers if a[0] == 503 and "serving.max_queue_instances" in a[2]["error"]["message"]]
+    full = [a for a in answers if a[0] == 429 and "serving.max_queue_instances" in a[2]["error"]["message"]]
     late = [a for a in answers if a[0] == 503 and "serving.queue_timeout_ms" in a[2]["error"]["message"]]
     assert len(ok) + len(full) + len(late) == len(answers) == 48, [a for a in answers if a not in ok + full + late]
     assert full and all(a[1]["retry-after"] == "1" for a in full + late)

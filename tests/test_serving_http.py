@@ -80,13 +80,14 @@ def server(published_model, tmp_path_factory):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
-    while time.monotonic() < deadline:
+    while True:
         try:
             if call(base, "GET", "/readyz")[0] == 200:
                 break
         except (urllib.error.URLError, ConnectionError):
             pass
         assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the server did not become ready"
         time.sleep(0.2)
     yield base, store_root, versions
     proc.terminate()

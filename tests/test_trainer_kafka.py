@@ -104,6 +104,12 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     # Exactly once along the resumed path: every good sample counted once, none skipped.
     assert state["samples"] == summary["samples"] == N_SAMPLES - len(bad)
     assert state["rejected"] == {"malformed_json": 1, "unknown_sample_version": 1, "wrong_type": 1}
+    # ... and kept: each refused message's raw bytes and reason (at least once across the kills)
+    kept = [json.loads(line) for line in (tmp_path / "work" / "ctr" / "rejected" / "rank-00000.jsonl").read_text().splitlines()]
+    assert {(r["reason"], r["value"]) for r in kept} == {("malformed_json", bad[100].decode()),
+                                                          ("unknown_sample_version", bad[20_000].decode()),
+                                                          ("wrong_type:user_id", bad[50_000].decode())}
+    assert all(r["topic"] == topic and r["encoding"] == "utf-8" for r in kept)
     consumer = make_consumer(broker, group_id=f"g-{topic}")
     tps = [TopicPartition(topic, p) for p in range(3)]
     ends = consumer.end_offsets(tps)
