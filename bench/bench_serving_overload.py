@@ -5,10 +5,11 @@ A model is trained on the first 50k samples, then one `streamrec serve` configur
   ``queue_timeout_ms`` effectively infinite): a FIFO queue that grows without bound, what a
   server without admission control does;
 - ours: ``serving.queue_timeout_ms`` = ``--queue-ms`` and ``serving.max_queue_instances`` = the
-  measured capacity (instances/s) x ``--queue-ms``: a queue that drains within the budget.
+  measured capacity (instances/s) x ``--queue-ms`` (at least one full batch): a queue that
+  drains within the budget.
 
-For each: the unloaded p99 (one closed-loop client), the capacity (closed-loop clients at
-``--capacity-concurrency``, successful requests/s), then an open-loop load at ``--overload`` x
+For each: the unloaded p99 (one closed-loop client), the capacity (the baseline only:
+closed-loop clients at ``--capacity-concurrency``, requests/s), then an open-loop load at ``--overload`` x
 that capacity for ``--seconds`` (Poisson arrivals on a fixed schedule; a request's latency counts
 from its scheduled send time, so a client that falls behind does not hide the backlog).
 Reported: p50/p99 of the accepted requests, the ratio of that p99 to the unloaded p99 (target:
@@ -23,6 +24,7 @@ Writes bench/out/serving-overload-<device>-<time>.json.
 from __future__ import annotations
 
 import argparse
+import math
 import http.client
 import multiprocessing as mp
 import os
@@ -49,8 +51,9 @@ UNBOUNDED = {"STREAMREC_SERVING__MAX_QUEUE_INSTANCES": str(10**12), "STREAMREC_S
 
 def _open_loop_process(port: int, bodies: list[bytes], schedule: np.ndarray, threads: int, out) -> None:
     """Send one request at each scheduled time (seconds since the epoch) from a pool of
-    keep-alive connections; report (scheduled time, status, seconds from schedule to answer)."""
-    results: list[tuple[float, int, float]] = []
+    keep-alive connections; report (scheduled time, status, seconds from schedule to answer,
+    seconds from schedule to send: the generator's own lateness)."""
+    results: list[tuple[float, int, float, float]] = []
     lock = threading.Lock()
     nxt = iter(range(len(schedule)))
 
@@ -64,6 +67,7 @@ def _open_loop_process(port: int, bodies: list[bytes], schedule: np.ndarray, thr
             wait = schedule[i] - time.time()
             if wait > 0:
                 time.sleep(wait)
+            sent = time.time()
             try:
                 conn.request("POST", "/v1/models/ctr:predict", body=bodies[i % len(bodies)], headers={"content-type": "application/json"})
                 response = conn.getresponse()
@@ -74,7 +78,7 @@ def _open_loop_process(port: int, bodies: list[bytes], schedule: np.ndarray, thr
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             with lock:
-                results.append((float(schedule[i]), status, time.time() - schedule[i]))
+                results.append((float(schedule[i]), status, time.time() - schedule[i], sent - schedule[i]))
 
     pool = [threading.Thread(target=sender) for _ in range(threads)]
     for t in pool:
@@ -107,8 +111,11 @@ def open_loop(port: int, bodies: list[bytes], rate: float, seconds: float, proce
     latency_ms = np.array([r[2] for r in rows]) * 1000
     ok = latency_ms[status == 200]
     shed = int(np.isin(status, (429, 503)).sum())
+    # over the time the answers took: a server that falls behind answers past the offered window
+    span = max(max(r[0] + r[2] for r in rows) - start, seconds)
     return {"offered_rps": rate, "sent": len(rows), "accepted": int(len(ok)), "shed": shed, "errors": int(len(rows) - len(ok) - shed),
-            "shed_share": shed / max(len(rows), 1), "goodput_rps": len(ok) / seconds,
+            "shed_share": shed / max(len(rows), 1), "answered_within_s": span, "goodput_rps": len(ok) / span,
+            "send_lateness_p99_ms": float(np.percentile([r[3] * 1000 for r in rows], 99)),
             "by_status": {str(s): int((status == s).sum()) for s in np.unique(status)},
             "accepted_p50_ms": float(np.percentile(ok, 50)) if len(ok) else None,
             "accepted_p99_ms": float(np.percentile(ok, 99)) if len(ok) else None,
@@ -118,11 +125,11 @@ def open_loop(port: int, bodies: list[bytes], rate: float, seconds: float, proce
 def measure(name: str, store: Path, args, bodies: list[bytes], extra_env: dict, capacity_rps: float | None) -> dict:
     """One server: warm-up, unloaded p99, capacity, then the open-loop overload."""
     proc, port = start_server(store, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
-                              extra_env=extra_env)
+                              extra_env={"STREAMREC_SERVING__MAX_INSTANCES": str(args.instances), **extra_env})
     try:
         load(port, bodies, 4, 2.0, args.client_processes)  # warm-up
         unloaded = load(port, bodies, 1, args.seconds, 1)
-        capacity = load(port, bodies, args.capacity_concurrency, args.seconds, args.client_processes)
+        capacity = load(port, bodies, args.capacity_concurrency, args.seconds, args.client_processes) if capacity_rps is None else None
         rate = args.overload * (capacity_rps or capacity["qps"])
         before = model_status(port)["batching"]
         overload = open_loop(port, bodies, rate, args.seconds, args.client_processes, args.threads)
@@ -133,9 +140,10 @@ def measure(name: str, store: Path, args, bodies: list[bytes], extra_env: dict, 
     row = {"unloaded": unloaded, "capacity": capacity, "overload": overload,
            "server_shed": {k: after["shed"][k] - before["shed"][k] for k in after["shed"]},
            "p99_over_unloaded": (overload["accepted_p99_ms"] / unloaded["p99_ms"]) if overload["accepted_p99_ms"] else None}
-    print(f"{name:8s} unloaded p99 {unloaded['p99_ms']:7.2f} ms | capacity {capacity['qps']:7.1f} req/s | at {rate:7.1f} req/s offered: "
+    print(f"{name:8s} unloaded p99 {unloaded['p99_ms']:7.2f} ms | capacity {rate / args.overload:7.1f} req/s | at {rate:7.1f} req/s offered: "
           f"accepted {overload['accepted']} ({overload['goodput_rps']:.1f}/s) p50 {overload['accepted_p50_ms']:.1f} / p99 "
-          f"{overload['accepted_p99_ms']:.1f} ms = {row['p99_over_unloaded']:.2f}x unloaded p99, shed {overload['shed_share']:.0%} "
+          f"{overload['accepted_p99_ms']:.1f} ms = {row['p99_over_unloaded']:.2f}x unloaded p99 (generator's own lateness p99 "
+          f"{overload['send_lateness_p99_ms']:.1f} ms), shed {overload['shed_share']:.0%} "
           f"{row['server_shed']}, errors {overload['errors']}", flush=True)
     return row
 
@@ -147,8 +155,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each measurement")
     parser.add_argument("--overload", type=float, default=2.0, help="offered load as a multiple of the measured capacity")
     parser.add_argument("--queue-ms", type=float, default=None,
-                        help="ours' serving.queue_timeout_ms (default: the baseline's unloaded p99); the queue bound is capacity x this")
-    parser.add_argument("--capacity-concurrency", type=int, default=16, help="closed-loop clients that measure capacity")
+                        help="ours' serving.queue_timeout_ms (default: the baseline's unloaded p99, at least max_delay_us + 1 ms); "
+                             "the queue bound is capacity x this")
+    parser.add_argument("--capacity-concurrency", type=int, default=64,
+                        help="closed-loop clients that measure capacity (enough to keep a full batch queued while one runs)")
     parser.add_argument("--threads", type=int, default=64, help="connections per load-generator process in the open-loop run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workers", type=int, default=1)
@@ -175,11 +185,13 @@ def main() -> None:
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         result["baseline"] = measure("baseline", store, args, bodies, UNBOUNDED, None)
         capacity = result["baseline"]["capacity"]["qps"]
-        queue_ms = args.queue_ms or result["baseline"]["unloaded"]["p99_ms"]
-        bound = max(args.instances, int(capacity * args.instances * queue_ms / 1000))
+        # serving.queue_timeout_ms must exceed the batching window (max_delay_us)
+        queue_ms = math.ceil(max(args.queue_ms or result["baseline"]["unloaded"]["p99_ms"], args.max_delay_us / 1000 + 1))
+        # room for one full batch to form while one runs, at least
+        bound = max(args.max_batch, int(capacity * args.instances * queue_ms / 1000))
         result["ours_settings"] = {"queue_timeout_ms": queue_ms, "max_queue_instances": bound}
-        print(f"ours: serving.queue_timeout_ms {queue_ms:.1f}, serving.max_queue_instances {bound:,}", flush=True)
-        result["ours"] = measure("ours", store, args, bodies, {"STREAMREC_SERVING__QUEUE_TIMEOUT_MS": str(max(1, round(queue_ms))),
+        print(f"ours: serving.queue_timeout_ms {queue_ms}, serving.max_queue_instances {bound:,}", flush=True)
+        result["ours"] = measure("ours", store, args, bodies, {"STREAMREC_SERVING__QUEUE_TIMEOUT_MS": str(queue_ms),
                                                                "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": str(bound)}, capacity)
     ours, base = result["ours"], result["baseline"]
     result["accepted_p99_ratio_vs_baseline"] = ours["overload"]["accepted_p99_ms"] / base["overload"]["accepted_p99_ms"]

@@ -139,15 +139,20 @@ class RequestBatcher:
     def queued_instances(self) -> int:
         return self._pending_rows
 
+    def check_room(self, rows: int = 1) -> None:
+        """:class:`Shed` ("queue_full") if ``rows`` more instances would pass the queue's bound:
+        callers ask before decoding a request, so a full queue costs the refused nothing."""
+        if self._pending_rows + rows > self.max_queue_instances:
+            self.stats.shed["queue_full"] += 1
+            raise Shed("queue_full", f"overloaded: {self._pending_rows:,} instances are waiting for a batch and this request's "
+                                     f"{rows:,} would pass serving.max_queue_instances ({self.max_queue_instances:,}); "
+                                     "retry shortly or elsewhere")
+
     async def submit(self, payload: list, timeout_s: float | None = None) -> BatchResult:
         """Queue one request (cheap: no task or timer per request) and wait for its outcome;
         :class:`Shed` at once when the queue is full, or when the request waits past its
         deadline: ``timeout_s`` (the client's) if shorter than ``queue_timeout_s``."""
-        if self._pending_rows + len(payload) > self.max_queue_instances:
-            self.stats.shed["queue_full"] += 1
-            raise Shed("queue_full", f"overloaded: {self._pending_rows:,} instances are waiting for a batch and this request's "
-                                     f"{len(payload):,} would pass serving.max_queue_instances ({self.max_queue_instances:,}); "
-                                     "retry shortly or elsewhere")
+        self.check_room(len(payload))
         asked = timeout_s is not None and timeout_s < self.queue_timeout_s
         request = _Request(payload, asyncio.get_running_loop().create_future(), timeout_s if asked else self.queue_timeout_s, asked)
         heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))

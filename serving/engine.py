@@ -77,6 +77,7 @@ class ServingEngine:
         current = self.served.current
         if current is None:
             raise not_loaded()
+        self.refuse_if_full()
         if is_by_ids(body):
             return await self.predict_by_ids(body, timeout_s)
         version, scores = await self.score(self.decoder(current.feature_spec).decode(body), timeout_s)
@@ -116,6 +117,15 @@ class ServingEngine:
             if time.monotonic() - self._started_at < self.settings.feature_store_ready_timeout_s:
                 return f"the online feature store is catching up with {store.topic} ({store.lag_records():,} records behind)"
         return None
+
+    def refuse_if_full(self) -> None:
+        """429 before a request is decoded when the queue has no room even for one instance."""
+        try:
+            self.batcher.check_room()
+        except Shed as exc:
+            self.metrics.shed.labels(exc.reason).inc()
+            self.metrics.requests.labels("shed").inc()
+            raise ApiError(429, str(exc)) from None
 
     async def score(self, payload, timeout_s: float | None = None) -> tuple[int, np.ndarray]:
         """One request's (version, scores) through the batcher, counted in the metrics. A
