@@ -117,13 +117,15 @@ class RequestBatcher:
         self._gap_s = 0.0  # moving average of the time between requests
         self._waiting: asyncio.Event | None = None  # a request is pending
         self._full: asyncio.Event | None = None  # max_batch instances are pending
-        self._slots: asyncio.Semaphore | None = None
+        self._free = workers  # workers not running a batch
+        self._wake: asyncio.Event | None = None  # a worker freed, or a request came with a sooner deadline
+        self._waiting_until = float("inf")  # the deadline the loop sleeps towards while every worker is busy
         self._task: asyncio.Task | None = None
         self.stats = BatchingStats()
 
     async def start(self) -> None:
         self._waiting, self._full = asyncio.Event(), asyncio.Event()
-        self._slots = asyncio.Semaphore(self.workers)
+        self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="request-batcher")
 
     async def stop(self) -> None:
@@ -164,6 +166,8 @@ class RequestBatcher:
         self._waiting.set()
         if self._pending_rows >= self.max_batch:
             self._full.set()
+        if request.deadline < self._waiting_until:
+            self._wake.set()
         return await request.future
 
     async def _loop(self) -> None:
@@ -174,25 +178,30 @@ class RequestBatcher:
         window): the batch closes as soon as a worker is free."""
         while True:
             await self._waiting.wait()
-            if self._slots.locked():  # every worker busy: wait for one, dropping requests whose deadline passes meanwhile
+            if self._free == 0:  # every worker busy: sleep until one frees or the earliest deadline passes
+                self._wake.clear()
+                self._waiting_until = self._next_deadline()
                 try:
-                    await asyncio.wait_for(self._slots.acquire(), self._next_deadline() - time.perf_counter())
+                    await asyncio.wait_for(self._wake.wait(), self._waiting_until - time.perf_counter())
                 except asyncio.TimeoutError:
-                    self._drop_expired()
-                    continue
-            else:
-                await self._slots.acquire()
-            left = self._pending[0].enqueued + self.max_delay_s - time.perf_counter()
+                    pass
+                self._waiting_until = float("inf")
+                self._drop_expired(time.perf_counter())
+                continue
+            self._free -= 1
+            free_at = time.perf_counter()
+            # the batching window: never past a queued request's deadline (the window is our choice, not overload)
+            left = min(self._pending[0].enqueued + self.max_delay_s, self._next_deadline()) - free_at
             if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s:
                 try:
                     await asyncio.wait_for(self._full.wait(), left)
                 except asyncio.TimeoutError:
                     pass
-            self._drop_expired()
-            if not self._pending:
-                self._slots.release()
-                continue
+            self._drop_expired(free_at)  # only what expired before a worker was free for it
             batch, rows = self._take()
+            if not batch:
+                self._free += 1
+                continue
             asyncio.create_task(self._run(batch, rows))
 
     def _next_deadline(self) -> float:
@@ -201,18 +210,17 @@ class RequestBatcher:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0]
 
-    def _drop_expired(self) -> None:
-        """Answer the queued requests whose deadline has passed with :class:`Shed`; they are
-        never run."""
-        now = time.perf_counter()
+    def _drop_expired(self, now: float) -> None:
+        """Answer the queued requests whose deadline passed by ``now`` with :class:`Shed`; they
+        are never run."""
         while self._deadlines and (self._deadlines[0][2].out or self._deadlines[0][0] <= now):
             request = heapq.heappop(self._deadlines)[2]
             if request.out:
                 continue
             request.out = True
             self._pending_rows -= len(request.payload)
-            self.stats.shed["deadline"] += 1
-            if not request.future.done():
+            if not request.future.done():  # (one whose caller is gone is not counted)
+                self.stats.shed["deadline"] += 1
                 limit = (f"its x-request-timeout-ms ({request.timeout_s * 1000:,.0f})" if request.asked
                          else f"serving.queue_timeout_ms ({self.queue_timeout_s * 1000:,.0f})")
                 request.future.set_exception(Shed("deadline", f"overloaded: this request waited {(now - request.enqueued) * 1000:,.0f} ms "
@@ -223,24 +231,29 @@ class RequestBatcher:
         """Drop stale entries at the head of the queue and reset the events to what is queued."""
         while self._pending and self._pending[0].out:
             self._pending.popleft()
+        if len(self._deadlines) > 2 * len(self._pending) + 64:  # answered requests wait in the heap for their deadline
+            self._deadlines = [entry for entry in self._deadlines if not entry[2].out]
+            heapq.heapify(self._deadlines)
         if not self._pending:
             self._waiting.clear()
         if self._pending_rows < self.max_batch:
             self._full.clear()
 
     def _take(self) -> tuple[list[_Request], int]:
-        """The oldest pending requests, up to ``max_batch`` instances (at least one request)."""
-        batch = [self._pending.popleft()]  # the head is never stale (see _settle)
-        batch[0].out = True
-        rows = len(batch[0].payload)
-        while self._pending and (self._pending[0].out or rows + len(self._pending[0].payload) <= self.max_batch):
+        """The oldest pending requests, up to ``max_batch`` instances (at least one request
+        unless every queued caller is gone)."""
+        batch: list[_Request] = []
+        rows = 0
+        while self._pending and (not batch or self._pending[0].out or rows + len(self._pending[0].payload) <= self.max_batch):
             request = self._pending.popleft()
             if request.out:
                 continue
             request.out = True
+            self._pending_rows -= len(request.payload)
+            if request.future.done():  # its caller is gone (cancelled): nothing to run it for
+                continue
             batch.append(request)
             rows += len(request.payload)
-        self._pending_rows -= rows
         self._settle()
         return batch, rows
 
@@ -261,4 +274,5 @@ class RequestBatcher:
                 if not r.future.done():
                     r.future.set_exception(exc)
         finally:
-            self._slots.release()
+            self._free += 1
+            self._wake.set()

@@ -122,8 +122,8 @@ class EngineClient:
         if answer[0] == "body":
             return answer[2]
         if answer[0] == "error":
-            if answer[2] == 503:
-                await self.hello()  # maybe a new sample schema
+            if answer[2] == 503 and not answer[3].startswith("overloaded"):
+                await self.hello()  # maybe a new sample schema (not after a shed: that costs an exchange per refusal)
             raise ApiError(answer[2], answer[3])
         return orjson.dumps({"model_version": answer[2], "scores": np.frombuffer(answer[3], np.float32).tolist()})
 

@@ -176,6 +176,7 @@ def test_a_client_deadline_shorter_than_the_queues_drops_that_request_first():
         await asyncio.sleep(0.05)
         patient = asyncio.ensure_future(batcher.submit([2]))
         capped = asyncio.ensure_future(batcher.submit([3], timeout_s=3600.0))
+        await asyncio.sleep(0.02)  # the batcher now sleeps towards the earliest deadline it knows (10 s)
         t0 = time.perf_counter()
         with pytest.raises(Shed, match="x-request-timeout-ms") as dropped:
             await batcher.submit([-5], timeout_s=0.1)
@@ -188,3 +189,24 @@ def test_a_client_deadline_shorter_than_the_queues_drops_that_request_first():
     assert dropped.reason == "deadline" and 0.09 < dropped_after < 0.3  # before the worker frees (0.35 s)
     assert [r.scores.tolist() for r in results] == [[2], [4], [6]]
     assert recorder.batches == [[1], [1], [1]] and shed == {"queue_full": 0, "deadline": 1}
+
+
+def test_a_client_deadline_inside_the_batching_window_runs_when_a_worker_is_free():
+    """The window (max_delay_us) is the batcher's choice, not overload: it closes early for a
+    request whose deadline falls inside it, which then runs instead of being shed."""
+    recorder = Recorder()
+
+    async def main():
+        batcher = RequestBatcher(recorder, max_batch=64, max_delay_us=20_000, workers=1, max_queue_instances=1000, queue_timeout_s=5.0)
+        await batcher.start()
+        results = []
+        for i in range(20):
+            results.append(asyncio.ensure_future(batcher.submit([i], timeout_s=0.005)))
+            await asyncio.sleep(0.001)  # gaps well inside the window: it would wait the full 20 ms
+        results = await asyncio.gather(*results)
+        await batcher.stop()
+        return results, batcher.stats.as_json()["shed"]
+
+    results, shed = run(main())
+    assert [r.scores.tolist() for r in results] == [[2 * i] for i in range(20)]
+    assert shed == {"queue_full": 0, "deadline": 0}
