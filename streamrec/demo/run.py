@@ -74,7 +74,9 @@ class DemoRun:
             **{f"STREAMREC_TOPICS__{k.upper()}": v for k, v in self.topics.items()},
             "STREAMREC_FLINK__GROUP_ID": self.prefix, "STREAMREC_FLINK__JOB_NAME": self.prefix,
             "STREAMREC_FLINK__CHECKPOINT_DIR": str(self.work_dir / "flink-checkpoints"),
-            "STREAMREC_FLINK__REST_PORT": str(self.rest_port), "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "1",
+            "STREAMREC_FLINK__REST_PORT": str(self.rest_port),
+            # exactly-once samples are visible at each checkpoint: 1 s unless the caller chose one
+            "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": os.environ.get("STREAMREC_FLINK__CHECKPOINT_INTERVAL_S", "1"),
             "STREAMREC_FEATURES__ATTRIBUTION_WINDOW_S": str(a.attribution_window),
             "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(self.work_dir / "trainer"),
             "STREAMREC_TRAINER__GROUP": self.prefix, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": str(a.publish_interval),
