@@ -42,6 +42,7 @@ class RunOptions:
     jvm_options: str  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
     resume: bool = True  # from the newest complete checkpoint (`submit --fresh`: False)
     watermark_interval_ms: int = 200
+    buffer_timeout_ms: int = 100
 
     @classmethod
     def from_config(cls, cfg, fresh: bool = False) -> "RunOptions":
@@ -49,7 +50,8 @@ class RunOptions:
         return cls(jars_dir=f.resolved_jars_dir(), checkpoint_dir=f.checkpoint_dir, job_name=f.job_name,
                    parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
                    state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port,
-                   jvm_options=f.jvm_options, resume=not fresh)
+                   jvm_options=f.jvm_options, resume=not fresh, watermark_interval_ms=f.watermark_interval_ms,
+                   buffer_timeout_ms=f.buffer_timeout_ms)
 
 
 def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
@@ -57,12 +59,16 @@ def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
         raise ValueError(f"state backend must be rocksdb or hashmap, got {opts.state_backend!r}")
     if opts.parallelism < 1:
         raise ValueError(f"parallelism must be >= 1, got {opts.parallelism}")
+    if opts.watermark_interval_ms < 1 or opts.buffer_timeout_ms < 1:
+        raise ValueError(f"flink.watermark_interval_ms and flink.buffer_timeout_ms must be >= 1 (0 flushes every record), "
+                         f"got {opts.watermark_interval_ms} and {opts.buffer_timeout_ms}")
     conf = {
         "execution.runtime-mode": "streaming",
         "pipeline.name": opts.job_name,
         "pipeline.jars": ";".join(job_jars(opts)),
         "parallelism.default": str(opts.parallelism),
         "pipeline.auto-watermark-interval": f"{opts.watermark_interval_ms} ms",
+        "execution.buffer-timeout.interval": f"{opts.buffer_timeout_ms} ms",
         "pipeline.object-reuse": "true",
         "state.backend.type": opts.state_backend,
         "state.backend.incremental": "true",

@@ -80,6 +80,8 @@ class FlinkConfig:
     checkpoint_interval_s: float
     delivery: str
     out_of_orderness_ms: int
+    watermark_interval_ms: int
+    buffer_timeout_ms: int
     idle_timeout_s: float
     source_idle_backoff_ms: int
     feature_state: bool
@@ -393,6 +395,9 @@ def validate(config: Config) -> None:
         problems.append(f"trainer.max_publish_failures must be >= 1, got {config.trainer.max_publish_failures}")
     if f.feature_bucket_s < 1:
         problems.append(f"flink.feature_bucket_s must be >= 1, got {f.feature_bucket_s}")
+    for name in ("watermark_interval_ms", "buffer_timeout_ms"):
+        if getattr(f, name) < 1:  # 0 would flush or emit per record: a severe throughput loss
+            problems.append(f"flink.{name} must be >= 1, got {getattr(f, name)}")
     if s.feature_store_memory_mb < 1:
         problems.append(f"serving.feature_store_memory_mb must be >= 1, got {s.feature_store_memory_mb}")
     if s.switch_interval_us <= 0:

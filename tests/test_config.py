@@ -102,9 +102,11 @@ def test_settings_objects_built_from_the_defaults_agree_with_their_constructor_d
 def test_one_validation_place_names_every_bad_setting():
     with pytest.raises(ConfigError) as err:
         load_config(environ={}, overrides={"features.windows_s": "60,0", "model.history_len": 80, "serving.compile": "fast",
-                                           "serving.batch_buckets": "1,x", "flink.delivery": "maybe"})
+                                           "serving.batch_buckets": "1,x", "flink.delivery": "maybe",
+                                           "flink.buffer_timeout_ms": 0})
     for expected in ("windows_s must be positive whole seconds", "model.history_len (80) must be within 1..features.history_len (50)",
-                     "serving.compile must be one of", "serving.batch_buckets must be comma-separated", "flink.delivery must be"):
+                     "serving.compile must be one of", "serving.batch_buckets must be comma-separated", "flink.delivery must be",
+                     "flink.buffer_timeout_ms must be >= 1"):
         assert expected in str(err.value)
     with pytest.raises(ConfigError, match="features.windows_s' must be a list of int"):
         load_config(environ={"STREAMREC_FEATURES__WINDOWS_S": "60,ten"})

@@ -75,8 +75,12 @@ class DemoRun:
             "STREAMREC_FLINK__GROUP_ID": self.prefix, "STREAMREC_FLINK__JOB_NAME": self.prefix,
             "STREAMREC_FLINK__CHECKPOINT_DIR": str(self.work_dir / "flink-checkpoints"),
             "STREAMREC_FLINK__REST_PORT": str(self.rest_port),
-            # exactly-once samples are visible at each checkpoint: 1 s unless the caller chose one
-            "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": os.environ.get("STREAMREC_FLINK__CHECKPOINT_INTERVAL_S", "1"),
+            # freshness over throughput, unless the caller chose otherwise: exactly-once samples are
+            # visible at each checkpoint, a click's sample waits for the watermark and crosses
+            # three network hops (bench/RESULTS.md, "Shorter publish intervals")
+            **{k: os.environ.get(k, v) for k, v in (("STREAMREC_FLINK__CHECKPOINT_INTERVAL_S", "1"),
+                                                     ("STREAMREC_FLINK__WATERMARK_INTERVAL_MS", "50"),
+                                                     ("STREAMREC_FLINK__BUFFER_TIMEOUT_MS", "10"))},
             "STREAMREC_FEATURES__ATTRIBUTION_WINDOW_S": str(a.attribution_window),
             "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(self.work_dir / "trainer"),
             "STREAMREC_TRAINER__GROUP": self.prefix, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": str(a.publish_interval),
