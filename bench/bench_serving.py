@@ -53,6 +53,7 @@ def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, wo
     port = free_port()
     env = {**os.environ, "STREAMREC_SERVING__MAX_BATCH": str(max_batch), "STREAMREC_SERVING__MAX_DELAY_US": str(max_delay_us),
            "STREAMREC_SERVING__WORKERS": str(workers), "STREAMREC_SERVING__MAX_INSTANCES": "100000",
+           "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": "1000000",  # a closed loop: the queue never bounds it
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
            "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false", "STREAMREC_SERVING__FEATURE_STORE": "false",
            "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us),

@@ -7,9 +7,18 @@ Layout (the contract of ../shared/DESIGN.md)::
                                           sparse/<table>/<shard>-of-<n>.arrow   the same, one file per
                                                                  rank of a sharded trainer
                                           dense.arrow            name, shape, values
+    <root>/<model>/compacted/<version:012d>/                     version's whole state as one full image
+                                                                 (the same files and manifest as a full
+                                                                 version): its chain, compacted
     <root>/<model>/LATEST                                        the newest complete version, as text
     <root>/<model>/PIN                                           an operator's pin (rollback): JSON
     <root>/<model>/leases/<token:012d>.json                      the writer lease (ps/store_lease.py)
+
+Compaction: a trainer publishing every few seconds writes small deltas and rarely a full
+version, so chains grow long. ``compact(v)`` merges ``v``'s chain into ``compacted/<v>``; a
+reader that loads ``v`` or a later version starts from the newest image on its chain and
+applies only the deltas after it, and ``gc`` counts images as full versions. Serving nodes
+that follow deltas in place never read an image: only a node that starts or falls behind.
 
 Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hdfs://``).
 
@@ -133,6 +142,7 @@ class ModelStore:
         self.model = model
         self.base = f"{base.rstrip('/')}/{model}"
         self.versions_dir = f"{self.base}/versions"
+        self.compacted_dir = f"{self.base}/compacted"
         # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
         # refuses a "directory"); their single-object PUTs are atomic instead.
         self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
@@ -147,8 +157,8 @@ class ModelStore:
             self.lease.check()
 
     # ------------------------------------------------------------------ paths
-    def _vdir(self, version: int) -> str:
-        return f"{self.versions_dir}/{version:012d}"
+    def _vdir(self, version: int, image: bool = False) -> str:
+        return f"{self.compacted_dir if image else self.versions_dir}/{version:012d}"
 
     def _exists(self, path: str) -> bool:
         return self.fs.get_file_info(path).type != pafs.FileType.NotFound
@@ -182,10 +192,17 @@ class ModelStore:
 
     def versions(self) -> list[int]:
         """Complete versions present (those with a manifest), ascending."""
-        if not self._exists(self.versions_dir):
+        return self._listed(self.versions_dir)
+
+    def images(self) -> list[int]:
+        """Versions with a complete compacted image, ascending."""
+        return self._listed(self.compacted_dir)
+
+    def _listed(self, directory: str) -> list[int]:
+        if not self._exists(directory):
             return []
         out = []
-        for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
+        for info in self.fs.get_file_info(pafs.FileSelector(directory)):
             name = info.base_name
             if info.type == pafs.FileType.Directory and name.isdigit() and self._exists(f"{info.path}/{MANIFEST}"):
                 out.append(int(name))
@@ -230,12 +247,13 @@ class ModelStore:
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptVersion(f"{self.base}/PIN is not a valid pin ({exc}): fix or delete it (streamrec store unpin)") from None
 
-    def manifest(self, version: int) -> dict:
-        path = f"{self._vdir(version)}/{MANIFEST}"
+    def manifest(self, version: int, image: bool = False) -> dict:
+        path = f"{self._vdir(version, image)}/{MANIFEST}"
         try:
             manifest = json.loads(self._read(path))
         except FileNotFoundError:
-            raise CorruptVersion(f"version {version} of {self.model} has no manifest (incomplete or absent)") from None
+            what = "compacted image" if image else "version"
+            raise CorruptVersion(f"{what} {version} of {self.model} has no manifest (incomplete or absent)") from None
         except ValueError as exc:
             raise CorruptVersion(f"{path} is not valid JSON: {exc}") from None
         for key in ("format_version", "version", "kind", "parent", "files", "tables"):
@@ -305,6 +323,19 @@ class ModelStore:
                meta: Mapping[str, Any] | None = None) -> int:
         """Write the dense file and the manifest (listing every shard's ``files``), make the
         version visible and move LATEST to it; returns the version."""
+        self._seal(staged, files, dense, meta)
+        if not self.renames_dirs:
+            self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
+            return staged.version
+        self._check_lease()
+        self.fs.move(staged.staging, self._vdir(staged.version))
+        self.replace_file(f"{self.base}/LATEST", f"{staged.version}\n".encode())
+        return staged.version
+
+    def _seal(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None,
+              meta: Mapping[str, Any] | None) -> None:
+        """Write the dense file and the manifest into the staging directory (the manifest last:
+        on an object store, where the staging directory is the final one, it is the commit)."""
         files = {rel: dict(info) for rel, info in files.items()}
         table_info: dict[str, dict] = {}
         for info in files.values():
@@ -330,13 +361,29 @@ class ModelStore:
         if not self.renames_dirs:
             self._check_lease()
         self._write(f"{staged.staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
-        if not self.renames_dirs:
-            self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
-            return staged.version
-        self._check_lease()
-        self.fs.move(staged.staging, self._vdir(staged.version))
-        self.replace_file(f"{self.base}/LATEST", f"{staged.version}\n".encode())
-        return staged.version
+
+    def compact(self, version: int) -> int:
+        """Write ``compacted/<version>``: ``version``'s whole state (its chain merged, from the
+        newest image on it) as one full image, with ``version``'s manifest metadata. Returns
+        the rows written. Atomic like a version; a writer that lost its lease writes nothing."""
+        if version in self.images():
+            return 0
+        loaded = self.load(version)
+        if len(loaded.chain) == 1:
+            return 0  # a full version, or an image already: nothing to merge
+        skip = {"format_version", "model", "version", "kind", "parent", "created_at", "files", "tables"}
+        meta = {k: v for k, v in loaded.manifest.items() if k not in skip}
+        meta.update({"image_of": version, "compacted_chain": loaded.chain, "version_created_at": loaded.manifest["created_at"]})
+        image = self._vdir(version, image=True)
+        staging = f"{self.compacted_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else image
+        staged = StagedVersion(version, "full", None, staging)
+        dims = {name: loaded.manifest["tables"][name]["dim"] for name in loaded.tables}
+        tables = {name: SparseDelta(torch.from_numpy(keys), torch.from_numpy(values)) for name, (keys, values) in loaded.tables.items()}
+        self._seal(staged, self.write_shard(staged, tables, dims), loaded.dense, meta)
+        if self.renames_dirs:
+            self._check_lease()
+            self.fs.move(staging, image)
+        return sum(len(keys) for keys, _ in loaded.tables.values())
 
     def abort(self, staged: "StagedVersion") -> None:
         """Delete a staged version that will not be committed (nothing reads it)."""
@@ -345,21 +392,30 @@ class ModelStore:
 
     # ------------------------------------------------------------------ reading
     def chain(self, version: int) -> list[int]:
-        """Versions to apply, oldest first: the nearest full at or before ``version``, then deltas."""
+        """Versions to apply, oldest first: the nearest full version or compacted image at or
+        before ``version`` (an image when :meth:`starts_with_image`), then deltas."""
+        return self._chain(version)[1]
+
+    def _chain(self, version: int) -> tuple[bool, list[int]]:
+        images = set(self.images())
         out = [version]
+        if version in images:
+            return True, out
         manifest = self.manifest(version)
         while manifest["kind"] == "delta":
             parent = manifest["parent"]
             if parent is None:
                 raise CorruptVersion(f"delta version {manifest['version']} has no parent")
             out.append(parent)
+            if parent in images:
+                return True, out[::-1]
             manifest = self.manifest(parent)
-        return out[::-1]
+        return False, out[::-1]
 
-    def read_version(self, version: int) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
-        """One version's files, verified: (manifest, sparse tables, dense tensors)."""
-        manifest = self.manifest(version)
-        vdir = self._vdir(version)
+    def read_version(self, version: int, image: bool = False) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
+        """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense tensors)."""
+        manifest = self.manifest(version, image)
+        vdir = self._vdir(version, image)
         sparse: dict[str, pa.Table] = {}
         shards: dict[str, list[pa.Table]] = {}
         dense: dict[str, torch.Tensor] = {}
@@ -396,26 +452,31 @@ class ModelStore:
         version = self.latest() if version is None else version
         if version is None:
             raise CorruptVersion(f"model {self.model} has no published version under {self.base}")
-        chain = self.chain(version)
+        from_image, chain = self._chain(version)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
         dims: dict[str, int] = {}
         dense: dict[str, torch.Tensor] = {}
         manifest: dict = {}
-        for v in chain:
-            manifest, sparse, dense_v = self.read_version(v)
+        for i, v in enumerate(chain):
+            manifest, sparse, dense_v = self.read_version(v, image=from_image and i == 0)
             dense.update(dense_v)
             for name, table in sparse.items():
                 dims[name] = manifest["tables"][name]["dim"]
                 parts.setdefault(name, []).append(sparse_arrays(table, dims[name]))
         tables = {name: _merge(chunks, dims[name]) for name, chunks in parts.items()}
+        if from_image and len(chain) == 1:  # the version's own manifest (its kind, parent, times), not the image's
+            try:
+                manifest = self.manifest(version)
+            except CorruptVersion:
+                pass  # garbage-collected: the image carries its metadata
         return LoadedModel(version, manifest, tables, dense, chain)
 
     # ------------------------------------------------------------------ retention
     def gc(self, keep_fulls: int = 2) -> list[int]:
         """Delete versions older than the ``keep_fulls``-th newest full version (and stale
         temp dirs); everything needed to load any kept version stays. Returns deleted versions."""
-        versions = self.versions()
-        fulls = [v for v in versions if self.manifest(v)["kind"] == "full"]
+        versions, images = self.versions(), self.images()
+        fulls = sorted({v for v in versions if self.manifest(v)["kind"] == "full"} | set(images))  # where a chain can start
         if len(fulls) <= keep_fulls:
             return []
         horizon = fulls[-keep_fulls]
@@ -427,7 +488,11 @@ class ModelStore:
         doomed = [v for v in versions if v < horizon and v not in pinned]
         for v in doomed:
             self.fs.delete_dir(self._vdir(v))
-        for info in self.fs.get_file_info(pafs.FileSelector(self.versions_dir)):
+        for v in images:
+            if v < horizon and v not in pinned:
+                self.fs.delete_dir(self._vdir(v, image=True))
+        for info in [*self.fs.get_file_info(pafs.FileSelector(self.versions_dir)),
+                     *self.fs.get_file_info(pafs.FileSelector(self.compacted_dir, allow_not_found=True))]:
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
             elif info.base_name.isdigit() and int(info.base_name) < horizon and int(info.base_name) not in pinned \

@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--publish-interval", type=float, metavar="S",
                        help=f"seconds between versions (trainer.publish_interval_s: {t['publish_interval_s']:g})")
     train.add_argument("--full-every", type=int, help=f"deltas between full versions (trainer.full_every: {t['full_every']})")
+    train.add_argument("--compact-every", type=int,
+                       help=f"deltas between compactions of the chain, 0 = never (trainer.compact_every: {t['compact_every']})")
     train.add_argument("--checkpoint-interval", type=float, metavar="S",
                        help=f"seconds between checkpoints (trainer.checkpoint_interval_s: {t['checkpoint_interval_s']:g})")
     train.add_argument("--warmup-samples", type=int, help=f"samples before the frozen baseline (trainer.warmup_samples: {t['warmup_samples']})")
@@ -283,6 +285,7 @@ def _config_from(args: argparse.Namespace) -> Config:
         "trainer.batch_size": getattr(args, "batch_size", None),
         "trainer.publish_interval_s": getattr(args, "publish_interval", None),
         "trainer.full_every": getattr(args, "full_every", None),
+        "trainer.compact_every": getattr(args, "compact_every", None),
         "trainer.checkpoint_interval_s": getattr(args, "checkpoint_interval", None),
         "trainer.warmup_samples": getattr(args, "warmup_samples", None),
         "trainer.device": getattr(args, "device", None),

@@ -151,12 +151,14 @@ class TrainerConfig:
     batch_size: int
     publish_interval_s: float
     full_every: int
+    compact_every: int
     keep_fulls: int
     publish_rows_per_step: int
     checkpoint_interval_s: float
     group: str
     device: str
     prefetch_batches: int
+    max_batch_delay_ms: int
     eval_window: int
     warmup_samples: int
     frozen_baseline: bool
@@ -387,6 +389,10 @@ def validate(config: Config) -> None:
         check_serving_mode(s.compile)
     except ConfigError as exc:
         problems.append(str(exc))
+    if config.trainer.compact_every < 0:
+        problems.append(f"trainer.compact_every must be >= 0 (0: never), got {config.trainer.compact_every}")
+    if config.trainer.max_batch_delay_ms < 1:
+        problems.append(f"trainer.max_batch_delay_ms must be >= 1, got {config.trainer.max_batch_delay_ms}")
     if config.trainer.lease_s <= 0:
         problems.append(f"trainer.lease_s must be > 0, got {config.trainer.lease_s}")
     if config.trainer.rejected_keep_mb < 1:

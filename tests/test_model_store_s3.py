@@ -52,3 +52,15 @@ def test_a_torn_version_on_s3_is_never_listed_or_loaded(s3_endpoint):
     with pytest.raises(CorruptVersion, match="no manifest"):
         ms.load(2)
     assert _publish(ms, 2, "delta") == 2 and ms.load().chain == [1, 2]  # the next writer reuses the number
+
+
+def test_compaction_on_s3_writes_the_image_in_place_manifest_last(s3_endpoint):
+    ms = ModelStore(_uri(s3_endpoint, "c"), "ctr")
+    for n in range(1, 5):
+        _publish(ms, n, "full" if n == 1 else "delta")
+    want = ms.load(4)
+    assert ms.compact(4) == len(want.tables["t"][0]) and ms.images() == [4]
+    got = ms.load(4)
+    assert got.chain == [4] and got.tables["t"][0].tolist() == want.tables["t"][0].tolist()
+    torch.testing.assert_close(torch.from_numpy(got.tables["t"][1]), torch.from_numpy(want.tables["t"][1]))
+    assert ms.gc(keep_fulls=1) == [1, 2, 3] and ms.load(4).chain == [4]

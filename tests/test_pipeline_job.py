@@ -229,6 +229,42 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
     assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == ["i1", "i2"]
 
 
+def test_a_click_labels_its_sample_on_arrival_not_when_the_watermark_reaches_it(broker, tmp_path):
+    """A clicked impression's sample leaves the job when its click arrives: its features were
+    fixed at the impression, only the label waited. With 20 s of out-of-orderness the watermark
+    never reaches the click in this test, so only the early label can produce the sample; the
+    unclicked impression's sample still waits for its attribution window to close."""
+    name = f"early-{uuid.uuid4().hex[:8]}"
+    env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__OUT_OF_ORDERNESS_MS": "20000",
+           "STREAMREC_FLINK__IDLE_TIMEOUT_S": "600"}
+    ensure_topics(broker, [f"{name}.events"], 1)
+    job = _submit_in_background(env, "--fresh")
+    try:
+        FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
+        t0 = int(time.time() * 1000) - 60_000
+        producer = make_producer(broker)
+        for value in (_imp("i1", t0, 1, 100, "r1", cat=5), _imp("i2", t0 + 100, 1, 200, "r2", cat=5),
+                      _imp("later", t0 + 21_600, 2, 300, "r3", cat=6)):  # moves the watermark to ~t0 + 1.6 s
+            producer.send(f"{name}.events", key=b"1", value=value)
+        producer.flush()
+        # the category stage has applied i1 and i2 once it publishes their category's feature state
+        _wait_for(lambda: any((r.key or b"").startswith(b"c/category/5/") for r in _read(broker, f"{name}.features")),
+                  120, "the category stage to apply the impressions")
+        sent = time.monotonic()
+        producer.send(f"{name}.events", key=b"1", value=_click("c1", t0 + 3000, 1, 100, "r1"))
+        producer.flush()
+        _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= 1, 60, "the clicked impression's sample")
+        waited = time.monotonic() - sent
+        time.sleep(2)  # anything else would be out by now
+        rows = _samples(broker, f"{name}.samples").to_pylist()
+    finally:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.communicate(timeout=60)
+    assert [(r["event_id"], r["label"], r["click_ts"]) for r in rows] == [("i1", 1, t0 + 3000)], rows
+    assert rows[0]["category_imps_60s"] == 0 and rows[0]["user_imps_60s"] == 0  # the features of i1's own time
+    print(f"clicked sample visible {waited:.2f} s after the click was sent")
+
+
 def _submit_in_background(env, *flags) -> subprocess.Popen:
     """`streamrec pipeline submit` (unbounded) in its own process group, output captured."""
     return subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", *flags], cwd=REPO,

@@ -324,3 +324,47 @@ def test_a_rollback_pins_every_node_survives_a_kill_and_reload_releases_it(store
         for node in nodes:
             node.kill()
             node.wait()
+
+
+def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the_store(tmp_path):
+    """compacted/<v> holds v's whole state; loading v or a later version starts there; gc
+    counts images as starting points. The expected rows are kept here, independently."""
+    ms = ModelStore(str(tmp_path), "ctr")
+    g = torch.Generator().manual_seed(0)
+    expected: dict[int, torch.Tensor] = {}
+
+    def publish(n: int) -> int:
+        keys = torch.randint(0, 60, (25,), generator=g).unique()
+        values = torch.randn(len(keys), 4, generator=g)
+        gone = torch.tensor([k for k in list(expected)[:3] if k not in keys.tolist()], dtype=torch.int64) if n > 1 else None
+        delta = SparseDelta(keys, values) if gone is None else SparseDelta(keys, values, deleted=gone)
+        for k in (gone.tolist() if gone is not None else []):
+            del expected[k]
+        expected.update({int(k): v for k, v in zip(keys, values)})
+        return ms.publish("full" if n == 1 else "delta", {"t": delta}, {"t": 4}, dense={"w": torch.full((2,), float(n))},
+                          meta={"trained_through_ms": n})
+
+    def assert_loads_expected(version: int, chain: list[int]) -> None:
+        loaded = ms.load(version)
+        keys, values = loaded.tables["t"]
+        assert loaded.chain == chain and loaded.manifest["trained_through_ms"] == version
+        assert dict(zip(keys.tolist(), map(tuple, values.tolist()))) == {k: tuple(v.tolist()) for k, v in expected.items()}
+        assert loaded.dense["w"].tolist() == [float(version)] * 2
+
+    for n in range(1, 7):
+        publish(n)
+    assert ms.compact(6) == len(expected) and ms.images() == [6]
+    assert ms.manifest(6, image=True)["compacted_chain"] == [1, 2, 3, 4, 5, 6]
+    assert_loads_expected(6, [6])
+    for n in range(7, 13):
+        publish(n)
+    assert_loads_expected(12, [6, 7, 8, 9, 10, 11, 12])  # from the image, then the deltas after it
+    ms.compact(12)  # incremental: image 6 plus six deltas
+    assert ms.manifest(12, image=True)["compacted_chain"] == [6, 7, 8, 9, 10, 11, 12]
+    assert_loads_expected(12, [12])
+    assert ms.gc(keep_fulls=1) == list(range(1, 12)) and ms.versions() == [12] and ms.images() == [12]
+    publish(13)
+    assert_loads_expected(13, [12, 13])  # version 12 itself is a delta; its image is the start
+    # an image without its manifest (a compactor that died) is not one
+    (tmp_path / "ctr" / "compacted" / f"{13:012d}" / "sparse").mkdir(parents=True)
+    assert ms.images() == [12] and ms.load(13).chain == [12, 13]

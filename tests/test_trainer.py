@@ -89,18 +89,62 @@ def test_batches_cover_the_files_exactly_and_positions_resume_without_gaps(tmp_p
     assert rest == [e for i, e in enumerate(small["event_id"].to_pylist()) if i >= 2500 and labels[i] != 5]
 
 
+class _TrickleSource:
+    """A topic under light load: a few fresh samples every 50 ms, never a quiet poll."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def chunks(self):
+        import time
+
+        from trainer.sources import SampleChunk
+
+        for start in range(0, self.table.num_rows, 10):
+            time.sleep(0.05)
+            part = self.table.slice(start, 10)
+            rows = np.arange(start, start + part.num_rows)
+            yield SampleChunk(part, np.zeros(len(rows), np.int64), rows, {0: start + part.num_rows})
+
+    def lag(self):
+        return None
+
+    def commit(self, positions):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_partial_batch_is_trained_once_its_oldest_sample_waited_max_delay(table):
+    """Samples that trickle in are not held back for a full batch, even though every poll
+    brings some: the oldest waits about max_delay, and positions still count every row."""
+    pre = Prefetcher(_TrickleSource(table.slice(0, 2000)), SPEC, 1000, history_len=50, max_delay_s=0.2).start()
+    first = pre.get(timeout=5)  # a full batch would take 5 s of trickle
+    pre.stop()
+    assert not isinstance(first, str) and 0 < len(first) < 1000, first
+    assert first.positions == {0: len(first)}
+
+
 def _cfg(tmp_path, **extra):
     overrides = {"trainer.model_store": str(tmp_path / "models"), "trainer.work_dir": str(tmp_path / "work"),
                  "trainer.progress_interval_s": 3600.0, "trainer.device": "auto", **extra}
     return load_config(overrides=overrides, environ={})
 
 
-def test_published_version_equals_the_trainers_parameters(tmp_path, sample_run):
-    cfg = _cfg(tmp_path, **{"trainer.publish_interval_s": 0.2, "trainer.full_every": 2, "trainer.warmup_samples": 10**9})
+@pytest.mark.parametrize("full_every, compact_every", [(2, 0), (1000, 2)], ids=["fulls", "compacted-deltas"])
+def test_published_version_equals_the_trainers_parameters(tmp_path, sample_run, full_every, compact_every):
+    cfg = _cfg(tmp_path, **{"trainer.publish_interval_s": 0.2, "trainer.full_every": full_every, "trainer.warmup_samples": 10**9,
+                            "trainer.compact_every": compact_every, "trainer.keep_fulls": 2})
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=30000, progress=False))
     summary = trainer.run()
     assert len(summary["published"]) >= 3 and {r["kind"] for r in summary["published"]} == {"full", "delta"}
     ms = ModelStore(str(tmp_path / "models"), "ctr")
+    if compact_every:  # the chain was compacted in the background and old versions deleted
+        kinds = [r["kind"] for r in summary["published"]]
+        assert kinds.count("full") == 1 and len(summary["compactions"]) >= 2, summary["compactions"]
+        assert len(ms.images()) == 2 and min(ms.versions()) > 1
+        assert len(ms.chain(ms.latest())) <= compact_every + 2
     loaded = InferenceModel.load(ms)
     assert loaded.version == ms.latest() == summary["version"]
     restored, _ = EmbeddingStore.restore(trainer.checkpointer.latest() / "sparse")

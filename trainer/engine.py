@@ -160,7 +160,8 @@ class Trainer:
                                    tcfg.keep_fulls, self._announce if announce else None,
                                    self.state.get("last_version"), self.state.get("deltas_since_full", 0),
                                    ShardedVersionWriter(ranks, self.store) if ranks.distributed else None, collect_garbage=ranks.rank == 0,
-                                   max_failures=tcfg.max_publish_failures, force_full=self.state.get("force_full", False))
+                                   max_failures=tcfg.max_publish_failures, force_full=self.state.get("force_full", False),
+                                   compact_every=tcfg.compact_every)
         self.frozen: InferenceModel | None = None
         self._frozen_pending = False
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
@@ -270,7 +271,8 @@ class Trainer:
         tcfg = self.cfg.trainer
         source = self._source()
         prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
-                              pin_memory=self.device.type == "cuda").start()
+                              pin_memory=self.device.type == "cuda",
+                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
         started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
@@ -282,8 +284,10 @@ class Trainer:
             while True:
                 t0 = time.perf_counter()
                 # files never idle: wait for the batch, so a slow decode never turns into an
-                # empty step (steps then hold the same samples run after run)
-                item = END if ended else prefetch.get(timeout=None if self.opts.files else 0.5)
+                # empty step (steps then hold the same samples run after run). Idle on the topic,
+                # look again soon while a version is due or on its way (its publish waits on this loop)
+                idle_wait = 0.05 if self.publisher.busy or self._dirty() else 0.5
+                item = END if ended else prefetch.get(timeout=None if self.opts.files else idle_wait)
                 self.times["input"] += time.perf_counter() - t0
                 batch = item if isinstance(item, SampleBatch) else None
                 ended = ended or item is END
@@ -345,6 +349,7 @@ class Trainer:
             reason = str(failed) if isinstance(failed, RankFailure) else f"rank {self.ranks.rank}: a collective failed ({failed})"
             raise TrainingError(f"{reason}. Training stopped on this rank; nothing after the last checkpoint "
                                 f"({latest.name if latest else 'none'}) is kept, and a restart resumes from it.")
+        self.publisher.close()  # a compaction in progress finishes, so the summary lists it
         summary = self.summary(time.monotonic() - started, self.state["global_samples"] - samples_at_start)
         self._close()
         return summary
@@ -468,6 +473,7 @@ class Trainer:
             if agreed.publish == 2:
                 self._frozen_pending = True
             self._begin_publish(kind="full" if agreed.publish == 2 else None)
+            self.publisher.pump()  # a small delta's snapshot is one slice: hand it to the writer now
         self.times["publish"] += time.perf_counter() - t0
         if agreed.checkpoint:
             self.checkpoint(source)
@@ -553,6 +559,7 @@ class Trainer:
             "device": str(self.device),
             "ms_per_step": {p: 1000 * t / steps for p, t in self.times.items()},
             "published": [asdict(r) for r in self.publisher.records],
+            "compactions": self.publisher.compactions,
             "publish_stall_ms_per_million_rows": self.publisher.stall_ms_per_million_rows(),
             "frozen_version": self.state.get("frozen_version"),
             "table_rows": {name: len(t) for name, t in self.store.tables.items()},
@@ -567,6 +574,7 @@ class Trainer:
         return out
 
     def _close(self) -> None:
+        self.publisher.close()
         if self.reporter is not None:
             self.reporter.close()
         if self.truth is not None:

@@ -3,8 +3,10 @@
 A background thread reads chunks from the source, cuts them into batches of
 ``batch_size`` samples, converts them to tensors (pinned when training on CUDA, so the
 step's host-to-device copy is asynchronous) and keeps up to ``depth`` batches queued.
-When the source goes quiet, a partial batch older than ``max_delay_s`` is released: an
-online learner should not sit on fresh samples waiting for a full batch.
+A partial batch whose oldest sample has waited ``max_delay_s`` is released (checked at
+every chunk the source yields, an empty one included): an online learner should not sit on
+fresh samples waiting for a full batch. ``max_delay_s=None`` (sample files) never releases a
+partial batch but the last, so a file run cuts the same batches run after run.
 
 Each batch carries the source *position after it*: for every partition, the first row
 not yet handed to the trainer (rows still buffered here count as not consumed), so a
@@ -40,7 +42,7 @@ class Skipped:
 
 class Prefetcher:
     def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
-                 pin_memory: bool = False, max_delay_s: float = 1.0) -> None:
+                 pin_memory: bool = False, max_delay_s: float | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
@@ -108,7 +110,7 @@ class Prefetcher:
                     buffered += chunk.table.num_rows
                     oldest = oldest or time.monotonic()
                 self.decode_s += time.perf_counter() - t0
-                flush_partial = chunk.empty and buffered and time.monotonic() - oldest >= self.max_delay_s
+                flush_partial = bool(buffered) and self.max_delay_s is not None and time.monotonic() - oldest >= self.max_delay_s
                 while buffered >= self.batch_size or flush_partial:
                     t0 = time.perf_counter()
                     table = pa.concat_tables(tables)

@@ -3,11 +3,15 @@
 A publish has three phases: *begin* (on the training thread: fix the key set, copy the
 dense parameters; microseconds plus a small dense copy), *snapshot* (on the training
 thread, ``rows_per_step`` rows between steps, so no single pause is long), and *write*
-(Arrow files, checksums, rename, LATEST; on a background thread). After the write, the
-version is announced on the model-updates topic.
+(Arrow files, checksums, rename, LATEST; on a background thread). Right after the write,
+the same thread announces the version on the model-updates topic.
 
-A full version every ``full_every`` deltas lets a new serving node start from one full
-plus a few deltas. A poisoned model (non-finite values) is never written: the write
+A new serving node starts from the newest full version or compacted image and applies the
+deltas after it. Every ``compact_every`` deltas a background thread compacts the chain into
+an image (``ModelStore.compact``) and deletes what the newest ``keep_fulls`` starting points
+do not need, so a seconds cadence grows neither the store nor a node's start-up; a full
+version every ``full_every`` deltas starts a new chain (rarely needed with compaction: the
+full snapshot costs the training thread a pass over every row). A poisoned model (non-finite values) is never written: the write
 checks every value it is about to publish and refuses.
 
 A delta is built on the writer's own previous version, and the store refuses it unless
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,14 +80,19 @@ class Publisher:
     def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
                  rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
                  last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
-                 collect_garbage: bool = True, max_failures: int = 3, force_full: bool = False) -> None:
+                 collect_garbage: bool = True, max_failures: int = 3, force_full: bool = False, compact_every: int = 0) -> None:
         if interval_s <= 0 or full_every < 1 or rows_per_step < 1 or max_failures < 1:
             raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
         self.store, self.model_store = store, model_store
         self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
         self.announce = announce
         self.write_version = write_version or self._write_local  # the sharded trainer writes with every rank
-        self.collect_garbage = collect_garbage  # one writer deletes old versions
+        self.collect_garbage = collect_garbage  # one writer compacts and deletes old versions
+        self.compact_every = compact_every  # deltas between compactions (0: never)
+        self.deltas_since_base = deltas_since_full
+        self.compactions: list[dict[str, Any]] = []
+        self._compactor: ThreadPoolExecutor | None = None
+        self._compaction: Future | None = None
         self.last_version = last_version
         self.deltas_since_full = deltas_since_full
         self.max_failures, self.failures, self.last_error = max_failures, 0, ""
@@ -181,6 +190,7 @@ class Publisher:
         kind = pending["kind"]
         version = self.write_version(self.model_store, kind, self.last_version, tables, pending["dense"], pending["meta"],
                                      _refusal(tables, pending["dense"]))
+        self._announce(version)  # from here: the training thread learns of it only at its next pump
         if kind == "full" and self.keep_fulls and self.collect_garbage:
             try:
                 self.model_store.gc(keep_fulls=self.keep_fulls)
@@ -199,19 +209,52 @@ class Publisher:
     def _finish(self, record: PublishRecord) -> None:
         self.last_version = record.version
         if record.kind == "full":
-            self.deltas_since_full, self.force_full = 0, False
+            self.deltas_since_full, self.force_full, self.deltas_since_base = 0, False, 0
         else:
             self.deltas_since_full += 1
+            self.deltas_since_base += 1
+            self._maybe_compact(record.version)
         self.records.append(record)
         log.info("published version %d (%s, %d rows; training paused %.1f ms, write %.0f ms)", record.version, record.kind,
                  record.rows, 1000 * (record.begin_s + record.snapshot_s), 1000 * record.write_s)
-        if self.announce is not None:
-            manifest = self.model_store.manifest(record.version)
-            message = {k: manifest.get(k) for k in ("model", "version", "kind", "parent", "created_at", "trained_through_ms")}
-            try:
-                self.announce(message)
-            except Exception as exc:  # the store is the source of truth; pollers still find it
-                log.warning("announcing version %d failed: %s", record.version, exc)
+
+    def _maybe_compact(self, version: int) -> None:
+        """Compact the chain up to ``version`` in the background, one compaction at a time."""
+        if not (self.compact_every and self.collect_garbage and self.deltas_since_base >= self.compact_every):
+            return
+        if self._compaction is not None and not self._compaction.done():
+            return  # the next delta tries again
+        self.deltas_since_base = 0
+        if self._compactor is None:
+            self._compactor = ThreadPoolExecutor(1, thread_name_prefix="compactor")
+        self._compaction = self._compactor.submit(self._compact, version)
+
+    def _compact(self, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            rows = self.model_store.compact(version)
+            deleted = self.model_store.gc(keep_fulls=self.keep_fulls) if self.keep_fulls else []
+        except Exception as exc:  # the chain stays longer until the next try; versions are unaffected
+            log.warning("compacting the chain up to version %d failed: %s", version, exc)
+            return
+        seconds = time.perf_counter() - t0
+        self.compactions.append({"version": version, "rows": rows, "seconds": seconds, "deleted_versions": len(deleted)})
+        log.info("compacted the chain up to version %d (%d rows, %.2f s); %d old versions deleted", version, rows, seconds, len(deleted))
+
+    def close(self) -> None:
+        """Wait for a compaction in progress (it is atomic either way: this just finishes it)."""
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
+
+    def _announce(self, version: int) -> None:
+        """Tell serving nodes (model-updates topic) that ``version`` is in the store (writer thread)."""
+        if self.announce is None:
+            return
+        try:
+            manifest = self.model_store.manifest(version)
+            self.announce({k: manifest.get(k) for k in ("model", "version", "kind", "parent", "created_at", "trained_through_ms")})
+        except Exception as exc:  # the store is the source of truth; pollers still find it
+            log.warning("announcing version %d failed: %s", version, exc)
 
     def stall_ms_per_million_rows(self) -> float:
         rows = sum(r.rows for r in self.records)

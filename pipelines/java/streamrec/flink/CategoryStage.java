@@ -20,8 +20,8 @@ import org.apache.flink.runtime.state.VoidNamespaceSerializer;
  * Category counters (keyed by category_id; a click counts for its impression's category),
  * then the label join, here because an impression and its clicks share the category key:
  * the impression's sample, now complete but for the label, waits until its first joined
- * click arrives (label 1 at once) or the watermark passes ts + the attribution window
- * (label 0). The deadline is an event this stage schedules for itself. Exactly one sample
+ * click arrives (label 1 at once: the user stage's early label, or the click itself in event
+ * time) or the watermark passes ts + the attribution window (label 0). The deadline is an event this stage schedules for itself. Exactly one sample
  * per impression: the user stage dropped duplicates and marked only the first click of
  * each impression.
  *
@@ -75,6 +75,18 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
         return e.categoryId;
     }
 
+    /** A click's label, sent by the user stage when the click arrived: label the waiting
+     *  sample now rather than when the watermark reaches the click. If the sample is not here
+     *  yet (its impression is still on its way) the click labels it in event time, as ever. */
+    @Override
+    protected void early(Event e) throws Exception {
+        label(e, e.impressionId, positive(e.ts));
+    }
+
+    private static byte[] positive(long clickTs) {
+        return (",\"label\":1,\"click_ts\":" + clickTs + "}").getBytes(StandardCharsets.US_ASCII);
+    }
+
     @Override
     protected void apply(WindowCounter counter, Event e) throws Exception {
         if (e.kind == Event.LABEL_DEADLINE) {
@@ -96,7 +108,7 @@ public final class CategoryStage extends CounterStage<Tuple2<byte[], byte[]>> {
                 spillOldest(e.categoryId);
             }
         } else if (e.firstClick) {
-            label(e, e.impressionId, ("," + "\"label\":1,\"click_ts\":" + e.ts + "}").getBytes(StandardCharsets.US_ASCII));
+            label(e, e.impressionId, positive(e.ts));
         }
         counter.add(e.kind, e.ts, maxWindowMs);
     }

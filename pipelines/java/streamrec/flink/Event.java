@@ -16,6 +16,10 @@ public final class Event {
     public static final int CLICK = 1;
     /** Made up by the category stage: the attribution window of impression {@code eventId} closes at ts. */
     public static final int LABEL_DEADLINE = 2;
+    /** Made up by the user stage when a click arrives that joins an impression it has applied:
+     *  the label of impression {@code impressionId} (category {@code categoryId}), sent ahead of
+     *  the watermark. Later stages handle it at once; it never enters an event-time buffer. */
+    public static final int EARLY_LABEL = 3;
 
     public byte[] key; // the Kafka key it came with (clicks keep it for the DLQ)
     public byte[] raw; // the raw payload; kept for clicks only (an orphan click goes to the DLQ unchanged)

@@ -132,11 +132,27 @@ public abstract class EventTimeStage<S, OUT> extends AbstractStreamOperator<OUT>
     @Override
     public void processElement(StreamRecord<Event> record) throws Exception {
         Event e = record.getValue();
-        if (e.ts <= watermark) {
+        if (e.kind == Event.EARLY_LABEL) {
+            early(e);
+        } else if (e.ts <= watermark) {
             late(e);
         } else {
             schedule(e);
+            arrived(e);
         }
+    }
+
+    /** An early label ({@link Event#EARLY_LABEL}): handled on arrival, never buffered. The
+     *  default drops it; a stage between the user stage and the label join passes it on. */
+    protected void early(Event e) throws Exception {}
+
+    /** Called for each event when it arrives ahead of the watermark, after it was buffered for
+     *  its turn (the current key is its key): what a stage may do before event time reaches it. */
+    protected void arrived(Event e) throws Exception {}
+
+    /** The current key's state as event time has left it (for {@link #arrived}: read only). */
+    protected final S peek(long key) throws Exception {
+        return load(key);
     }
 
     /**

@@ -14,6 +14,12 @@ public final class ItemStage extends CounterStage<Event> {
         return e.itemId;
     }
 
+    /** Early labels go on to the label join at once. */
+    @Override
+    protected void early(Event e) {
+        emit(e, e.ts);
+    }
+
     @Override
     protected void apply(WindowCounter counter, Event e) {
         if (e.kind == Event.IMPRESSION) {

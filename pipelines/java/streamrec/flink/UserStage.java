@@ -25,7 +25,8 @@ import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
  *       last {@code historyLen} joined clicks strictly before ts (most recent first).</li>
  * </ul>
  * Clicks join here, inside the user's partition, rather than in an interval join: the join
- * would hold every feature back by the attribution window.
+ * would hold every feature back by the attribution window. A click whose impression is
+ * already applied also sends the label ahead of the watermark ({@link #arrived}).
  */
 public final class UserStage extends EventTimeStage<UserStage.State, Event> {
     private static final long serialVersionUID = 1L;
@@ -98,6 +99,37 @@ public final class UserStage extends EventTimeStage<UserStage.State, Event> {
         for (Event e : run) {
             if (e.kind == Event.CLICK) {
                 emitFeature(features().history(key, s.histItem, s.histCat, s.histTs));
+                return;
+            }
+        }
+    }
+
+    /** A click that joins an impression this stage has already applied sends that impression's
+     *  label on at once ({@link Event#EARLY_LABEL}): its sample's features were fixed when the
+     *  impression was applied, so only the label was waiting, and it need not wait for the
+     *  watermark to reach the click. The click itself is still applied in event time (counters,
+     *  sequence, and the label again, a no-op if the early one found the sample). */
+    @Override
+    protected void arrived(Event e) throws Exception {
+        if (e.kind != Event.CLICK) {
+            return;
+        }
+        State s = peek(e.userId);
+        String key = e.requestId + '\u0001' + e.itemId;
+        for (int i = 0; i < s.openKey.length; i++) {
+            if (s.openKey[i].equals(key)) { // the first open match: the one event time joins, too
+                if (!s.openClicked[i] && s.openTs[i] + attributionMs >= e.ts) {
+                    Event label = new Event();
+                    label.kind = Event.EARLY_LABEL;
+                    label.ts = e.ts;
+                    label.eventId = e.eventId;
+                    label.requestId = e.requestId;
+                    label.userId = e.userId;
+                    label.itemId = e.itemId;
+                    label.categoryId = s.openCat[i];
+                    label.impressionId = s.openId[i];
+                    emit(label, e.ts);
+                }
                 return;
             }
         }
