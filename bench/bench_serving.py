@@ -56,7 +56,7 @@ def start_server(store: Path, device: str, max_batch: int, max_delay_us: int, wo
            "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": "1000000",  # a closed loop: the queue never bounds it
            "STREAMREC_SERVING__FRONTENDS": str(frontends),
            "STREAMREC_SERVING__COMPILE": compile_mode, "STREAMREC_SERVING__FOLLOW_UPDATES": "false", "STREAMREC_SERVING__FEATURE_STORE": "false",
-           "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us),
+           "STREAMREC_SERVING__POLL_INTERVAL_S": str(poll_interval_s), "STREAMREC_SERVING__ADMIN_TOKEN": ADMIN_TOKEN, "STREAMREC_SERVING__SWITCH_INTERVAL_US": str(switch_interval_us),
            **(extra_env or {})}
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store), "--port", str(port),
@@ -208,6 +208,58 @@ def measure_swaps(port: int, bodies: list[bytes], args, latest: Path, versions: 
             "versions_in_store": len(versions)}
 
 
+ADMIN_TOKEN = "bench-admin"
+
+
+def admin(port: int, route: str, body: dict) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", f"/v1/models/ctr:{route}", orjson.dumps(body),
+                 {"authorization": f"Bearer {ADMIN_TOKEN}", "content-type": "application/json"})
+    response = conn.getresponse()
+    answer = orjson.loads(response.read())
+    if response.status != 200:
+        raise RuntimeError(f":{route} answered {response.status}: {answer}")
+    return answer
+
+
+def measure_swaps_live(port: int, bodies: list[bytes], args, store: Path, work: Path) -> dict:
+    """p50/p99 at ``--swap-concurrency`` while a real trainer trains on the samples and
+    publishes every ``--swap-trainer-interval`` s into the served store: first with the node
+    pinned to its version (the trainer's CPU load, no applies), then following every version.
+    The one difference between the two windows is applying versions."""
+    c = args.swap_concurrency
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", str(store), "--work-dir", str(work),
+         "--loop", "--no-frozen", "--device", args.device, "--publish-interval", str(args.swap_trainer_interval), "--full-every", "100000"],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first = model_status(port)["model_version"]
+        deadline = time.monotonic() + 300
+        while model_status(port)["model_version"] == first:  # the trainer's first version (a full one) is served
+            if trainer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the live trainer published nothing the server applied")
+            time.sleep(0.5)
+        time.sleep(args.swap_trainer_interval)
+        pinned_at = model_status(port)["model_version"]
+        admin(port, "reload", {"version": pinned_at})  # pins: the node stays while the trainer goes on
+        steady = load(port, bodies, c, args.seconds * 2, args.client_processes)
+        admin(port, "reload", {})  # released: follow LATEST again (catches up at its next look)
+        time.sleep(args.poll_interval * 2 + 0.5)
+        start_version = model_status(port)["model_version"]
+        swapping = load(port, bodies, c, args.seconds * 2, args.client_processes)
+        applied = model_status(port)["model_version"]
+    finally:
+        trainer.terminate()
+        trainer.wait(timeout=60)
+    result = {"concurrency": c, "trainer_publish_interval_s": args.swap_trainer_interval, "steady_pinned": steady,
+              "swapping": swapping, "from_version": start_version, "to_version": applied,
+              "p99_ratio": swapping["p99_ms"] / steady["p99_ms"]}
+    print(f"live trainer publishing every {args.swap_trainer_interval:g} s, concurrency {c}: pinned p50 {steady['p50_ms']:.2f} / "
+          f"p99 {steady['p99_ms']:.2f} ms; following v{start_version} -> v{applied}: p50 {swapping['p50_ms']:.2f} / "
+          f"p99 {swapping['p99_ms']:.2f} ms ({result['p99_ratio']:.2f}x), errors {swapping['errors']}", flush=True)
+    return result
+
+
 def model_status(port: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/v1/models/ctr")
@@ -250,6 +302,8 @@ def main() -> None:
     parser.add_argument("--noise-floor", action="store_true", help="first measure a no-op HTTP server with the same client")
     parser.add_argument("--swap-concurrency", type=int, default=0,
                         help="also measure ours at this concurrency twice: steady, then while new versions are applied (hot-swap)")
+    parser.add_argument("--swap-trainer-interval", type=float, default=0,
+                        help="with --swap-concurrency: a live trainer publishes every this many seconds (pinned vs following)")
     parser.add_argument("--model-store", help="serve this store (a version of model 'ctr') instead of training one")
     parser.add_argument("--no-baseline", action="store_true", help="measure ours only (parameter sweeps)")
     parser.add_argument("--profile", action="store_true",
@@ -304,6 +358,8 @@ def main() -> None:
                         spy.wait(timeout=60)
                 if args.swap_concurrency and name == "ours":
                     result["swap"] = measure_swaps(port, bodies, args, latest, versions)
+                    if args.swap_trainer_interval:
+                        result["swap_live"] = measure_swaps_live(port, bodies, args, store, Path(tmp) / "live-trainer")
                 result[f"{name}_runtime"] = model_status(port).get("runtime")
             finally:
                 proc.terminate()

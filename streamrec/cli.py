@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=300.0,
                       help="events/s (default 300: what the Flink job with RocksDB keeps up with on 2 cores beside the rest)")
     demo.add_argument("--bad-fraction", type=float, default=0.01, help="malformed events to inject (default 0.01)")
-    demo.add_argument("--publish-interval", type=float, default=10.0, help="seconds between published versions (default 10)")
+    demo.add_argument("--publish-interval", type=float, default=1.0, help="minimum seconds between published versions (default 1)")
     demo.add_argument("--attribution-window", type=float, default=5.0,
                       help="seconds a click may follow its impression (default 5; production configs use minutes)")
     demo.add_argument("--warmup-samples", type=int, default=3000,

@@ -85,6 +85,9 @@ class DemoRun:
             "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(self.work_dir / "trainer"),
             "STREAMREC_TRAINER__GROUP": self.prefix, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": str(a.publish_interval),
             "STREAMREC_TRAINER__WARMUP_SAMPLES": str(a.warmup_samples),
+            # a version a second: deltas only, the chain compacted every 30 of them
+            "STREAMREC_TRAINER__FULL_EVERY": os.environ.get("STREAMREC_TRAINER__FULL_EVERY", "100000"),
+            "STREAMREC_TRAINER__COMPACT_EVERY": os.environ.get("STREAMREC_TRAINER__COMPACT_EVERY", "30"),
             "STREAMREC_SERVING__MODEL_STORE": store, "STREAMREC_SERVING__PORT": self.serve_address.rsplit(":", 1)[1],
             "STREAMREC_SERVING__ADMIN_TOKEN": self.admin_token, "STREAMREC_SERVING__POLL_INTERVAL_S": "0.5",
             "STREAMREC_SERVING__FEATURE_STORE_DIR": str(self.work_dir / "serving-features"),
