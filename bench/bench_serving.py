@@ -200,12 +200,14 @@ def measure_swaps(port: int, bodies: list[bytes], args, latest: Path, versions: 
     swapping = load(port, bodies, c, min(args.seconds * 2, 0.5 * len(versions)), args.client_processes)
     stop.set()
     mover.join()
-    applied = model_status(port)["model_version"]
+    after = model_status(port)
+    applied = after["model_version"]
     print(f"hot-swap at concurrency {c}: steady p50 {steady['p50_ms']:.2f} / p99 {steady['p99_ms']:.2f} ms, "
           f"while swapping v{start_version} -> v{applied}: p50 {swapping['p50_ms']:.2f} / p99 {swapping['p99_ms']:.2f} ms, "
           f"errors {swapping['errors']}", flush=True)
     return {"concurrency": c, "steady": steady, "swapping": swapping, "from_version": start_version, "to_version": applied,
-            "versions_in_store": len(versions)}
+            "versions_in_store": len(versions), "p99_ratio": swapping["p99_ms"] / steady["p99_ms"],
+            "applies": [a for a in after.get("applies", []) if a["version"] > start_version]}
 
 
 ADMIN_TOKEN = "bench-admin"
@@ -247,13 +249,15 @@ def measure_swaps_live(port: int, bodies: list[bytes], args, store: Path, work: 
         time.sleep(args.poll_interval * 2 + 0.5)
         start_version = model_status(port)["model_version"]
         swapping = load(port, bodies, c, args.seconds * 2, args.client_processes)
-        applied = model_status(port)["model_version"]
+        after = model_status(port)
+        applied = after["model_version"]
     finally:
         trainer.terminate()
         trainer.wait(timeout=60)
     result = {"concurrency": c, "trainer_publish_interval_s": args.swap_trainer_interval, "steady_pinned": steady,
               "swapping": swapping, "from_version": start_version, "to_version": applied,
-              "p99_ratio": swapping["p99_ms"] / steady["p99_ms"]}
+              "p99_ratio": swapping["p99_ms"] / steady["p99_ms"],
+              "applies": [a for a in after.get("applies", []) if a["version"] > start_version]}
     print(f"live trainer publishing every {args.swap_trainer_interval:g} s, concurrency {c}: pinned p50 {steady['p50_ms']:.2f} / "
           f"p99 {steady['p99_ms']:.2f} ms; following v{start_version} -> v{applied}: p50 {swapping['p50_ms']:.2f} / "
           f"p99 {swapping['p99_ms']:.2f} ms ({result['p99_ratio']:.2f}x), errors {swapping['errors']}", flush=True)

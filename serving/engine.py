@@ -214,6 +214,7 @@ class ServingEngine:
             "freshness_s": (time.time() * 1000 - through) / 1000 if through else None,
             "applied_at": served.applied_at.get(served.version) if served.version else None,
             "rollback_to": sorted({u.version_before for u in served.undo}),
+            "applies": served.applies(),
             "pinned": served.pinned,
             "pin": served.pin.__dict__ if served.pin is not None else None,
             "refused": {str(v): why for v, why in served.refused.items()},

@@ -31,7 +31,8 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -111,6 +112,7 @@ class ServedModel:
         self.pin: Pin | None = None  # the store's pin this node follows: automatic applies stop until it is released
         self.latest_problem: str | None = None  # why LATEST itself is not followed (garbage, dangling, unreadable pin)
         self.applied_at: dict[int, float] = {}
+        self.recent_applies: deque[ApplyReport] = deque(maxlen=32)  # what each change cost (status: "applies")
         self.refused: dict[int, str] = {}  # version -> why it was not applied
 
     @property
@@ -313,8 +315,7 @@ class ServedModel:
             model.inference.version, model.inference.manifest = version, manifest
             self._push_undo(record)
             self._settle()
-        self.applied_at[version] = time.time()
-        return ApplyReport(version, record.version_before, "delta", rows, prepared - t0, time.perf_counter() - prepared)
+        return self._applied(ApplyReport(version, record.version_before, "delta", rows, prepared - t0, time.perf_counter() - prepared))
 
     def _swap(self, version: int) -> ApplyReport:
         t0 = time.perf_counter()
@@ -328,9 +329,19 @@ class ServedModel:
             self.current = fresh
             if previous is not None:
                 self._push_undo(UndoRecord(previous.version, previous.manifest, replaced=previous))
-        self.applied_at[version] = time.time()
         rows = sum(len(t) for t in fresh.store.tables.values())
-        return ApplyReport(version, previous.version if previous else -1, "swap", rows, prepared - t0, time.perf_counter() - prepared)
+        return self._applied(ApplyReport(version, previous.version if previous else -1, "swap", rows, prepared - t0,
+                                         time.perf_counter() - prepared))
+
+    def _applied(self, report: ApplyReport) -> ApplyReport:
+        self.applied_at[report.version] = time.time()
+        self.recent_applies.append(report)
+        return report
+
+    def applies(self) -> list[dict]:
+        """The last changes: version, mode, rows, prepare and locked milliseconds."""
+        return [{**asdict(r), "prepare_ms": round(1000 * r.prepare_s, 2), "locked_ms": round(1000 * r.locked_s, 2)}
+                for r in list(self.recent_applies)]
 
     def _settle(self) -> None:
         """Wait for the in-place writes (issued on this thread's stream) before batches run
