@@ -309,20 +309,27 @@ class EmbeddingTable:
         """The general path: rows below the cache are brought up (the cache changes)."""
         return self.pull(ids.to(self.top.device, torch.int64).flatten(), now_ms, train=False).embeddings()
 
-    def warm(self, keys: torch.Tensor, now_ms: int = 0) -> int:
+    def warm(self, keys: torch.Tensor, now_ms: int = 0, complete_before: bool = False) -> int:
         """Bring existing rows of ``keys`` into the GPU cache while it has room (serving
         does this at load and after each delta, so lookups take the fused path), keeping
-        their clocks; returns how many keys were considered."""
+        their clocks; returns how many keys were considered. ``complete_before``: the cache
+        held every row before ``keys`` were (re)loaded, so once all of them are cached it
+        is complete again, with no scan of every row (a delta's apply stays short)."""
         if self.cache is None or len(keys) == 0:
             return 0
         room = self.cache.capacity - len(self.cache)
+        wanted = len(keys)
         keys = keys.to(torch.int64).cpu()[:max(room, 0)]
         if len(keys):
             slots = self.cache.slots_of(keys.to(self.device))
             absent = slots < 0
             if bool(absent.any()):
                 self._bring_up(keys[absent.cpu()].to(self.device), None, now_ms, False, protect=slots[~absent])
-        self.refresh_cache_complete()
+        if complete_before and len(keys) == wanted and (self.ssd is None or not self.ssd.count) \
+                and bool((self.cache.slots_of(keys.to(self.device)) >= 0).all()):
+            self.cache_complete = True
+        else:
+            self.refresh_cache_complete()
         return len(keys)
 
     def push(self, pulled: Pulled, grad: torch.Tensor) -> None:

@@ -293,25 +293,34 @@ class ServedModel:
         for name, tensor in dense.items():
             if name not in params or params[name].shape != tensor.shape:
                 raise CorruptVersion(f"version {version}: dense tensor {name} {tuple(tensor.shape)} does not fit the served model")
+        # The undo record reads what is served now: only this thread changes it (one change at a
+        # time), so this happens before batches are held off; the lookup guard's shared side
+        # keeps lookups from moving rows between tiers meanwhile.
+        record = UndoRecord(model.version, model.manifest)
+        with model.inference.lookup_guard.read():
+            for name, (keys, values, deleted) in decoded.items():
+                touched = torch.cat([keys, deleted])
+                found, old = model.store[name].read(touched)
+                record.sparse[name] = _SparseUndo(touched[found], old, touched[~found])
+        with torch.no_grad():
+            for name, tensor in dense.items():
+                record.dense[name] = params[name].detach().clone()
+                dense[name] = tensor.to(params[name].device, non_blocking=True)
         prepared = time.perf_counter()
         rows = 0
         with self.lock.write():
-            record = UndoRecord(model.version, model.manifest)
             for name, (keys, values, deleted) in decoded.items():
                 table = model.store[name]
-                touched = torch.cat([keys, deleted])
-                found, old = table.read(touched)
-                record.sparse[name] = _SparseUndo(touched[found], old, touched[~found])
+                complete = table.cache_complete
                 if len(keys):
                     table.load_rows(keys, values)
-                    table.warm(keys)  # load_rows puts rows in DRAM; serve them from the GPU cache
+                    table.warm(keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
                 if len(deleted):
                     table.remove(deleted)
-                rows += len(touched)
+                rows += len(keys) + len(deleted)
             with torch.no_grad():
                 for name, tensor in dense.items():
-                    record.dense[name] = params[name].detach().clone()
-                    params[name].copy_(tensor.to(params[name].device))
+                    params[name].copy_(tensor)
             model.inference.version, model.inference.manifest = version, manifest
             self._push_undo(record)
             self._settle()
