@@ -622,6 +622,27 @@ class EmbeddingTable:
             self.cache_complete = False  # rows now live below the cache only (warm() brings them up)
         self._spill_dram(protect=torch.empty(0, dtype=torch.int64))
 
+    def overwrite(self, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """New weights for the rows of ``keys`` that live in DRAM, written where they are (the
+        DRAM slot, and the GPU cache slot when cached: a clean cached row evicted later still
+        finds its DRAM copy current); slots, clocks and optimizer state stay. Two index
+        writes per tier instead of a remove, an insert and a bring-up: serving applies a
+        delta's updated rows this way. Returns the mask of keys written; the others (new
+        rows, rows on SSD) need :meth:`load_rows`."""
+        keys = keys.to(torch.int64).cpu()
+        dslots = self.dram.slots_of(keys)
+        done = dslots >= 0
+        if not bool(done.any()):
+            return done
+        idx = torch.nonzero(done).squeeze(1)
+        values = weights.index_select(0, idx).float()
+        self.dram.weights.index_copy_(0, dslots[idx], values.to(self.dram.weights.device))
+        if self.cache is not None:
+            cslots = self.cache.slots_of(keys[idx].to(self.cache.device))
+            cached = torch.nonzero(cslots >= 0).squeeze(1)
+            self.cache.weights.index_copy_(0, cslots[cached], values.to(self.cache.device, non_blocking=True)[cached])
+        return done
+
     def remove(self, keys: torch.Tensor) -> None:
         keys = keys.to(torch.int64).cpu()
         if self.cache is not None:

@@ -313,8 +313,11 @@ class ServedModel:
                 table = model.store[name]
                 complete = table.cache_complete
                 if len(keys):
-                    table.load_rows(keys, values)
-                    table.warm(keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
+                    fresh = ~table.overwrite(keys, values)  # existing rows: written in place
+                    if bool(fresh.any()):
+                        keys, values = keys[fresh], values[fresh]
+                        table.load_rows(keys, values)
+                        table.warm(keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
                 if len(deleted):
                     table.remove(deleted)
                 rows += len(keys) + len(deleted)
