@@ -366,8 +366,6 @@ class ModelStore:
         """Write ``compacted/<version>``: ``version``'s whole state (its chain merged, from the
         newest image on it) as one full image, with ``version``'s manifest metadata. Returns
         the rows written. Atomic like a version; a writer that lost its lease writes nothing."""
-        if version in self.images():
-            return 0
         loaded = self.load(version)
         if len(loaded.chain) == 1:
             return 0  # a full version, or an image already: nothing to merge
@@ -393,7 +391,7 @@ class ModelStore:
     # ------------------------------------------------------------------ reading
     def chain(self, version: int) -> list[int]:
         """Versions to apply, oldest first: the nearest full version or compacted image at or
-        before ``version`` (an image when :meth:`starts_with_image`), then deltas."""
+        before ``version`` (``load`` reads the first one's image when it has one), then deltas."""
         return self._chain(version)[1]
 
     def _chain(self, version: int) -> tuple[bool, list[int]]:
@@ -488,16 +486,13 @@ class ModelStore:
         doomed = [v for v in versions if v < horizon and v not in pinned]
         for v in doomed:
             self.fs.delete_dir(self._vdir(v))
-        for v in images:
-            if v < horizon and v not in pinned:
-                self.fs.delete_dir(self._vdir(v, image=True))
         for info in [*self.fs.get_file_info(pafs.FileSelector(self.versions_dir)),
                      *self.fs.get_file_info(pafs.FileSelector(self.compacted_dir, allow_not_found=True))]:
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
             elif info.base_name.isdigit() and int(info.base_name) < horizon and int(info.base_name) not in pinned \
                     and info.type == pafs.FileType.Directory:
-                self.fs.delete_dir(info.path)  # no manifest: a crashed writer's version on an object store
+                self.fs.delete_dir(info.path)  # an image behind the horizon, or a version without a manifest (a crashed writer's, on an object store)
         return doomed
 
 

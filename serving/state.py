@@ -315,9 +315,9 @@ class ServedModel:
                 if len(keys):
                     fresh = ~table.overwrite(keys, values)  # existing rows: written in place
                     if bool(fresh.any()):
-                        keys, values = keys[fresh], values[fresh]
-                        table.load_rows(keys, values)
-                        table.warm(keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
+                        new_keys = keys[fresh]
+                        table.load_rows(new_keys, values[fresh])
+                        table.warm(new_keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
                 if len(deleted):
                     table.remove(deleted)
                 rows += len(keys) + len(deleted)

@@ -473,7 +473,6 @@ class Trainer:
             if agreed.publish == 2:
                 self._frozen_pending = True
             self._begin_publish(kind="full" if agreed.publish == 2 else None)
-            self.publisher.pump()  # a small delta's snapshot is one slice: hand it to the writer now
         self.times["publish"] += time.perf_counter() - t0
         if agreed.checkpoint:
             self.checkpoint(source)

@@ -21,9 +21,10 @@ import org.apache.flink.runtime.state.VoidNamespaceSerializer;
  * then the label join, here because an impression and its clicks share the category key:
  * the impression's sample, now complete but for the label, waits until its first joined
  * click arrives (label 1 at once: the user stage's early label, or the click itself in event
- * time) or the watermark passes ts + the attribution window (label 0). The deadline is an event this stage schedules for itself. Exactly one sample
- * per impression: the user stage dropped duplicates and marked only the first click of
- * each impression.
+ * time) or the watermark passes ts + the attribution window (label 0). The deadline is an
+ * event this stage schedules for itself. Exactly one sample per impression: the user stage
+ * dropped duplicates and marked only the first click of each impression, and a sample leaves
+ * the stage once whichever label reaches it first.
  *
  * <p>Where a sample waits: on its deadline event, in memory (so it is in every checkpoint
  * with the stage's event buffer, as raw keyed state), up to {@code stateCacheKeys} samples;
