@@ -32,6 +32,7 @@ from streamrec.demo.probe import BackgroundProbe, ServingClient
 log = logging.getLogger("streamrec.demo")
 CANDIDATE_FIELDS = ("item_id", "category_id", "advertiser_id", "position")
 REPLAY_DELAY_S = 2.0
+SAMPLE_WAIT_S = 30.0
 
 
 class AdServerProbe(BackgroundProbe):
@@ -40,7 +41,12 @@ class AdServerProbe(BackgroundProbe):
         self.bootstrap, self.events_topic, self.samples_topic = bootstrap, events_topic, samples_topic
         self.client, self.spec, self.replay_every = client, spec, replay_every
         self.served: dict[str, dict] = {}  # impression event_id -> {features, score, as_of, ts, version}
+        # samples that arrived before their impression was scored (the probe lags behind the
+        # events topic on a busy machine): compared when it is, dropped after SAMPLE_WAIT_S
+        self.early: dict[str, tuple[float, dict]] = {}
         self.compared: list[dict] = []  # one per impression with both forms
+        self._due: deque = deque()  # (monotonic time, entry, sample) of replays
+        self._matched = 0
         self.failed_requests = 0
         super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples))
 
@@ -82,35 +88,54 @@ class AdServerProbe(BackgroundProbe):
         answer = self._predict(body)
         if answer is None:
             return
+        pairs = []
         with self._lock:
             for e, features, score in zip(imps, answer["features"], answer["scores"]):
-                self.served[e["event_id"]] = {"features": features, "score": score, "as_of": answer["features_as_of"],
-                                              "version": answer["model_version"], "ts": e["ts"]}
+                served = {"features": features, "score": score, "as_of": answer["features_as_of"],
+                          "version": answer["model_version"], "ts": e["ts"]}
+                early = self.early.pop(e["event_id"], None)
+                if early is None:
+                    self.served[e["event_id"]] = served
+                else:
+                    pairs.append((served, early[1]))
+        for served, sample in pairs:
+            self._compare(served, sample)
+
+    def _compare(self, served: dict, sample: dict) -> None:
+        """One impression in both forms: record the differences; schedule every
+        ``replay_every``-th for a replay a little later (REPLAY_DELAY_S: the node then reads
+        the feature state of the same checkpoint)."""
+        entry = {"event_id": sample["event_id"], "label": sample["label"], "served": served,
+                 "differing": differing_features(self.spec, served["features"], sample)}
+        with self._lock:
+            self.compared.append(entry)
+            self._matched += 1
+            replay = self._matched % self.replay_every == 0
+        if replay:
+            self._due.append((time.monotonic() + REPLAY_DELAY_S, entry, sample))
 
     def _follow_samples(self) -> None:
-        """Samples of scored impressions: compare; replay every ``replay_every``-th a little
-        later (REPLAY_DELAY_S: the node reads the feature state of the same checkpoint)."""
+        """Samples of scored impressions: compare (a sample ahead of its impression's
+        scoring waits for it); run the replays that are due."""
         consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
                                  auto_offset_reset="latest")
-        n, due = 0, deque()
         try:
             while not self._stop.is_set():
+                now = time.monotonic()
                 for records in poll_records(consumer, 200).values():
                     for r in records:
                         sample = orjson.loads(r.value)
                         with self._lock:
                             served = self.served.pop(sample["event_id"], None)
-                        if served is None:
-                            continue
-                        n += 1
-                        entry = {"event_id": sample["event_id"], "label": sample["label"], "served": served,
-                                 "differing": differing_features(self.spec, served["features"], sample)}
-                        with self._lock:
-                            self.compared.append(entry)
-                        if n % self.replay_every == 0:
-                            due.append((time.monotonic() + REPLAY_DELAY_S, entry, sample))
-                while due and due[0][0] <= time.monotonic() and not self._stop.is_set():
-                    _, entry, sample = due.popleft()
+                            if served is None:
+                                self.early[sample["event_id"]] = (now, sample)
+                        if served is not None:
+                            self._compare(served, sample)
+                with self._lock:  # samples of impressions the probe never scored (before it started, a failed call)
+                    for event_id in [k for k, (t, _) in self.early.items() if now - t > SAMPLE_WAIT_S]:
+                        del self.early[event_id]
+                while self._due and self._due[0][0] <= time.monotonic() and not self._stop.is_set():
+                    _, entry, sample = self._due.popleft()
                     entry["replayed"] = self._replay(sample)
         finally:
             consumer.close()
