@@ -509,29 +509,30 @@ class EmbeddingTable:
     def read(self, keys: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Current values of ``keys`` from whichever tier holds them, without moving rows.
         Returns (found mask, values[found]), both on ``device`` (snapshots read into the GPU
-        so the training thread pays a device-to-device copy, not a host transfer)."""
+        so the training thread pays a device-to-device copy, not a host transfer). Each tier
+        is asked only for the keys the tiers above it lack: a snapshot of cached rows never
+        probes the DRAM index on the host."""
         device = torch.device(device)
         keys = keys.to(torch.int64)
         values = torch.zeros(len(keys), self.config.dim, device=device)
         found = torch.zeros(len(keys), dtype=torch.bool, device=device)
+        rest = torch.arange(len(keys), device=keys.device)  # positions no tier above has answered
         for tier in (self.cache, self.dram):
-            if tier is None:
+            if tier is None or len(rest) == 0:
                 continue
-            slots = tier.slots_of(keys.to(tier.device))
-            hit = (slots >= 0) & ~found.to(tier.device)
-            idx = torch.nonzero(hit).squeeze(1)
-            values[idx.to(device)] = tier.weights.index_select(0, slots[idx]).to(device)
-            found |= hit.to(device)
-        missing = ~found.cpu()
-        if self.ssd is not None and bool(missing.any()):
-            idx = torch.nonzero(missing).squeeze(1)
-            cpu_keys = keys.cpu()
-            k, w, _, _ = self.ssd.get(cpu_keys[idx])
+            slots = tier.slots_of(keys.index_select(0, rest).to(tier.device))
+            hit = slots >= 0
+            where = rest.to(tier.device)[hit].to(device)
+            values.index_copy_(0, where, tier.weights.index_select(0, slots[hit]).to(device))
+            found[where] = True
+            rest = rest[(~hit).to(rest.device)]
+        if self.ssd is not None and len(rest):
+            rest = rest.cpu()
+            k, w, _, _ = self.ssd.get(keys.cpu().index_select(0, rest))  # the present keys, in request order
             if len(k):
-                pos = idx[torch.isin(cpu_keys[idx], k)]
-                order = {key: i for i, key in enumerate(k.tolist())}
-                values[pos.to(device)] = w[[order[key] for key in cpu_keys[pos].tolist()]].to(device)
-                found[pos.to(device)] = True
+                where = rest[torch.isin(keys.cpu().index_select(0, rest), k)].to(device)
+                values.index_copy_(0, where, w.to(device))
+                found[where] = True
         return found, values[found]
 
     def expire(self, now_ms: int) -> int:
