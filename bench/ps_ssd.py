@@ -11,11 +11,11 @@ and the rest in RocksDB, inside an ``EmbeddingStore`` (for the checkpoint). Meas
   counted), and the full restart path: checkpoint (streamed tier by tier) + restore;
 - peak RSS (``VmHWM``) of all of it, against the DRAM budget.
 
-The budget in rows comes from ``ps.budget.row_bytes`` (what ``[ps] dram_bytes`` uses):
-126 bytes a row at dim 16 with row-wise Adagrad, 8.5 M rows per GiB. The tier's real
-cost differs: the index is a power of two of slots (32-64 bytes a row), and RocksDB's
-memtables, block cache and the Python objects of a batch come on top; the peak RSS
-shows the sum.
+The budget in rows comes from ``ps.budget.rows_for_bytes`` (what ``[ps] dram_bytes`` uses):
+the most rows whose row arrays (94 bytes a row at dim 16 with row-wise Adagrad) and hash
+index (a power of two of 16-byte slots, sized once for the budget) fit in it: 7.46 M rows
+per GiB. RocksDB's memtables, block cache and the Python objects of a batch come on top;
+the peak RSS shows the sum.
 
 Baseline, same run, same rows and ids: plain RocksDB (rocksdict, raw mode, default
 options), every row under its key with the same record layout, no DRAM tier — rows
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from rocksdict import Options, Rdict, WriteBatch
 
-from ps.budget import row_bytes
+from ps.budget import rows_for_bytes, tier_bytes
 from ps.store import EmbeddingStore
 from ps.table import EmbeddingTable, TableConfig
 
@@ -70,13 +70,13 @@ def bench_ssd(rows: int, dim: int, dram_gib: float, batch: int, batches: int, al
     lookups = [keys_of(zipf_ranks(rows, batch, alpha, gen)) for _ in range(batches)]
     warmup = [keys_of(zipf_ranks(rows, batch, alpha, gen)) for _ in range(3)]
     state_dim = 1  # row-wise Adagrad
-    budget_rows = int(dram_gib * 2**30 / row_bytes(dim, state_dim))
+    budget_rows = rows_for_bytes(int(dram_gib * 2**30), dim, state_dim)
     cfg = TableConfig("emb", dim, dram_rows=budget_rows, gpu_cache_rows=0)
     gc.collect()
     reset_peak()
     start = memory_kb()
     out: dict = {"rows": rows, "dim": dim, "dram_budget_gib": dram_gib, "dram_budget_rows": budget_rows,
-                 "row_bytes_estimate": row_bytes(dim, state_dim), "batch": batch, "batches": batches, "zipf_alpha": alpha,
+                 "dram_tier_bytes_at_budget": tier_bytes(budget_rows, dim, state_dim), "batch": batch, "batches": batches, "zipf_alpha": alpha,
                  "rss_at_start_mb": start["VmRSS"] / 1024}
 
     # ---- ours: load

@@ -1,11 +1,18 @@
 """Tier budgets in bytes -> rows per table.
 
 Operators size memory in bytes ("4GiB of HBM for embeddings"), not in rows whose cost
-depends on the dim and the optimizer. A row in a tier (ps/storage.py RowStorage) costs:
+depends on the dim and the optimizer. A tier of ``rows`` rows (ps/storage.py RowStorage)
+costs its row arrays plus its hash index:
 
-    weights dim*4 + optimizer state state_dim*4 + last_seen 8 + key 8 + below 8
-    + live 1 + dirty 1 + hash index 32 (two int64 slots of key and value per row at
-    load <= 0.5, ps/hash_index.py)
+    rows x (weights dim*4 + optimizer state state_dim*4 + last_seen 8 + key 8 + below 8
+            + live 1 + dirty 1)
+    + index slots x 16 (an int64 key and an int64 value per slot)
+
+The index is a power of two of slots, sized once for the most keys the tier holds between
+spills (``tier_keys``: the rows, one eighth more for the batch that arrives before the
+spill, and 1024) at a load of at most 1/2, and never grown past that (ps/hash_index.py
+``fixed``). Its share per row is thus 32 to 64 bytes, depending on where the rows fall
+between two powers of two; the rows a budget buys are counted with the real size.
 
 A budget is split into equal byte shares, one per table: simple to predict, and a table
 never starves another. A share a small table cannot fill is left unused.
@@ -17,7 +24,8 @@ import re
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-INDEX_BYTES_PER_ROW = 32
+SLOT_BYTES = 16
+INDEX_MAX_LOAD = 0.5  # ps/hash_index.MAX_LOAD
 MIN_ROWS = 1024  # a tier smaller than this per table is a configuration mistake
 
 
@@ -42,9 +50,40 @@ def parse_bytes(value: int | str, name: str) -> int:
     return int(number * UNITS[unit])
 
 
-def row_bytes(dim: int, state_dim: int) -> int:
-    """What one row costs in a tier, index included (see the module docstring)."""
-    return dim * 4 + state_dim * 4 + 8 + 8 + 8 + 1 + 1 + INDEX_BYTES_PER_ROW
+def array_bytes(dim: int, state_dim: int) -> int:
+    """What one row costs in a tier's row arrays (the index comes on top: ``tier_bytes``)."""
+    return dim * 4 + state_dim * 4 + 8 + 8 + 8 + 1 + 1
+
+
+def tier_keys(rows: int) -> int:
+    """The most keys a tier of ``rows`` rows indexes: a batch's rows arrive before the spill."""
+    return rows + rows // 8 + 1024
+
+
+def index_slots(keys: int) -> int:
+    """Slots of an index that holds ``keys`` at a load of at most INDEX_MAX_LOAD."""
+    return 1 << max(4, (max(1, int(keys / INDEX_MAX_LOAD)) - 1).bit_length())
+
+
+def tier_bytes(rows: int, dim: int, state_dim: int) -> int:
+    """Memory of a full tier of ``rows`` rows: its row arrays and its index."""
+    return rows * array_bytes(dim, state_dim) + index_slots(tier_keys(rows)) * SLOT_BYTES
+
+
+def rows_for_bytes(budget_bytes: int, dim: int, state_dim: int) -> int:
+    """The most rows whose tier fits in ``budget_bytes`` (index included)."""
+    per_row, best, bits = array_bytes(dim, state_dim), 0, 4
+    while (1 << bits) * SLOT_BYTES <= budget_bytes:
+        slots = 1 << bits
+        by_bytes = (budget_bytes - slots * SLOT_BYTES) // per_row
+        by_index = max(0, (int(slots * INDEX_MAX_LOAD) - 1024) * 8 // 9)
+        while tier_keys(by_index + 1) <= slots * INDEX_MAX_LOAD:  # tier_keys floors rows / 8: step to the exact bound
+            by_index += 1
+        while by_index and tier_keys(by_index) > slots * INDEX_MAX_LOAD:
+            by_index -= 1
+        best = max(best, min(by_bytes, by_index))
+        bits += 1
+    return best
 
 
 def rows_per_table(budget_bytes: int, tables: dict[str, tuple[int, int]], name: str) -> dict[str, int]:
@@ -53,7 +92,7 @@ def rows_per_table(budget_bytes: int, tables: dict[str, tuple[int, int]], name: 
     if budget_bytes == 0:
         return {t: 0 for t in tables}
     share = budget_bytes // max(1, len(tables))
-    rows = {t: share // row_bytes(dim, state_dim) for t, (dim, state_dim) in tables.items()}
+    rows = {t: rows_for_bytes(share, dim, state_dim) for t, (dim, state_dim) in tables.items()}
     small = [t for t, r in rows.items() if r < MIN_ROWS]
     if small:
         raise BudgetError(f"{name} = {budget_bytes:,} bytes gives table(s) {', '.join(small)} fewer than {MIN_ROWS} rows "
@@ -63,16 +102,20 @@ def rows_per_table(budget_bytes: int, tables: dict[str, tuple[int, int]], name: 
 
 def tier_usage(table) -> dict[str, dict[str, int]]:
     """What each tier of an ``EmbeddingTable`` holds against its budget, in rows and bytes
-    (SSD: rows only; its bytes are RocksDB's). A cached row also has a DRAM copy once it
-    has been evicted or was brought up, so GPU and DRAM rows may overlap."""
-    per_row = row_bytes(table.config.dim, table.state_dim)
+    (row arrays of the rows held, plus the index as allocated; SSD: rows only, its bytes
+    are RocksDB's). A cached row also has a DRAM copy once it has been evicted or was
+    brought up, so GPU and DRAM rows may overlap."""
+    per_row = array_bytes(table.config.dim, table.state_dim)
     out = {}
     if table.cache is not None:
-        out["gpu_cache"] = {"rows": len(table.cache), "bytes": len(table.cache) * per_row,
-                            "budget_rows": table.cache.capacity, "budget_bytes": table.cache.capacity * per_row}
-    dram_budget = table.config.dram_rows
-    out["dram"] = {"rows": len(table.dram), "bytes": len(table.dram) * per_row,
-                   "budget_rows": dram_budget, "budget_bytes": dram_budget * per_row}  # 0: unlimited
+        out["gpu_cache"] = _usage(table.cache, table.cache.capacity, per_row)
+    out["dram"] = _usage(table.dram, table.config.dram_rows, per_row)  # budget 0: unlimited
     if table.ssd is not None:
         out["ssd"] = {"rows": table.ssd.count}
     return out
+
+
+def _usage(tier, budget_rows: int, per_row: int) -> dict[str, int]:
+    index = tier.index.slots * SLOT_BYTES
+    return {"rows": len(tier), "bytes": len(tier) * per_row + index, "index_bytes": index, "budget_rows": budget_rows,
+            "budget_bytes": budget_rows * per_row + index_slots(tier_keys(budget_rows)) * SLOT_BYTES if budget_rows else 0}

@@ -26,12 +26,17 @@ class ReservedKeyError(ValueError):
 
 
 class HashIndex:
-    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu") -> None:
+    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu", fixed: bool = False) -> None:
+        """``capacity`` keys fit at a load of at most MAX_LOAD. ``fixed``: the index of a
+        tier with a budget; a rebuild drops tombstones in place instead of growing, so its
+        memory stays what the budget counted (it grows only if more than ``capacity`` keys
+        are live at once)."""
         self.device = torch.device(device)
+        self.fixed = fixed
         self._bits = max(4, (max(1, int(capacity / MAX_LOAD)) - 1).bit_length())
         self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
         self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
-        self._used = 0  # live keys + tombstones: what fills the probe chains
+        self._used = 0  # slots not EMPTY (live keys + tombstones): what fills the probe chains
 
     def __len__(self) -> int:
         return int((self._keys > TOMBSTONE).sum())
@@ -89,11 +94,13 @@ class HashIndex:
             raise ReservedKeyError(f"keys {RESERVED_KEYS} are reserved by the hash index and cannot be feature ids")
         if (self._used + len(keys)) > MAX_LOAD * self.slots:
             self._rehash(self._used + len(keys))
-        self._used += len(keys)
         if kernels.available(self.device):
+            self._used += len(keys)  # the kernel does not say which slots were tombstones: all count
             left = kernels.insert(keys, values, self)  # one launch instead of probe rounds with host syncs
             keys, values = keys[left], values[left]  # (almost always none)
-        self._place(keys, values)
+            self._place(keys, values)
+        else:
+            self._used += self._place(keys, values)  # a key that takes a tombstone's slot fills nothing new
 
     def reserve(self, n: int) -> None:
         """Grow now if ``n`` more keys would pass the load limit (before a kernel inserts
@@ -104,21 +111,28 @@ class HashIndex:
     def note_inserted(self, n: int) -> None:
         self._used += n
 
-    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Linear-probing insert of absent, unique keys, a whole batch per round."""
+    def _place(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Linear-probing insert of absent, unique keys, a whole batch per round (a key
+        takes the first EMPTY or TOMBSTONE slot of its chain); returns how many EMPTY
+        slots were filled."""
         pos = self._hash(keys)
         mask = self.slots - 1
         pending = torch.arange(len(keys), device=self.device)
+        filled = 0
         while len(pending):
-            free = self._keys[pos] <= TOMBSTONE
+            seen = self._keys[pos]
+            free = seen <= TOMBSTONE
             claimers = pending[free]
             claim_pos = pos[free]
+            was_empty = seen[free] == EMPTY
             self._keys[claim_pos] = keys[claimers]  # racing claimers of one slot: one wins
             won = self._keys[claim_pos] == keys[claimers]
+            filled += int((was_empty & won).sum())
             self._values[claim_pos[won]] = values[claimers[won]]
             lost = torch.ones(len(pending), dtype=torch.bool, device=self.device)
             lost[torch.nonzero(free).squeeze(1)[won]] = False
             pending, pos = pending[lost], (pos[lost] + 1) & mask
+        return filled
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove present keys; returns the values they had (-1 for absent ones)."""
@@ -147,12 +161,15 @@ class HashIndex:
         """Rebuild without tombstones for ``need`` keys as ``_used`` counts them. Sized for
         the live keys plus the incoming ones, to a load of at most 3/8 (so the next rehash
         is at least 1/8 of the slots away): tombstones are not sized for, so an index whose
-        keys churn (a DRAM tier spilling to SSD) keeps its size. The same size is rebuilt in
-        place, and keys go back in slices, so the temporaries of a rebuild stay small next
-        to the index."""
+        keys churn (a DRAM tier spilling to SSD) keeps its size; a ``fixed`` index keeps it
+        while the keys fit at MAX_LOAD. The same size is rebuilt in place, and keys go back
+        in slices, so the temporaries of a rebuild stay small next to the index."""
         keys, values = self.items()
         need += len(keys) - self._used
-        bits = max(self._bits, (max(1, -(-need * 8 // 3)) - 1).bit_length())
+        if self.fixed and need <= MAX_LOAD * self.slots:
+            bits = self._bits
+        else:
+            bits = max(self._bits, (max(1, -(-need * 8 // 3)) - 1).bit_length())
         if bits == self._bits:
             self._keys.fill_(EMPTY)
             self._values.fill_(-1)

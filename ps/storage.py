@@ -21,11 +21,14 @@ class TierFull(RuntimeError):
 
 
 class RowStorage:
-    def __init__(self, dim: int, state_dim: int, device: torch.device | str, capacity: int, growable: bool) -> None:
+    def __init__(self, dim: int, state_dim: int, device: torch.device | str, capacity: int, growable: bool,
+                 index_keys: int | None = None) -> None:
+        """``index_keys``: the most keys the tier holds (a budgeted tier): its index is sized
+        for them once and never grows (ps/budget.py counts it so); None: it grows with the rows."""
         self.dim, self.state_dim = dim, state_dim
         self.device = torch.device(device)
         self.growable = growable
-        self.index = HashIndex(min(capacity, 1024) if growable else capacity, self.device)
+        self.index = HashIndex(index_keys, self.device, fixed=True) if index_keys else HashIndex(min(capacity, 1024), self.device)
         rows = torch.empty if growable else torch.zeros
         self.weights = rows(capacity, dim, device=self.device)
         self.state = rows(capacity, state_dim, device=self.device)

@@ -35,6 +35,7 @@ from ps.admission import CountMinSketch
 from ps.optimizers import make_optimizer
 from ps.spill import SpillClock
 from ps.ssd import SsdTier
+from ps.budget import tier_keys
 from ps.storage import RowStorage
 
 log = logging.getLogger(__name__)
@@ -119,8 +120,9 @@ class EmbeddingTable:
         self.state_dim = self.optimizer.state_dim(config.dim)
         # a DRAM budget is reserved up front (address space: RowStorage writes pages as rows arrive),
         # with room for one batch's rows above it before the spill
-        dram_slots = config.dram_rows + config.dram_rows // 8 + 1024 if config.dram_rows else 1024
-        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True)
+        dram_slots = tier_keys(config.dram_rows) if config.dram_rows else 1024
+        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True,
+                               index_keys=dram_slots if config.dram_rows else None)
         self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         use_cache = self.device.type == "cuda" and config.gpu_cache_rows > 0
         if self.device.type == "cuda" and not use_cache:
@@ -130,7 +132,8 @@ class EmbeddingTable:
             log.warning("table %s: the DRAM budget (%d rows, [ps] dram_bytes) is not above the GPU cache (%d rows, [ps] hbm_bytes): "
                         "DRAM may hold more rows than its budget while the cache holds them", config.name, config.dram_rows,
                         config.gpu_cache_rows)
-        self.cache = RowStorage(config.dim, self.state_dim, self.device, config.gpu_cache_rows, growable=False) if use_cache else None
+        self.cache = RowStorage(config.dim, self.state_dim, self.device, config.gpu_cache_rows, growable=False,
+                                index_keys=tier_keys(config.gpu_cache_rows)) if use_cache else None
         self.ssd: SsdTier | None = None
         if config.dram_rows:
             if ssd_dir is None:

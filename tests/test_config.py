@@ -112,17 +112,28 @@ def test_one_validation_place_names_every_bad_setting():
         load_config(environ={"STREAMREC_FEATURES__WINDOWS_S": "60,ten"})
 
 
-def test_tier_budgets_are_sizes_in_bytes_split_across_the_tables():
+def test_tier_budgets_are_sizes_in_bytes_split_across_the_tables(tmp_path):
     from model.network import table_configs
-    from ps.budget import row_bytes
+    from ps.budget import array_bytes, tier_bytes
+    from ps.table import EmbeddingTable
 
     cfg = load_config(environ={"STREAMREC_PS__HBM_BYTES": "512MiB"}, overrides={"ps.dram_bytes": "1.5GB"})
     assert cfg.ps.hbm_bytes == 512 * 2**20 and cfg.ps.dram_bytes == 1_500_000_000
     tables = table_configs(cfg.model, cfg.ps)
-    per_row = row_bytes(cfg.model.embedding_dim, 1)  # row-wise Adagrad: one float of state
-    for t in tables:  # equal shares, as many rows as fit
-        assert t.gpu_cache_rows * per_row <= 512 * 2**20 // len(tables) < (t.gpu_cache_rows + 1) * per_row
-        assert t.dram_rows * per_row <= 1_500_000_000 // len(tables) < (t.dram_rows + 1) * per_row
+    dim = cfg.model.embedding_dim
+    for t in tables:  # equal shares, as many rows as fit, the index included
+        assert tier_bytes(t.gpu_cache_rows, dim, 1) <= 512 * 2**20 // len(tables) < tier_bytes(t.gpu_cache_rows + 1, dim, 1)
+        assert tier_bytes(t.dram_rows, dim, 1) <= 1_500_000_000 // len(tables) < tier_bytes(t.dram_rows + 1, dim, 1)
+    # what a table allocates for its DRAM budget fits the share: row arrays (as many rows as the
+    # budget) plus the index it actually built; measured on the objects, not on the formula
+    table = EmbeddingTable(tables[0], ssd_dir=tmp_path)
+    dram = table.dram
+    per_row = sum(t[0].numel() * t.element_size() for t in (dram.weights, dram.state, dram.last_seen, dram.keys, dram.live, dram.dirty))
+    per_row += 8  # the GPU cache's pointer below (budgets are one formula for both tiers)
+    assert per_row == array_bytes(dim, 1)
+    index = sum(t.numel() * t.element_size() for t in dram.index.raw_tables())
+    assert tables[0].dram_rows * per_row + index <= 1_500_000_000 // len(tables)
+    table.close()
     assert load_config(environ={}, overrides={"ps.hbm_bytes": 2**30}).ps.hbm_bytes == 2**30  # a plain number
     for bad, message in (("4 gigs", "must be a size like"), ("-1GiB", "must be a size like"), ("", "must be a size like")):
         with pytest.raises(ConfigError, match=message):

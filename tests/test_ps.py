@@ -540,8 +540,11 @@ def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_
     cfg = TableConfig("t", 4, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=40,
                       gpu_cache_rows=128 if device == "cuda" else 0)
     table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
+    index_slots = [tier.index.slots for tier in (table.dram, table.cache) if tier is not None]
     ref = run_reference_workload(table, "adam", steps=80)
     assert table.stats["spilled"] > 2000 and table.stats["ssd_reads"] > 1000
+    # the budgeted tiers' indexes were rebuilt in place through the churn, never grown
+    assert [tier.index.slots for tier in (table.dram, table.cache) if tier is not None] == index_slots
     assert len(table) == len(ref) == len(table.dram) + table.ssd.count + table._cache_only()
     rows = _rows_with_state(table)
     assert sorted(rows) == sorted(ref)
