@@ -68,18 +68,22 @@ def check_samples(table: pa.Table, spec: FeatureSpec, instances: bool = False) -
     if missing:
         raise ValueError(f"samples lack columns {missing}: not sample schema v{SAMPLE_VERSION} with spec {spec}")
     n = table.num_rows
-    reason = np.full(n, None, dtype=object)
+    failed: list[tuple[np.ndarray, str]] = []  # (rows, reason) in the order the reasons rank
 
     def flag(mask: np.ndarray, why: str) -> None:
-        fresh = mask & (reason == None)  # noqa: E711 -- elementwise on an object array
-        reason[fresh] = why
+        if mask.any():
+            failed.append((mask, why))
 
-    version_missing = _np(pc.is_null(table["sample_version"])) if not instances else np.zeros(n, dtype=bool)
+    def nulls(name: str) -> np.ndarray:
+        column = table[name]
+        return _np(pc.is_null(column)) if column.null_count else np.zeros(n, dtype=bool)
+
+    version_missing = nulls("sample_version") if not instances else np.zeros(n, dtype=bool)
     flag(_np(pc.not_equal(table["sample_version"], SAMPLE_VERSION)) | version_missing, "unknown_sample_version")
     for name in required:
-        flag(_np(pc.is_null(table[name])), f"missing_field:{name}")
+        flag(nulls(name), f"missing_field:{name}")
     for name in spec.counter_columns():
-        flag(_np(pc.is_null(table[name])) | _np(pc.less(table[name], 0)), f"invalid_value:{name}")
+        flag(nulls(name) | _np(pc.less(table[name], 0)), f"invalid_value:{name}")
     if not instances:
         flag(~_np(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), "invalid_value:label")
     for name in ID_COLUMNS:
@@ -97,6 +101,12 @@ def check_samples(table: pa.Table, spec: FeatureSpec, instances: bool = False) -
             mask = np.zeros(n, dtype=bool)
             mask[parents] = True
             flag(mask, f"reserved_id:{name}")
+    if not failed:  # the common case: no per-row reasons to assign
+        return np.ones(n, dtype=bool), []
+    reason = np.full(n, None, dtype=object)  # each refused row keeps the first reason that applies
+    for mask, why in failed:
+        fresh = mask & (reason == None)  # noqa: E711 -- elementwise on an object array
+        reason[fresh] = why
     good = reason == None  # noqa: E711
     return good, [(int(i), str(reason[i])) for i in np.flatnonzero(~good)]
 
