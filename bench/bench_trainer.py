@@ -10,9 +10,7 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). ratio = our step time / baseline step time. A third pass of ours repeats the
-throughput run with Python's default GIL switch interval (5 ms) instead of
-``trainer.switch_interval_us``: what the shorter interval buys while the prefetch thread decodes.
+(input time 0). ratio = our step time / baseline step time.
 
 Publish stall: a separate measurement of what publishing costs the training thread per
 million touched rows (begin + every snapshot slice), and the longest single pause, against
@@ -71,11 +69,9 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
-             name: str, switch_interval_us: int | None = None) -> dict:
-    """One engine run from a fresh store (the first pass over the data creates rows as a stream does);
-    ``switch_interval_us``: the trainer's GIL switch interval (None: the configured default)."""
-    extra = {} if switch_interval_us is None else {"trainer.switch_interval_us": switch_interval_us}
-    cfg = load_config(overrides={**extra,
+             name: str) -> dict:
+    """One engine run from a fresh store (the first pass over the data creates rows as a stream does)."""
+    cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
         "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
         "trainer.checkpoint_interval_s": 0.0, "trainer.frozen_baseline": False, "trainer.progress_interval_s": 3600.0,
@@ -294,14 +290,6 @@ def main() -> None:
         result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
         print(f"  {result['ours']['samples_per_s']:,.0f} samples/s = {ours_ms:.2f} ms/step; "
               f"{result['ratio_step_time_ours_over_baseline']:.2f}x the baseline's step time", flush=True)
-        python_default = 5000
-        print(f"ours, throughput with Python's default GIL switch interval ({python_default} us) ...", flush=True)
-        result["ours_python_switch_interval"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False,
-                                                         work, "throughput-5ms", switch_interval_us=python_default)
-        result["ours_python_switch_interval"]["switch_interval_us"] = python_default
-        result["ours"]["switch_interval_us"] = cfg.trainer.switch_interval_us
-        print(f"  {result['ours_python_switch_interval']['samples_per_s']:,.0f} samples/s "
-              f"(configured {cfg.trainer.switch_interval_us} us: {result['ours']['samples_per_s']:,.0f})", flush=True)
         print(f"publish stall for {args.stall_rows:,} touched rows ...", flush=True)
         result["publish_stall"] = publish_stall(args.stall_rows, cfg.model.embedding_dim, device, args.stall_rows_per_step, work)
         print(f"  {json.dumps(result['publish_stall'])}", flush=True)

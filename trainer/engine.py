@@ -29,7 +29,6 @@ import logging
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -271,10 +270,6 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         tcfg = self.cfg.trainer
         source = self._source()
-        # the prefetch thread decodes while this one launches kernels: a short switch interval
-        # hands the GIL back soon after each host sync (Python's default makes it wait up to 5 ms)
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(tcfg.switch_interval_us / 1e6)
         prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
                               pin_memory=self.device.type == "cuda",
                               max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
@@ -335,7 +330,6 @@ class Trainer:
         finally:
             prefetch.stop()
             source.close()
-            sys.setswitchinterval(switch_interval)
         if poisoned:
             self._close()
             latest = self.checkpointer.latest()
