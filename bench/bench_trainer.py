@@ -10,9 +10,7 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). ratio = our step time / baseline step time. A third pass of ours repeats the
-throughput run with the samples decoded on a thread of the trainer instead of the default
-(on CUDA: a child process, trainer/decode_process.py).
+(input time 0). ratio = our step time / baseline step time.
 
 Publish stall: a separate measurement of what publishing costs the training thread per
 million touched rows (begin + every snapshot slice), and the longest single pause, against
@@ -71,10 +69,9 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
-             name: str, decode_process: str = "auto") -> dict:
-    """One engine run from a fresh store (the first pass over the data creates rows as a stream does);
-    ``decode_process``: trainer.decode_process (auto: a child process on CUDA, a thread on CPU)."""
-    cfg = load_config(overrides={"trainer.decode_process": decode_process,
+             name: str) -> dict:
+    """One engine run from a fresh store (the first pass over the data creates rows as a stream does)."""
+    cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
         "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
         "trainer.checkpoint_interval_s": 0.0, "trainer.frozen_baseline": False, "trainer.progress_interval_s": 3600.0,
@@ -293,10 +290,6 @@ def main() -> None:
         result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
         print(f"  {result['ours']['samples_per_s']:,.0f} samples/s = {ours_ms:.2f} ms/step; "
               f"{result['ratio_step_time_ours_over_baseline']:.2f}x the baseline's step time", flush=True)
-        print("ours, throughput, decoding on a thread of the trainer (trainer.decode_process = off) ...", flush=True)
-        result["ours_decode_thread"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work,
-                                                "throughput-thread", decode_process="off")
-        print(f"  {result['ours_decode_thread']['samples_per_s']:,.0f} samples/s", flush=True)
         print(f"publish stall for {args.stall_rows:,} touched rows ...", flush=True)
         result["publish_stall"] = publish_stall(args.stall_rows, cfg.model.embedding_dim, device, args.stall_rows_per_step, work)
         print(f"  {json.dumps(result['publish_stall'])}", flush=True)

@@ -159,7 +159,6 @@ class TrainerConfig:
     device: str
     prefetch_batches: int
     max_batch_delay_ms: int
-    decode_process: str
     eval_window: int
     warmup_samples: int
     frozen_baseline: bool
@@ -392,8 +391,6 @@ def validate(config: Config) -> None:
         problems.append(str(exc))
     if config.trainer.compact_every < 0:
         problems.append(f"trainer.compact_every must be >= 0 (0: never), got {config.trainer.compact_every}")
-    if config.trainer.decode_process not in ("auto", "on", "off"):
-        problems.append(f"trainer.decode_process must be one of auto, on, off, got {config.trainer.decode_process!r}")
     if config.trainer.max_batch_delay_ms < 1:
         problems.append(f"trainer.max_batch_delay_ms must be >= 1, got {config.trainer.max_batch_delay_ms}")
     if config.trainer.lease_s <= 0:

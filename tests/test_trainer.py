@@ -178,44 +178,6 @@ def test_bad_files_and_locks_give_clear_errors(tmp_path, sample_run):
         Trainer(other, TrainOptions(files=[str(sample_run)], progress=False))
 
 
-def test_decoding_in_a_child_process_trains_what_the_thread_trains(tmp_path, sample_run):
-    """The same files through the decoding process and through the thread: the same samples,
-    positions, refused rows and model (the batches are the same, in the same order)."""
-    bad = pq.read_table(sample_run / "samples.parquet").slice(0, 30000)
-    labels = bad["label"].to_numpy().copy()
-    labels[[5, 777, 12345]] = 7  # refused rows are counted the same way on both paths
-    path = tmp_path / "samples.parquet"
-    pq.write_table(bad.set_column(bad.schema.get_field_index("label"), "label", pa.array(labels, pa.int8())), path)
-    runs = {}
-    for mode in ("off", "on"):
-        cfg = _cfg(tmp_path / mode, **{"trainer.decode_process": mode, "trainer.batch_size": 1000,
-                                        "trainer.publish_interval_s": 3600.0, "trainer.warmup_samples": 10**9})
-        trainer = Trainer(cfg, TrainOptions(files=[str(path)], max_samples=20000, progress=False))
-        summary = trainer.run()
-        latest = trainer.checkpointer.latest()
-        state = torch.load(latest / "dense.pt", map_location="cpu", weights_only=False)
-        runs[mode] = (summary, state, json.loads((latest / "state.json").read_text())["positions"])
-    (off, off_state, off_positions), (on, on_state, on_positions) = runs["off"], runs["on"]
-    assert on["samples_this_run"] == off["samples_this_run"] >= 20000
-    assert on["rejected"] == off["rejected"] == {"invalid_value": 3}, (on["rejected"], off["rejected"])
-    assert on_positions == off_positions == {"0": on["samples_this_run"] + 3}
-    for key, value in off_state["model"].items():
-        torch.testing.assert_close(on_state["model"][key], value, rtol=0, atol=0)
-    # a run to the end of the file on the process path stops at END and leaves nothing behind
-    cfg = _cfg(tmp_path / "whole", **{"trainer.decode_process": "on", "trainer.publish_interval_s": 3600.0,
-                                      "trainer.warmup_samples": 10**9})
-    assert Trainer(cfg, TrainOptions(files=[str(path)], progress=False)).run()["samples_this_run"] == 30000 - 3
-
-
-def test_a_decoding_process_failure_is_a_clear_error(tmp_path, sample_run):
-    table = pq.read_table(sample_run / "samples.parquet").slice(0, 5000).drop_columns(["hist_item_ids"])
-    path = tmp_path / "samples.parquet"
-    pq.write_table(table, path)
-    cfg = _cfg(tmp_path, **{"trainer.decode_process": "on"})
-    with pytest.raises(RuntimeError, match=r"decoding the sample files failed: ValueError: samples lack columns \['hist_item_ids'\]"):
-        Trainer(cfg, TrainOptions(files=[str(path)], progress=False)).run()
-
-
 def _assert_every_version_finite(ms: ModelStore) -> None:
     for version in ms.versions():
         _, sparse, dense = ms.read_version(version)

@@ -55,7 +55,6 @@ from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
 from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
-from trainer.decode_process import DecodeProcess
 from trainer.prefetch import END, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, PublishFailed, Publisher
@@ -271,7 +270,9 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         tcfg = self.cfg.trainer
         source = self._source()
-        prefetch = self._prefetcher(source).start()
+        prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+                              pin_memory=self.device.type == "cuda",
+                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
         started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
@@ -352,18 +353,6 @@ class Trainer:
         summary = self.summary(time.monotonic() - started, self.state["global_samples"] - samples_at_start)
         self._close()
         return summary
-
-    def _prefetcher(self, source: SampleSource) -> Prefetcher | DecodeProcess:
-        """Batches decoded ahead of the step: sample files in a child process where
-        ``trainer.decode_process`` says so (trainer/decode_process.py), else on a thread."""
-        tcfg = self.cfg.trainer
-        pin = self.device.type == "cuda"
-        in_process = tcfg.decode_process == "on" or (tcfg.decode_process == "auto" and self.device.type == "cuda")
-        if self.opts.files and in_process:
-            return DecodeProcess(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
-                                 pin_memory=pin)
-        return Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
-                          pin_memory=pin, max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000)
 
     def _decide(self) -> tuple[int, bool]:
         """Rank 0's word (every rank's, alone) on what follows this step: publish (0 no,

@@ -114,11 +114,6 @@ class FileSampleSource:
     def lag(self) -> int | None:
         return max(0, self._left)
 
-    def set_left(self, rows: int | None) -> None:
-        """The rows left, as counted by the process that reads the files (trainer/decode_process.py)."""
-        if rows is not None:
-            self._left = rows
-
     def commit(self, positions: dict[int, int]) -> None:
         pass  # files have no group to tell
 
