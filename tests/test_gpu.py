@@ -77,3 +77,17 @@ def test_graph_buckets_score_like_the_eager_model_before_and_after_a_delta(tmp_p
     assert stats["mode"] == "graph" and stats["compiled_buckets"] >= 8 and stats["eager_batches"] >= 1
     graphs.close()
     eager.close()
+
+
+def test_a_pinned_batch_holds_the_same_tensors_in_page_locked_memory():
+    """SampleBatch.pin_memory lays every tensor into one pinned buffer: same values, dtypes
+    and shapes, each pinned, and the host-to-device copy of each gives it back."""
+    rng = np.random.default_rng(3)
+    batch = batch_from_table(_instances(300, rng), SPEC, MODEL.history_len, with_labels=False)
+    before = {name: getattr(batch, name).clone() for name in batch._tensors()}
+    batch.pin_memory()
+    for name, expected in before.items():
+        got = getattr(batch, name)
+        assert got.is_pinned() and got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+        assert torch.equal(got.to("cuda", non_blocking=True).cpu(), expected), name
