@@ -186,6 +186,20 @@ def _assert_every_version_finite(ms: ModelStore) -> None:
             assert np.isfinite(pc.list_flatten(t["value"]).to_numpy()).all()
 
 
+def test_a_run_that_fails_on_bad_input_releases_the_trainer(tmp_path, sample_run):
+    """A sample file the trainer cannot read stops it with the reason; the lock, lease and
+    scratch tiers are released, so the next run (with good files) starts and trains."""
+    table = pq.read_table(sample_run / "samples.parquet").slice(0, 5000).drop_columns(["hist_item_ids"])
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table, bad)
+    cfg = _cfg(tmp_path)
+    with pytest.raises(ValueError, match=r"samples lack columns \['hist_item_ids'\]"):
+        Trainer(cfg, TrainOptions(files=[str(bad)], progress=False)).run()
+    assert not list((tmp_path / "work" / "ctr").glob("tiers-*"))
+    summary = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=2000, progress=False)).run()
+    assert summary["samples_this_run"] >= 2000
+
+
 @pytest.mark.parametrize("dense_lr, sparse_lr, cause", [
     (1e30, 1e30, "loss became nan at step 1"),  # nothing good to publish first
     (0.005, 1e10, "loss became nan at step"),  # good versions first, then the loss (step 7 here)

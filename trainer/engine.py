@@ -325,8 +325,12 @@ class Trainer:
             unpublished = str(exc)
         except RuntimeError as exc:
             if not self.ranks.distributed or isinstance(exc, TrainingError):
+                self._close_after_failure()
                 raise
             failed = exc  # a collective failed: another rank died or hangs
+        except BaseException:  # bad input, a bug, an interrupt: release what the trainer holds
+            self._close_after_failure()
+            raise
         finally:
             prefetch.stop()
             source.close()
@@ -571,6 +575,14 @@ class Trainer:
             out["world_size"] = self.ranks.world
             out["table_rows"] = {name: sum(share["table_rows"][name] for share in shares) for name in out["table_rows"]}
         return out
+
+    def _close_after_failure(self) -> None:
+        """``_close`` on the way out of a failed run: the failure is what the caller needs to
+        see, so a second one while closing is logged, not raised over it."""
+        try:
+            self._close()
+        except Exception:
+            log.exception("closing the trainer after a failure also failed")
 
     def _close(self) -> None:
         self.publisher.close()
