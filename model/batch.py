@@ -63,15 +63,13 @@ class SampleBatch:
         pinned allocation costs far more than the copy, and a batch has eleven tensors."""
         names = self._tensors()
         tensors = [getattr(self, name).contiguous() for name in names]
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // 64) * 64  # each view 64-byte aligned
-        buffer = torch.empty(max(total, 64), dtype=torch.uint8, pin_memory=True)
-        for name, t, offset in zip(names, tensors, offsets):
-            nbytes = t.numel() * t.element_size()
-            view = buffer[offset : offset + nbytes].view(t.dtype).view(t.shape)
-            setattr(self, name, view.copy_(t))
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 64) * 64)  # each view 64-byte aligned
+        buffer = torch.empty(max(offsets[-1], 64), dtype=torch.uint8, pin_memory=True)
+        for name, t, offset, size in zip(names, tensors, offsets, sizes):
+            setattr(self, name, buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t))
         return self
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "SampleBatch":

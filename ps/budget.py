@@ -10,9 +10,10 @@ costs its row arrays plus its hash index:
 
 The index is a power of two of slots, sized once for the most keys the tier holds between
 spills (``tier_keys``: the rows, one eighth more for the batch that arrives before the
-spill, and 1024) at a load of at most 1/2, and never grown past that (ps/hash_index.py
-``fixed``). Its share per row is thus 32 to 64 bytes, depending on where the rows fall
-between two powers of two; the rows a budget buys are counted with the real size.
+spill, and 1024) at a load of at most 1/2 (ps/hash_layout.py), and never grown past that
+(ps/hash_index.py ``fixed``). Its share per row is thus 32 to 64 bytes, depending on where
+the rows fall between two powers of two; the rows a budget buys are counted with the real
+size.
 
 A budget is split into equal byte shares, one per table: simple to predict, and a table
 never starves another. A share a small table cannot fill is left unused.
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 import re
 
+from ps.hash_layout import MAX_LOAD, index_bits
+
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 SLOT_BYTES = 16
-INDEX_MAX_LOAD = 0.5  # ps/hash_index.MAX_LOAD
 MIN_ROWS = 1024  # a tier smaller than this per table is a configuration mistake
 
 
@@ -60,14 +62,9 @@ def tier_keys(rows: int) -> int:
     return rows + rows // 8 + 1024
 
 
-def index_slots(keys: int) -> int:
-    """Slots of an index that holds ``keys`` at a load of at most INDEX_MAX_LOAD."""
-    return 1 << max(4, (max(1, int(keys / INDEX_MAX_LOAD)) - 1).bit_length())
-
-
 def tier_bytes(rows: int, dim: int, state_dim: int) -> int:
     """Memory of a full tier of ``rows`` rows: its row arrays and its index."""
-    return rows * array_bytes(dim, state_dim) + index_slots(tier_keys(rows)) * SLOT_BYTES
+    return rows * array_bytes(dim, state_dim) + (1 << index_bits(tier_keys(rows))) * SLOT_BYTES
 
 
 def rows_for_bytes(budget_bytes: int, dim: int, state_dim: int) -> int:
@@ -76,11 +73,9 @@ def rows_for_bytes(budget_bytes: int, dim: int, state_dim: int) -> int:
     while (1 << bits) * SLOT_BYTES <= budget_bytes:
         slots = 1 << bits
         by_bytes = (budget_bytes - slots * SLOT_BYTES) // per_row
-        by_index = max(0, (int(slots * INDEX_MAX_LOAD) - 1024) * 8 // 9)
-        while tier_keys(by_index + 1) <= slots * INDEX_MAX_LOAD:  # tier_keys floors rows / 8: step to the exact bound
+        by_index = max(0, (int(slots * MAX_LOAD) - 1024) * 8 // 9)  # fits: r + r // 8 <= 9r / 8
+        while tier_keys(by_index + 1) <= slots * MAX_LOAD:  # tier_keys floors rows / 8: step up to the exact bound
             by_index += 1
-        while by_index and tier_keys(by_index) > slots * INDEX_MAX_LOAD:
-            by_index -= 1
         best = max(best, min(by_bytes, by_index))
         bits += 1
     return best
@@ -105,17 +100,17 @@ def tier_usage(table) -> dict[str, dict[str, int]]:
     (row arrays of the rows held, plus the index as allocated; SSD: rows only, its bytes
     are RocksDB's). A cached row also has a DRAM copy once it has been evicted or was
     brought up, so GPU and DRAM rows may overlap."""
-    per_row = array_bytes(table.config.dim, table.state_dim)
+    shape = (table.config.dim, table.state_dim)
     out = {}
     if table.cache is not None:
-        out["gpu_cache"] = _usage(table.cache, table.cache.capacity, per_row)
-    out["dram"] = _usage(table.dram, table.config.dram_rows, per_row)  # budget 0: unlimited
+        out["gpu_cache"] = _usage(table.cache, table.cache.capacity, *shape)
+    out["dram"] = _usage(table.dram, table.config.dram_rows, *shape)  # budget 0: unlimited
     if table.ssd is not None:
         out["ssd"] = {"rows": table.ssd.count}
     return out
 
 
-def _usage(tier, budget_rows: int, per_row: int) -> dict[str, int]:
+def _usage(tier, budget_rows: int, dim: int, state_dim: int) -> dict[str, int]:
     index = tier.index.slots * SLOT_BYTES
-    return {"rows": len(tier), "bytes": len(tier) * per_row + index, "index_bytes": index, "budget_rows": budget_rows,
-            "budget_bytes": budget_rows * per_row + index_slots(tier_keys(budget_rows)) * SLOT_BYTES if budget_rows else 0}
+    return {"rows": len(tier), "bytes": len(tier) * array_bytes(dim, state_dim) + index, "index_bytes": index,
+            "budget_rows": budget_rows, "budget_bytes": tier_bytes(budget_rows, dim, state_dim) if budget_rows else 0}

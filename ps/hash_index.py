@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from ps import kernels
-from ps.hash_layout import EMPTY, MULTIPLIER, RESERVED_KEYS, TOMBSTONE
+from ps.hash_layout import EMPTY, MAX_LOAD, MULTIPLIER, RESERVED_KEYS, TOMBSTONE, index_bits
 
-MAX_LOAD = 0.5
 REHASH_SLICE = 1 << 20
 
 
@@ -33,7 +32,7 @@ class HashIndex:
         are live at once)."""
         self.device = torch.device(device)
         self.fixed = fixed
-        self._bits = max(4, (max(1, int(capacity / MAX_LOAD)) - 1).bit_length())
+        self._bits = index_bits(capacity)
         self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
         self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
         self._used = 0  # slots not EMPTY (live keys + tombstones): what fills the probe chains

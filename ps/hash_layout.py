@@ -1,24 +1,18 @@
-"""The hash index's slot layout, shared by the torch index (ps/hash_index.py) and the GPU
-kernels that probe it themselves (ps/kernels.py): marker keys, the hash, and what a kernel
-reads of an index."""
+"""The hash index's slot layout, shared by the torch index (ps/hash_index.py), the GPU
+kernels that probe it themselves (ps/kernels.py) and the byte budgets that pay for it
+(ps/budget.py): marker keys, the hash, the load limit and slot count. Free of torch: the
+config (and so the serving front-ends) imports the budgets."""
 
 from __future__ import annotations
-
-from typing import Protocol
-
-import torch
 
 EMPTY = -(2**63)
 TOMBSTONE = -(2**63) + 1
 RESERVED_KEYS = (EMPTY, TOMBSTONE)
 MULTIPLIER = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+MAX_LOAD = 0.5  # live keys + tombstones over slots
 
 
-class SlotTables(Protocol):
-    """An index as a kernel sees it: 2**bits slots of (key, value), linear probing from
-    ``(key * MULTIPLIER) >> (64 - bits)``."""
+def index_bits(keys: int) -> int:
+    """log2 of the slots an index needs to hold ``keys`` at a load of at most MAX_LOAD."""
+    return max(4, (max(1, int(keys / MAX_LOAD)) - 1).bit_length())
 
-    @property
-    def bits(self) -> int: ...
-
-    def raw_tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...

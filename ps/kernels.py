@@ -11,6 +11,8 @@ Used only on CUDA with Triton installed; everything else takes the torch path.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
@@ -19,9 +21,19 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-from ps.hash_layout import EMPTY, MULTIPLIER, TOMBSTONE, SlotTables
+from ps.hash_layout import EMPTY, MULTIPLIER, TOMBSTONE
 
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
+
+
+class SlotTables(Protocol):
+    """An index as a kernel sees it: 2**bits slots of (key, value), linear probing from
+    ``(key * MULTIPLIER) >> (64 - bits)``."""
+
+    @property
+    def bits(self) -> int: ...
+
+    def raw_tables(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def available(device: torch.device) -> bool:

@@ -531,9 +531,10 @@ class EmbeddingTable:
             rest = rest[(~hit).to(rest.device)]
         if self.ssd is not None and len(rest):
             rest = rest.cpu()
-            k, w, _, _ = self.ssd.get(keys.cpu().index_select(0, rest))  # the present keys, in request order
+            asked = keys.cpu().index_select(0, rest)
+            k, w, _, _ = self.ssd.get(asked)  # the present keys, in request order
             if len(k):
-                where = rest[torch.isin(keys.cpu().index_select(0, rest), k)].to(device)
+                where = rest[torch.isin(asked, k)].to(device)
                 values.index_copy_(0, where, w.to(device))
                 found[where] = True
         return found, values[found]

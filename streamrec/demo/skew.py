@@ -46,7 +46,6 @@ class AdServerProbe(BackgroundProbe):
         self.early: dict[str, tuple[float, dict]] = {}
         self.compared: list[dict] = []  # one per impression with both forms
         self._due: deque = deque()  # (monotonic time, entry, sample) of replays
-        self._matched = 0
         self.failed_requests = 0
         super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples))
 
@@ -109,8 +108,7 @@ class AdServerProbe(BackgroundProbe):
                  "differing": differing_features(self.spec, served["features"], sample)}
         with self._lock:
             self.compared.append(entry)
-            self._matched += 1
-            replay = self._matched % self.replay_every == 0
+            replay = len(self.compared) % self.replay_every == 0
         if replay:
             self._due.append((time.monotonic() + REPLAY_DELAY_S, entry, sample))
 
