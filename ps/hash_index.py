@@ -16,6 +16,7 @@ import torch
 
 from ps import kernels
 from ps.hash_layout import EMPTY, MAX_LOAD, MULTIPLIER, RESERVED_KEYS, TOMBSTONE, index_bits
+from ps.host_memory import mapped_full
 
 REHASH_SLICE = 1 << 20
 
@@ -25,20 +26,28 @@ class ReservedKeyError(ValueError):
 
 
 class HashIndex:
-    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu", fixed: bool = False) -> None:
+    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu", fixed: bool = False,
+                 mapped: bool = False) -> None:
         """``capacity`` keys fit at a load of at most MAX_LOAD. ``fixed``: the index of a
         tier with a budget; a rebuild drops tombstones in place instead of growing, so its
         memory stays what the budget counted (it grows only if more than ``capacity`` keys
-        are live at once)."""
+        are live at once). ``mapped``: a host index whose slot arrays GPU kernels probe in
+        place (ps/host_memory.py; the DRAM tier under a GPU cache)."""
         self.device = torch.device(device)
         self.fixed = fixed
+        self.mapped = mapped
         self._bits = index_bits(capacity)
-        self._keys = torch.full((1 << self._bits,), EMPTY, dtype=torch.int64, device=self.device)
-        self._values = torch.full((1 << self._bits,), -1, dtype=torch.int64, device=self.device)
+        self._keys, self._values = self._slot_arrays(self._bits)
         self._used = 0  # slots not EMPTY (live keys + tombstones): what fills the probe chains
 
     def __len__(self) -> int:
         return int((self._keys > TOMBSTONE).sum())
+
+    def _slot_arrays(self, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mapped:
+            return mapped_full(1 << bits, EMPTY, torch.int64), mapped_full(1 << bits, -1, torch.int64)
+        return (torch.full((1 << bits,), EMPTY, dtype=torch.int64, device=self.device),
+                torch.full((1 << bits,), -1, dtype=torch.int64, device=self.device))
 
     @property
     def slots(self) -> int:
@@ -134,8 +143,19 @@ class HashIndex:
         return filled
 
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
-        """Remove present keys; returns the values they had (-1 for absent ones)."""
+        """Remove present keys (unique within the batch); returns the values they had (-1
+        for absent ones)."""
         keys = keys.to(self.device, torch.int64)
+        if kernels.available(self.device):
+            out = kernels.probe(keys, self, remove=True)  # one launch instead of probe rounds with host syncs
+            undecided = torch.nonzero(out == -2).squeeze(1)
+            if len(undecided) == 0:
+                return out
+            out[undecided] = self._remove(keys[undecided])  # a chain longer than the kernel's limit: rare
+            return out
+        return self._remove(keys)
+
+    def _remove(self, keys: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(keys, -1)
         idx, pos = self._find(keys)
         out[idx] = self._values[pos]
@@ -175,8 +195,7 @@ class HashIndex:
         else:
             self._bits = bits
             self._keys = self._values = None  # free the old arrays before allocating the new ones
-            self._keys = torch.full((1 << bits,), EMPTY, dtype=torch.int64, device=self.device)
-            self._values = torch.full((1 << bits,), -1, dtype=torch.int64, device=self.device)
+            self._keys, self._values = self._slot_arrays(bits)
         self._used = 0
         for lo in range(0, len(keys), REHASH_SLICE):
             self.insert(keys[lo : lo + REHASH_SLICE], values[lo : lo + REHASH_SLICE])

@@ -44,11 +44,12 @@ if triton is not None:
 
     # Integer arguments are not specialised on their values: Triton would otherwise compile
     # a new variant whenever n or the clock changes divisibility by 16 (seconds each, mid-training).
-    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty"])
+    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "tombstone"])
     def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
-                      last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty,
+                      last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty, tombstone,
                       DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
-                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr, GATHER: tl.constexpr):
+                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr, GATHER: tl.constexpr,
+                      REMOVE: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         valid = offs < n
         key = tl.load(ids_ptr + offs, mask=valid, other=0)
@@ -60,6 +61,9 @@ if triton is not None:
             hit = searching & (found == key)
             value = tl.load(index_values_ptr + pos, mask=hit, other=-1)
             slot = tl.where(hit, value, slot)
+            if REMOVE:  # keys are unique in the batch: only this lane owns its key's slot
+                tl.store(index_keys_ptr + pos, tombstone + tl.zeros((BLOCK,), tl.int64), mask=hit)
+                tl.store(index_values_ptr + pos, tl.full((BLOCK,), -1, tl.int64), mask=hit)
             searching = searching & (found != key) & (found != empty)
             pos = (pos + 1) & mask
         slot = tl.where(searching, -2, slot)  # -2: gave up probing, let torch decide
@@ -139,14 +143,16 @@ def probe_gather(ids: torch.Tensor, index: SlotTables, weights: torch.Tensor, la
     block = 128 if dim <= 64 else 32
     grid = (triton.cdiv(n, block),)
     _probe_gather[grid](ids, index_keys, index_values, weights, out, slots, last_seen, misses, now_ms,
-                        n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
+                        n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY, TOMBSTONE,
                         DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES,
-                        UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses, GATHER=True)
+                        UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses, GATHER=True, REMOVE=False)
     return out, slots, misses
 
 
-def probe(keys: torch.Tensor, index: SlotTables) -> torch.Tensor:
-    """Slots of ``keys`` in ``index`` in one launch: -1 absent, -2 undecided after MAX_PROBES."""
+def probe(keys: torch.Tensor, index: SlotTables, remove: bool = False) -> torch.Tensor:
+    """Slots of ``keys`` in ``index`` in one launch: -1 absent, -2 undecided after MAX_PROBES.
+    ``remove``: the keys found are also removed (their index slots become tombstones);
+    ``keys`` must then be unique in the batch."""
     index_keys, index_values = index.raw_tables()
     n = len(keys)
     slots = torch.empty(n, device=keys.device, dtype=torch.int64)
@@ -155,9 +161,9 @@ def probe(keys: torch.Tensor, index: SlotTables) -> torch.Tensor:
     block = 256
     bits = index.bits
     _probe_gather[(triton.cdiv(n, block),)](keys, index_keys, index_values, index_keys, slots, slots, index_keys, slots, 0,
-                                            n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY,
+                                            n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY, TOMBSTONE,
                                             DIM=1, DIM_BLOCK=1, BLOCK=block, PROBES=MAX_PROBES,
-                                            UPDATE_CLOCK=False, COUNT_MISSES=False, GATHER=False)
+                                            UPDATE_CLOCK=False, COUNT_MISSES=False, GATHER=False, REMOVE=remove)
     return slots
 
 
@@ -244,3 +250,49 @@ def find_or_insert(keys: torch.Tensor, tier, fresh: torch.Tensor, counters: torc
         state_fill, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), STATE_DIM=state_dim,
         STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block, PROBES=MAX_PROBES)
     return out, slots
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n"])
+    def _copy_rows(src_w_ptr, src_s_ptr, src_t_ptr, src_slots_ptr, dst_w_ptr, dst_s_ptr, dst_t_ptr, dst_slots_ptr, flags_ptr, n,
+                   DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr, STATE_BLOCK: tl.constexpr,
+                   BLOCK: tl.constexpr, HAS_FLAGS: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        src = tl.load(src_slots_ptr + offs, mask=valid, other=-1)
+        dst = tl.load(dst_slots_ptr + offs, mask=valid, other=-1)
+        ok = valid & (src >= 0) & (dst >= 0)
+        src = tl.where(ok, src, 0)
+        dst = tl.where(ok, dst, 0)
+        tl.store(dst_t_ptr + dst, tl.load(src_t_ptr + src, mask=ok, other=0), mask=ok)
+        rows = ok
+        if HAS_FLAGS:
+            rows = ok & (tl.load(flags_ptr + offs, mask=valid, other=0) != 0)
+        cols = tl.arange(0, DIM_BLOCK)
+        m = rows[:, None] & (cols < DIM)[None, :]
+        w = tl.load(src_w_ptr + src[:, None] * DIM + cols[None, :], mask=m, other=0.0)
+        tl.store(dst_w_ptr + dst[:, None] * DIM + cols[None, :], w, mask=m)
+        scols = tl.arange(0, STATE_BLOCK)
+        sm = rows[:, None] & (scols < STATE_DIM)[None, :]
+        st = tl.load(src_s_ptr + src[:, None] * STATE_DIM + scols[None, :], mask=sm, other=0.0)
+        tl.store(dst_s_ptr + dst[:, None] * STATE_DIM + scols[None, :], st, mask=sm)
+
+
+def copy_rows(src, src_slots: torch.Tensor, dst, dst_slots: torch.Tensor, values_where: torch.Tensor | None = None) -> None:
+    """Copy rows between two tiers (RowStorage; either may be a mapped host tier, read and
+    written in place over PCIe) in one launch: ``src`` row ``src_slots[i]`` to ``dst`` row
+    ``dst_slots[i]`` (pairs with a negative slot are skipped). The clock always moves; weights
+    and optimizer state move where ``values_where`` (int8/bool per pair) is set, or always.
+    The GPU cache evicts this way (dirty rows whole, clean ones only their clock) and brings
+    DRAM rows up."""
+    n = len(src_slots)
+    if n == 0:
+        return
+    device = src_slots.device
+    block = 128 if max(src.dim, src.state_dim) <= 64 else 32
+    flags = values_where if values_where is not None else src_slots
+    _copy_rows[(triton.cdiv(n, block),)](
+        src.weights, src.state, src.last_seen, src_slots, dst.weights, dst.state, dst.last_seen, dst_slots.to(device), flags, n,
+        DIM=src.dim, DIM_BLOCK=triton.next_power_of_2(src.dim), STATE_DIM=src.state_dim,
+        STATE_BLOCK=triton.next_power_of_2(max(src.state_dim, 1)), BLOCK=block, HAS_FLAGS=values_where is not None)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ps import kernels
 from ps.hash_index import HashIndex
+from ps.host_memory import mapped_empty
 
 
 class TierFull(RuntimeError):
@@ -22,17 +24,19 @@ class TierFull(RuntimeError):
 
 class RowStorage:
     def __init__(self, dim: int, state_dim: int, device: torch.device | str, capacity: int, growable: bool,
-                 index_keys: int | None = None) -> None:
+                 index_keys: int | None = None, mapped: bool = False) -> None:
         """``index_keys``: the most keys the tier holds (a budgeted tier): its index is sized
-        for them once and never grows (ps/budget.py counts it so); None: it grows with the rows."""
+        for them once and never grows (ps/budget.py counts it so); None: it grows with the rows.
+        ``mapped``: a host tier whose index, weights, state and clocks GPU kernels read and
+        write in place (the DRAM tier under a GPU cache: misses never round-trip the host)."""
         self.dim, self.state_dim = dim, state_dim
         self.device = torch.device(device)
         self.growable = growable
-        self.index = HashIndex(index_keys, self.device, fixed=True) if index_keys else HashIndex(min(capacity, 1024), self.device)
+        self.mapped = mapped
+        self.index = (HashIndex(index_keys, self.device, fixed=True, mapped=mapped) if index_keys
+                      else HashIndex(min(capacity, 1024), self.device, mapped=mapped))
         rows = torch.empty if growable else torch.zeros
-        self.weights = rows(capacity, dim, device=self.device)
-        self.state = rows(capacity, state_dim, device=self.device)
-        self.last_seen = rows(capacity, dtype=torch.int64, device=self.device)
+        self.weights, self.state, self.last_seen = self._row_arrays(capacity)
         self.keys = rows(capacity, dtype=torch.int64, device=self.device)
         self.live = torch.zeros(capacity, dtype=torch.bool, device=self.device)
         # 1 = the row differs from (or has no) copy in the tier below; the GPU cache writes
@@ -44,6 +48,16 @@ class RowStorage:
         self.below = torch.full((0 if growable else capacity,), -1, dtype=torch.int64, device=self.device)
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)
         self._high_water = 0
+
+    def _row_arrays(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, state, last_seen) for ``capacity`` rows: zeros on a fixed tier, left
+        uninitialised on a growable one (see the module docstring)."""
+        shapes = ((capacity, self.dim), (capacity, self.state_dim), (capacity,))
+        dtypes = (torch.float32, torch.float32, torch.int64)
+        if self.mapped:
+            return tuple(mapped_empty(shape, dtype) for shape, dtype in zip(shapes, dtypes))
+        make = torch.empty if self.growable else torch.zeros
+        return tuple(make(shape, dtype=dtype, device=self.device) for shape, dtype in zip(shapes, dtypes))
 
     @property
     def capacity(self) -> int:
@@ -64,7 +78,27 @@ class RowStorage:
             dirty: bool | torch.Tensor = False, below: torch.Tensor | None = None) -> torch.Tensor:
         """Store rows for keys that are not present (unique); returns their slots. Host
         tensors in pinned memory are copied without blocking."""
-        n = len(keys)
+        slots = self._take_slots(len(keys))
+        if len(slots) == 0:
+            return slots
+        self.weights.index_copy_(0, slots, weights.to(self.device, non_blocking=True))
+        self.state.index_copy_(0, slots, state.to(self.device, non_blocking=True))
+        self.last_seen.index_copy_(0, slots, last_seen.to(self.device, non_blocking=True))
+        self._place(keys, slots, dirty, below)
+        return slots
+
+    def add_from(self, keys: torch.Tensor, source: "RowStorage", source_slots: torch.Tensor) -> torch.Tensor:
+        """Store copies of ``source``'s rows at ``source_slots`` (a mapped host tier) for
+        absent, unique ``keys``, by one kernel that reads them where they are; the copies are
+        clean and point at their source slot. Returns their slots."""
+        slots = self._take_slots(len(keys))
+        if len(slots):
+            kernels.copy_rows(source, source_slots, self, slots)
+            self._place(keys, slots, False, source_slots)
+        return slots
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        """Slots for ``n`` new rows (free list first), growing a growable tier."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         reuse = self._free[:n]
@@ -76,9 +110,10 @@ class RowStorage:
             self._grow(max(2 * self.capacity, self._high_water + fresh))
         slots = torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
         self._high_water += fresh
-        self.weights.index_copy_(0, slots, weights.to(self.device, non_blocking=True))
-        self.state.index_copy_(0, slots, state.to(self.device, non_blocking=True))
-        self.last_seen.index_copy_(0, slots, last_seen.to(self.device, non_blocking=True))
+        return slots
+
+    def _place(self, keys: torch.Tensor, slots: torch.Tensor, dirty: bool | torch.Tensor, below: torch.Tensor | None) -> None:
+        """Everything of a new row but its values: key, liveness, dirty bit, DRAM slot, index entry."""
         self.keys.index_copy_(0, slots, keys.to(self.device, non_blocking=True))
         if below is not None:
             self.below.index_copy_(0, slots, below.to(self.device, non_blocking=True))
@@ -88,7 +123,6 @@ class RowStorage:
         else:
             self.dirty[slots] = int(dirty)
         self.index.insert(keys, slots)
-        return slots
 
     def free_slots(self, n: int) -> torch.Tensor:
         """The slots the next ``n`` rows would take (free list first), without taking them:
@@ -143,6 +177,9 @@ class RowStorage:
             out[: self._high_water] = t[: self._high_water]
             return out
 
-        self.weights, self.state = grown(self.weights), grown(self.state)
-        self.last_seen, self.keys = grown(self.last_seen), grown(self.keys)
+        weights, state, last_seen = self._row_arrays(capacity)
+        for new, old in ((weights, self.weights), (state, self.state), (last_seen, self.last_seen)):
+            new[: self._high_water] = old[: self._high_water]
+        self.weights, self.state, self.last_seen = weights, state, last_seen
+        self.keys = grown(self.keys)
         self.live, self.dirty = grown(self.live, torch.zeros), grown(self.dirty, torch.zeros)

@@ -13,7 +13,8 @@ Where rows live:
 - the *top tier* (the GPU cache on CUDA, else DRAM) holds every row a batch uses; lookups
   and optimizer updates run there and never leave the device for cache hits;
 - on CUDA, misses are fetched from DRAM in one batch, and the least recently seen cache
-  rows are written back to DRAM to make room (LRU by the caller's clock);
+  rows are written back to DRAM to make room (LRU by the caller's clock); DRAM's arrays are
+  mapped for the GPU (ps/host_memory.py), so both are kernels that probe and copy in place;
 - when DRAM holds more than ``dram_rows``, its least recently seen rows spill to RocksDB,
   and come back on their next use with weights, optimizer state and clock intact.
 
@@ -48,6 +49,12 @@ def _gather(source: torch.Tensor, slots: torch.Tensor, pin: bool) -> torch.Tenso
         return source.index_select(0, slots)
     out = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, pin_memory=True)
     return torch.index_select(source, 0, slots, out=out)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's current stream: kernels that read or write the mapped DRAM tier
+    are done before the host reads or changes it."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -120,11 +127,13 @@ class EmbeddingTable:
         self.state_dim = self.optimizer.state_dim(config.dim)
         # a DRAM budget is reserved up front (address space: RowStorage writes pages as rows arrive),
         # with room for one batch's rows above it before the spill
-        dram_slots = tier_keys(config.dram_rows) if config.dram_rows else 1024
-        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True,
-                               index_keys=dram_slots if config.dram_rows else None)
-        self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         use_cache = self.device.type == "cuda" and config.gpu_cache_rows > 0
+        dram_slots = tier_keys(config.dram_rows) if config.dram_rows else 1024
+        # under a GPU cache, DRAM is mapped for the GPU: a miss is a kernel, not a host round trip
+        self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True,
+                               index_keys=dram_slots if config.dram_rows else None,
+                               mapped=use_cache and kernels.available(self.device))
+        self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         if self.device.type == "cuda" and not use_cache:
             raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 ([ps] hbm_bytes: the GPU cache is the top tier)")
         if use_cache and config.dram_rows and config.gpu_cache_rows >= config.dram_rows:
@@ -374,6 +383,29 @@ class EmbeddingTable:
     def _bring_up(self, keys: torch.Tensor, counts: torch.Tensor | None, now_ms: int, train: bool, protect: torch.Tensor) -> torch.Tensor:
         """Make ``keys`` resident in the top tier where they exist (or are admitted now);
         returns their top-tier slots, -1 for keys without a row."""
+        if not self.dram.mapped:
+            return self._bring_up_by_host(keys, counts, now_ms, train, protect)
+        # keys DRAM holds come up by two kernels on the mapped DRAM tier: a probe of its
+        # index, a copy of the rows into the cache; the rest (on SSD, or new) by the host
+        dram_slots = kernels.probe(keys, self.dram.index)
+        in_dram = dram_slots >= 0  # -2 (undecided probe) goes the host way
+        up, rest = torch.nonzero(in_dram).squeeze(1), torch.nonzero(~in_dram).squeeze(1)
+        slots = torch.full_like(keys, -1)
+        if len(up):
+            self._make_room(len(up), protect)
+            placed = self.cache.add_from(keys[up], self.dram, dram_slots[up])
+            slots[up] = placed
+            protect = torch.cat([protect, placed])
+        _sync(self.device)  # the host touches DRAM's arrays only once no kernel does
+        if len(rest):
+            slots[rest] = self._bring_up_by_host(keys[rest], counts[rest] if counts is not None else None, now_ms, train,
+                                                 protect)
+        return slots
+
+    def _bring_up_by_host(self, keys: torch.Tensor, counts: torch.Tensor | None, now_ms: int, train: bool,
+                          protect: torch.Tensor) -> torch.Tensor:
+        """``_bring_up`` through the host: rows gathered from DRAM or read from SSD, new rows
+        admitted and created, then copied up as one batch."""
         cpu_keys = keys.cpu()
         have, found_w, found_s, found_t, below = self._take_from_lower(cpu_keys)
         found_k = cpu_keys[have]
@@ -463,17 +495,27 @@ class EmbeddingTable:
     def _evict(self, slots: torch.Tensor) -> None:
         """Drop cache ``slots``. Dirty rows go down whole, by their DRAM slot (rows created
         in the cache get one now); clean rows (their DRAM copy is current) send only their
-        clock, so expiry and LRU stay exact. One device-to-host transfer, into pinned memory."""
+        clock, so expiry and LRU stay exact. Rows with a DRAM copy go down by one kernel into
+        the mapped DRAM tier; the others by one device-to-host transfer, into pinned memory."""
         if len(slots) == 0:
             return
         cache, dram = self.cache, self.dram
+        self.cache_complete = False
+        if dram.mapped:  # rows with a DRAM copy go down by one kernel (clock always, values if dirty)
+            below = cache.below.index_select(0, slots)
+            kernels.copy_rows(cache, slots, dram, below, values_where=cache.dirty.index_select(0, slots))
+            homed = below >= 0
+            cache.discard(cache.keys.index_select(0, slots[homed]))
+            slots = slots[~homed]  # rows created in the cache: DRAM gets them through the host below
+            _sync(self.device)
+            if len(slots) == 0:
+                return
         dirty = cache.dirty.index_select(0, slots).bool()
         d = slots[dirty]
         parts = [cache.keys.index_select(0, slots), cache.below.index_select(0, slots), cache.last_seen.index_select(0, slots),
                  dirty, cache.weights.index_select(0, d), cache.state.index_select(0, d)]
         keys, below, seen, dirty, w, s = _to_host(parts)
         cache.discard(cache.keys.index_select(0, slots))
-        self.cache_complete = False
         home = below >= 0
         dram.last_seen.index_copy_(0, below[home], seen[home])
         below_d, keys_d, seen_d = below[dirty], keys[dirty], seen[dirty]

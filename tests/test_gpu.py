@@ -37,6 +37,11 @@ def test_hash_index_kernels_agree_with_the_torch_path():
         cpu.insert(keys[sl], values[sl])
     probe = torch.cat([keys[::3], torch.randint(-(2**62), 2**62, (50_000,), generator=g)])
     assert torch.equal(gpu.lookup(probe).cpu(), cpu.lookup(probe))
+    # the removal kernel tombstones what the torch path would, and later probes walk past them
+    gone = torch.cat([keys[::5], torch.randint(-(2**62), 2**62, (10_000,), generator=g)]).unique()
+    assert torch.equal(gpu.remove(gone).cpu(), cpu.remove(gone))
+    assert torch.equal(gpu.lookup(probe).cpu(), cpu.lookup(probe))
+    assert len(gpu) == len(cpu) == len(keys) - len(keys[::5])
 
 
 def _instances(n: int, rng: np.random.Generator) -> pa.Table:
