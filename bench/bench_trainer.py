@@ -10,7 +10,9 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). ratio = our step time / baseline step time.
+(input time 0). On CUDA both run the dense model's full batches as CUDA graphs
+(trainer/dense_graph.py; ``--eager`` runs both eagerly). ratio = our step time / baseline
+step time.
 
 Publish stall: a separate measurement of what publishing costs the training thread per
 million touched rows (begin + every snapshot slice), and the longest single pause, against
@@ -53,6 +55,7 @@ from ps.model_store import ModelStore
 from ps.store import EmbeddingStore
 from ps.table import TableConfig
 from streamrec.config import load_config
+from trainer.dense_graph import GraphedDense
 from trainer.engine import Trainer, TrainOptions
 from model.batch import TABLES, SampleBatch, batch_from_table
 from model.network import CTRModel, ModelSpec
@@ -69,13 +72,13 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
-             name: str) -> dict:
+             name: str, graphs: bool = True) -> dict:
     """One engine run from a fresh store (the first pass over the data creates rows as a stream does)."""
     cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
         "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
         "trainer.checkpoint_interval_s": 0.0, "trainer.frozen_baseline": False, "trainer.progress_interval_s": 3600.0,
-        "trainer.prefetch_batches": 8,
+        "trainer.prefetch_batches": 8, "trainer.cuda_graphs": graphs,
     }, environ={})
     trainer = Trainer(cfg, TrainOptions(files=[samples], loop_files=True, max_samples=batch * steps, sync_timings=sync_timings,
                                         fresh=True, progress=False))
@@ -100,7 +103,8 @@ class StaticSparse(nn.Module):
         return SparseFeatures._assemble(batch, emb)
 
 
-def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int) -> dict:
+def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int,
+                 graphs: bool = True) -> dict:
     batches = [batch_from_table(table.slice(i * batch, batch), spec, model_spec.history_len) for i in range(n_batches)]
     # Pre-size every table and remap ids to 0..N-1 (the static world the baseline needs).
     raw = {name: [SparseFeatures.table_ids(b)[name] for b in batches] for name in TABLES}
@@ -114,6 +118,8 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
     sparse = StaticSparse(sizes, model_spec.embedding_dim).to(device)
     model = CTRModel(model_spec).to(device)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # the dense side as ours runs it (CUDA graphs for full batches on CUDA), so the ratio is the sparse side's
+    forward = GraphedDense(model, batch, device) if device.type == "cuda" and graphs else model
     sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=0.05)
     times = {"lookup": 0.0, "forward_backward": 0.0, "update": 0.0}
 
@@ -125,7 +131,7 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
         if timed:
             sync(device)
         t1 = time.perf_counter()
-        loss = F.binary_cross_entropy_with_logits(model(*inputs.as_args()), b.label)
+        loss = F.binary_cross_entropy_with_logits(forward(*inputs.as_args()), b.label)
         dense_opt.zero_grad(set_to_none=True)
         sparse_opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -253,6 +259,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--publish-interval", type=float, default=5.0)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs for the dense model, ours and the baseline's")
     parser.add_argument("--stall-rows", type=int, default=1_000_000)
     parser.add_argument("--stall-rows-per-step", type=int, default=262144)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
@@ -277,15 +284,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"baseline: nn.EmbeddingBag static tables, {args.steps} steps of {args.batch} on {device} ...", flush=True)
-        result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches)
+        result["dense_cuda_graphs"] = device.type == "cuda" and not args.eager
+        result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches, not args.eager)
         print(f"  {result['baseline']['samples_per_s']:,.0f} samples/s  split {result['baseline']['ms_per_step_split']}", flush=True)
         print("ours: warm-up (Triton compiles, allocator) ...", flush=True)
-        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup")
+        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup", not args.eager)
         print("ours, with phase sync ...", flush=True)
-        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split")
+        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split", not args.eager)
         print(f"  split ms/step {json.dumps({k: round(v, 2) for k, v in result['ours_split']['ms_per_step'].items()})}", flush=True)
         print("ours, throughput ...", flush=True)
-        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput")
+        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput", not args.eager)
         ours_ms = 1000 * args.batch / result["ours"]["samples_per_s"]
         result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
         print(f"  {result['ours']['samples_per_s']:,.0f} samples/s = {ours_ms:.2f} ms/step; "

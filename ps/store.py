@@ -86,8 +86,12 @@ class SnapshotTask:
             name, keys = self._queue[0]
             chunk, rest = keys[:budget], keys[budget:]
             table = self._tables[name]
-            found, values = table.read(chunk, device=table.top.device)  # keys and values stay on the device
-            self._parts[name].append((chunk[found], values, chunk[~found]))
+            values = table.read_cached(chunk)
+            if values is None:
+                found, values = table.read(chunk, device=table.top.device)  # keys and values stay on the device
+                self._parts[name].append((chunk[found], values, chunk[~found]))
+            else:
+                self._parts[name].append((chunk, values, chunk[:0]))
             budget -= len(chunk)
             self.rows_done += len(chunk)
             if len(rest):

@@ -551,6 +551,16 @@ class EmbeddingTable:
         return keep
 
     # ------------------------------------------------------------------ reading, expiry
+    def read_cached(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """Current values of ``keys`` (on the cache's device) when the GPU cache holds every
+        one, else None: one fused probe + gather launch and one host sync, the common case
+        of a publish's snapshot (the rows a delta touched were just trained in the cache)."""
+        if self.cache is None or not kernels.available(self.device):
+            return None
+        rows, _, misses = kernels.probe_gather(keys.to(self.device, torch.int64), self.cache.index, self.cache.weights,
+                                               self.cache.last_seen, 0, update_clock=False)
+        return rows if int(misses.item()) == 0 else None
+
     def read(self, keys: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Current values of ``keys`` from whichever tier holds them, without moving rows.
         Returns (found mask, values[found]), both on ``device`` (snapshots read into the GPU

@@ -157,6 +157,7 @@ class TrainerConfig:
     checkpoint_interval_s: float
     group: str
     device: str
+    cuda_graphs: bool
     prefetch_batches: int
     max_batch_delay_ms: int
     eval_window: int

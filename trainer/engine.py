@@ -53,6 +53,7 @@ from ps.store import EmbeddingStore
 from ps.store_lease import LeaseHeld, WriterLease
 from streamrec.config import Config
 from trainer.checkpoint import Checkpointer
+from trainer.dense_graph import GraphedDense
 from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
 from trainer.prefetch import END, Prefetcher, Skipped
@@ -147,6 +148,8 @@ class Trainer:
         self.forward = self.model
         if ranks.distributed:  # dense parameters: replicated, gradients all-reduced
             self.forward = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        elif self.device.type == "cuda" and tcfg.cuda_graphs:
+            self.forward = GraphedDense(self.model, tcfg.batch_size, self.device)  # before any other thread starts
         self.metrics = WindowMetrics(tcfg.eval_window)
         self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
         self.truth = self._open_truth()
