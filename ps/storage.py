@@ -131,7 +131,8 @@ class RowStorage:
         fresh = n - len(reuse)
         if self._high_water + fresh > self.capacity:
             raise TierFull(f"tier on {self.device} holds {self.capacity} rows and has room for {self.capacity - len(self)}")
-        return torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
+        new = torch.arange(self._high_water, self._high_water + fresh, device=self.device)
+        return torch.cat([reuse, new]) if len(reuse) else new  # (a launch less per table and step)
 
     def claim(self, n: int) -> None:
         """Record that the first ``n`` of ``free_slots`` now hold rows."""
