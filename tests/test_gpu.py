@@ -1,7 +1,9 @@
 """CUDA paths, run on a GPU machine with ``pytest -m gpu`` (skipped without CUDA): the hash
-index's Triton kernels agree with the torch path, and a version served from CUDA graphs in
-shape buckets (serving's runner wrapping the model package's InferenceModel) scores like
-the eager model, also after a delta applied in place.
+index's Triton kernels (probe, insert, removal) agree with the torch path; a version served
+from CUDA graphs in shape buckets (serving's runner wrapping the model package's
+InferenceModel) scores like the eager model, also after a delta applied in place; a pinned
+batch; a snapshot's one-launch read of cached rows; and the trainer's CUDA-graph dense step
+trains like the eager model.
 
 Needs only torch, numpy, pyarrow, rocksdict and pytest (no broker, no trainer): the version
 is written straight into a model store."""
