@@ -189,6 +189,8 @@ class HashIndex:
             bits = self._bits
         else:
             bits = max(self._bits, (max(1, -(-need * 8 // 3)) - 1).bit_length())
+        if self.mapped:  # GPU kernels probe a mapped index: none may run while it is rebuilt
+            torch.cuda.synchronize()
         if bits == self._bits:
             self._keys.fill_(EMPTY)
             self._values.fill_(-1)

@@ -6,6 +6,10 @@ Why: the DRAM tier under a GPU cache. A cache miss then costs one kernel that pr
 DRAM index and copies the rows over PCIe, instead of a host round trip (keys to the host,
 a torch probe of the index on the CPU, gathers into a staging buffer, a copy up).
 
+Rules for callers: pass kernels the tensor this module returns (a view of it is not
+registered once that tensor is freed), and let every kernel that touches the arrays finish
+before host code changes or replaces them (ps/table.py waits after each such launch).
+
 Why not ``torch.empty(..., pin_memory=True)``: torch's pinned allocator rounds every
 allocation up to a power of two, so a 5 GiB tier would lock 8 GiB. These arrays are plain
 host allocations registered with ``cudaHostRegister`` over exactly the pages they own, and
@@ -14,11 +18,28 @@ unregistered when the tensor is freed.
 
 from __future__ import annotations
 
+import functools
+import logging
 import weakref
 
 import torch
 
+log = logging.getLogger(__name__)
+
 PAGE = 4096
+
+
+@functools.cache
+def mappable() -> bool:
+    """Whether host memory can be mapped for the GPU here (tried once, on one page). Where
+    not (a platform or container that refuses it), the DRAM tier stays a plain host tier:
+    slower misses, same results."""
+    try:
+        mapped_empty(PAGE, torch.uint8)
+        return True
+    except RuntimeError as exc:
+        log.warning("the DRAM tier stays unmapped (cache misses go through the host): %s", exc)
+        return False
 
 
 def mapped_empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,9 @@
-"""Fused GPU kernel for the cache-hit path: hash probe + row gather in one launch.
+"""Triton kernels of the GPU tiers: the fused cache-hit path (hash probe + row gather in one
+launch), probe / insert / removal of a hash index, find-or-insert (rows created on the
+device), and row copies between tiers (a mapped DRAM tier included: misses up, evictions
+down).
 
-Why: in torch the hit path is unique + several probe rounds (each a few kernels and a
+Why the fused hit path: in torch it is unique + several probe rounds (each a few kernels and a
 host sync) + gathers; for a 64k-id batch that is milliseconds of launch overhead around
 microseconds of memory traffic. This Triton kernel probes the cache's hash index and
 copies the row for every id in one pass, so the hit path costs about what a plain

@@ -6,7 +6,9 @@ one on CUDA. Rows live at a slot; the index maps key -> slot; freed slots are re
 A growable tier's row arrays past the slots in use are left uninitialised (nothing reads
 a slot past ``high_water``), so its capacity costs memory only as rows are written: a
 DRAM budget can be reserved up front without being paid for until it fills, and without
-copies as it fills. Its index starts small and grows with the rows.
+copies as it fills. A *mapped* tier (the DRAM tier under a GPU cache, ps/host_memory.py) is
+the exception: its arrays are locked in RAM when allocated. Its index starts small and
+grows with the rows.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class RowStorage:
 
     def _row_arrays(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights, state, last_seen) for ``capacity`` rows: zeros on a fixed tier, left
-        uninitialised on a growable one (see the module docstring)."""
+        uninitialised on a growable one, mapped for the GPU on a mapped one (see the module
+        docstring)."""
         shapes = ((capacity, self.dim), (capacity, self.state_dim), (capacity,))
         dtypes = (torch.float32, torch.float32, torch.int64)
         if self.mapped:
@@ -102,12 +105,12 @@ class RowStorage:
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         reuse = self._free[:n]
-        self._free = self._free[n:]
         fresh = n - len(reuse)
         if self._high_water + fresh > self.capacity:
             if not self.growable:
                 raise TierFull(f"tier on {self.device} holds {self.capacity} rows and is full")
             self._grow(max(2 * self.capacity, self._high_water + fresh))
+        self._free = self._free[n:]
         slots = torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
         self._high_water += fresh
         return slots
@@ -173,6 +176,8 @@ class RowStorage:
         return torch.nonzero(self.live[: self._high_water]).squeeze(1)
 
     def _grow(self, capacity: int) -> None:
+        if self.mapped:  # the old arrays are unregistered once replaced: no kernel may still use them
+            torch.cuda.synchronize()
         def grown(t: torch.Tensor, blank=torch.empty) -> torch.Tensor:
             out = blank((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
             out[: self._high_water] = t[: self._high_water]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ps import kernels
+from ps import host_memory, kernels
 from ps.admission import CountMinSketch
 from ps.optimizers import make_optimizer
 from ps.spill import SpillClock
@@ -125,14 +125,15 @@ class EmbeddingTable:
         self.device = torch.device(device)
         self.optimizer = make_optimizer(config.optimizer, lr=config.lr)
         self.state_dim = self.optimizer.state_dim(config.dim)
-        # a DRAM budget is reserved up front (address space: RowStorage writes pages as rows arrive),
-        # with room for one batch's rows above it before the spill
+        # a DRAM budget is reserved up front (on CPU address space only: RowStorage writes pages
+        # as rows arrive), with room for one batch's rows above it before the spill
         use_cache = self.device.type == "cuda" and config.gpu_cache_rows > 0
         dram_slots = tier_keys(config.dram_rows) if config.dram_rows else 1024
-        # under a GPU cache, DRAM is mapped for the GPU: a miss is a kernel, not a host round trip
+        # under a GPU cache, DRAM is mapped for the GPU (a miss is a kernel, not a host round
+        # trip); a mapped tier's arrays are locked in RAM when allocated, its budget at once
         self.dram = RowStorage(config.dim, self.state_dim, "cpu", capacity=dram_slots, growable=True,
                                index_keys=dram_slots if config.dram_rows else None,
-                               mapped=use_cache and kernels.available(self.device))
+                               mapped=use_cache and kernels.available(self.device) and host_memory.mappable())
         self.spill_clock = SpillClock()  # picks the DRAM rows that spill to SSD
         if self.device.type == "cuda" and not use_cache:
             raise ValueError(f"table {config.name}: on CUDA set gpu_cache_rows > 0 ([ps] hbm_bytes: the GPU cache is the top tier)")
@@ -397,9 +398,11 @@ class EmbeddingTable:
             slots[up] = placed
             protect = torch.cat([protect, placed])
         _sync(self.device)  # the host touches DRAM's arrays only once no kernel does
-        if len(rest):
+        if len(rest):  # (its spill covers rows the evictions above added to DRAM)
             slots[rest] = self._bring_up_by_host(keys[rest], counts[rest] if counts is not None else None, now_ms, train,
                                                  protect)
+        else:  # evicting rows created in the cache gave them DRAM homes: keep DRAM within its budget
+            self._spill_dram(protect=torch.empty(0, dtype=torch.int64))
         return slots
 
     def _bring_up_by_host(self, keys: torch.Tensor, counts: torch.Tensor | None, now_ms: int, train: bool,

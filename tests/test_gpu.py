@@ -2,10 +2,11 @@
 index's Triton kernels (probe, insert, removal) agree with the torch path; a version served
 from CUDA graphs in shape buckets (serving's runner wrapping the model package's
 InferenceModel) scores like the eager model, also after a delta applied in place; a pinned
-batch; a snapshot's one-launch read of cached rows; and the trainer's CUDA-graph dense step
-trains like the eager model.
+batch; a snapshot's one-launch read of cached rows; the trainer's CUDA-graph dense step
+trains like the eager model and its optimizer resumes fused; the mapped DRAM tier keeps
+its budget.
 
-Needs only torch, numpy, pyarrow, rocksdict and pytest (no broker, no trainer): the version
+Needs only torch, numpy, pyarrow, rocksdict and pytest (no broker, no trainer run): the version
 is written straight into a model store."""
 
 from __future__ import annotations
@@ -163,3 +164,38 @@ def test_graphed_dense_steps_train_like_the_eager_model():
     for p_eager, p_graphed in zip(eager.parameters(), graphed_model.parameters()):
         torch.testing.assert_close(p_graphed, p_eager, rtol=1e-5, atol=1e-6)
 
+
+
+def test_the_mapped_dram_tier_keeps_its_budget_when_evictions_give_rows_a_home(tmp_path):
+    """Rows created in the GPU cache get a DRAM home when evicted; when a batch's misses all
+    come up from the mapped DRAM tier (the kernel path), DRAM must still spill to its budget:
+    its size stays within the budget's headroom and its arrays are never regrown."""
+    from ps.table import EmbeddingTable, TableConfig
+
+    # batches of 1,500 rows fit the budget's headroom (an eighth of 16,000) before each spill
+    table = EmbeddingTable(TableConfig("t", 8, dram_rows=16_000, gpu_cache_rows=3_000), "cuda", ssd_dir=tmp_path)
+    assert table.dram.mapped
+    capacity, g = table.dram.capacity, torch.Generator().manual_seed(4)
+    batches = [torch.arange(i * 1_500, (i + 1) * 1_500) + 1 for i in range(12)]
+    for step, keys in enumerate(batches + batches[::-1] + batches):
+        pulled = table.pull(keys.cuda(), now_ms=step)
+        table.push(pulled, torch.randn(len(pulled.keys), 8, generator=g).cuda())
+        assert len(table.dram) <= 16_000 + 1_500 and table.dram.capacity == capacity, (step, len(table.dram))
+    assert len(table) == 18_000 and table.stats["spilled"] > 0
+
+
+def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
+    """A checkpoint's Adam state written by an unfused run (CPU, or an older trainer) comes
+    back fused on CUDA, its step counters where the fused kernel wants them, and steps on."""
+    from trainer.engine import _fuse_on
+
+    param = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    unfused = torch.optim.Adam([param], lr=0.1)
+    param.grad = torch.ones(4, device="cuda")
+    unfused.step()
+    restored = torch.optim.Adam([param], lr=0.1, fused=True)
+    restored.load_state_dict(unfused.state_dict())
+    _fuse_on(restored, torch.device("cuda"))
+    assert restored.param_groups[0]["fused"] and restored.state[param]["step"].is_cuda
+    restored.step()
+    assert float(restored.state[param]["step"]) == 2.0

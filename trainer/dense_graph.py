@@ -8,10 +8,11 @@ sees one function, so the loss, the sparse rows' gradients and the optimizer wor
 before and give the same numbers.
 
 A graph holds one shape: that of a full batch (``batch_size`` samples), captured when
-the object is made, before the trainer's other threads start (a capture fails if another
-thread touches the device meanwhile). Other shapes (a partial batch released by
+the object is made, before the trainer starts the threads that use the device (a capture
+fails if another thread touches the device meanwhile). Other shapes (a partial batch released by
 ``max_batch_delay_ms``, the last batch of a file) run eagerly. Used on CUDA with one rank
-(DDP's gradient hooks are not captured).
+(DDP's gradient hooks are not captured), for a model without dropout or batch norm (the
+graph is the training-mode forward; CTRModel has neither).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class GraphedDense:
                     torch.ones(batch_size, length, dtype=torch.bool, device=device),
                     torch.zeros(batch_size, spec.n_dense, device=device))
         self._shapes = self._signature(examples)
+        self._warned = False
         torch.cuda.synchronize(device)
         self._graphed = torch.cuda.make_graphed_callables(_Forward(model), examples)
         log.info("dense forward/backward captured as CUDA graphs for batches of %d", batch_size)
@@ -60,4 +62,8 @@ class GraphedDense:
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         if self._signature(args) == self._shapes:
             return self._graphed(*args)
+        if len(args[0]) == self._shapes[0][0][0] and not self._warned:  # a full batch that should have replayed
+            self._warned = True
+            log.warning("a full batch runs the dense model eagerly: its inputs %s differ from the captured %s",
+                        self._signature(args), self._shapes)
         return self.model(*args)

@@ -88,6 +88,19 @@ class TrainingError(RuntimeError):
     """Training cannot go on; the message says why and what state is safe."""
 
 
+
+def _fuse_on(optimizer: torch.optim.Adam, device: torch.device) -> None:
+    """A restored Adam's settings come from the checkpoint: make it fused on CUDA (and not on
+    CPU) whatever run wrote it, with the step counters where that implementation wants them."""
+    fused = device.type == "cuda"
+    for group in optimizer.param_groups:
+        group["fused"] = fused
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and "step" in state:
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(param.device if fused else "cpu")
+
+
 class Trainer:
     def __init__(self, cfg: Config, opts: TrainOptions) -> None:
         self.cfg, self.opts = cfg, opts
@@ -204,6 +217,7 @@ class Trainer:
         self.state.setdefault("global_samples", self.state["samples"])
         self.model.load_state_dict(dense["model"])
         self.optimizer.load_state_dict(dense["optimizer"])
+        _fuse_on(self.optimizer, self.device)
         self.rejected.update(self.state.get("rejected", {}))
         log.info("resumed from %s: step %d, %d samples, positions %s", latest.name, self.state["step"], self.state["samples"],
                  self.state["positions"])
