@@ -284,16 +284,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"baseline: nn.EmbeddingBag static tables, {args.steps} steps of {args.batch} on {device} ...", flush=True)
-        result["dense_cuda_graphs"] = device.type == "cuda" and not args.eager
-        result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches, not args.eager)
+        graphs = not args.eager
+        result["dense_cuda_graphs"] = device.type == "cuda" and graphs
+        result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches, graphs)
         print(f"  {result['baseline']['samples_per_s']:,.0f} samples/s  split {result['baseline']['ms_per_step_split']}", flush=True)
         print("ours: warm-up (Triton compiles, allocator) ...", flush=True)
-        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup", not args.eager)
+        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup", graphs)
         print("ours, with phase sync ...", flush=True)
-        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split", not args.eager)
+        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split", graphs)
         print(f"  split ms/step {json.dumps({k: round(v, 2) for k, v in result['ours_split']['ms_per_step'].items()})}", flush=True)
         print("ours, throughput ...", flush=True)
-        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput", not args.eager)
+        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput", graphs)
         ours_ms = 1000 * args.batch / result["ours"]["samples_per_s"]
         result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
         print(f"  {result['ours']['samples_per_s']:,.0f} samples/s = {ours_ms:.2f} ms/step; "

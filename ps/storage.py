@@ -104,15 +104,11 @@ class RowStorage:
         """Slots for ``n`` new rows (free list first), growing a growable tier."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        reuse = self._free[:n]
-        fresh = n - len(reuse)
-        if self._high_water + fresh > self.capacity:
-            if not self.growable:
-                raise TierFull(f"tier on {self.device} holds {self.capacity} rows and is full")
+        fresh = n - min(n, len(self._free))
+        if self.growable and self._high_water + fresh > self.capacity:
             self._grow(max(2 * self.capacity, self._high_water + fresh))
-        self._free = self._free[n:]
-        slots = torch.cat([reuse, torch.arange(self._high_water, self._high_water + fresh, device=self.device)])
-        self._high_water += fresh
+        slots = self.free_slots(n)  # a full fixed tier raises TierFull here, before anything is taken
+        self.claim(n)
         return slots
 
     def _place(self, keys: torch.Tensor, slots: torch.Tensor, dirty: bool | torch.Tensor, below: torch.Tensor | None) -> None:
@@ -178,14 +174,13 @@ class RowStorage:
     def _grow(self, capacity: int) -> None:
         if self.mapped:  # the old arrays are unregistered once replaced: no kernel may still use them
             torch.cuda.synchronize()
-        def grown(t: torch.Tensor, blank=torch.empty) -> torch.Tensor:
-            out = blank((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            out[: self._high_water] = t[: self._high_water]
-            return out
+        used = self._high_water
 
-        weights, state, last_seen = self._row_arrays(capacity)
-        for new, old in ((weights, self.weights), (state, self.state), (last_seen, self.last_seen)):
-            new[: self._high_water] = old[: self._high_water]
-        self.weights, self.state, self.last_seen = weights, state, last_seen
-        self.keys = grown(self.keys)
-        self.live, self.dirty = grown(self.live, torch.zeros), grown(self.dirty, torch.zeros)
+        def carried(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+            new[:used] = old[:used]
+            return new
+
+        olds = (self.weights, self.state, self.last_seen)
+        self.weights, self.state, self.last_seen = (carried(new, old) for new, old in zip(self._row_arrays(capacity), olds))
+        self.keys = carried(torch.empty(capacity, dtype=torch.int64, device=self.device), self.keys)
+        self.live, self.dirty = (carried(torch.zeros(capacity, dtype=t.dtype, device=self.device), t) for t in (self.live, self.dirty))
