@@ -56,7 +56,8 @@ class JobSpec:
         return cls(
             bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
             group_id=f.group_id, feature_spec=cfg.features, out_of_orderness_ms=f.out_of_orderness_ms,
-            idle_timeout_ms=int(f.idle_timeout_s * 1000), exactly_once=f.delivery == "exactly-once",
+            # a bounded run's partitions all end: idleness could only lose a slow reader's events
+            idle_timeout_ms=0 if bounded else int(f.idle_timeout_s * 1000), exactly_once=f.delivery == "exactly-once",
             transactional_prefix=f.job_name,
             # the heap backend holds the objects already (and must not see them change under its snapshots)
             state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,

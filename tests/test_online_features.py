@@ -109,7 +109,15 @@ def bounded_run(broker, tmp_path_factory):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     table, _, rejected = decode_samples([r.value for r in read_topic(broker, f"{name}.samples")], SPEC)
     assert not rejected
-    return SimpleNamespace(name=name, rows=table.to_pylist(), tmp=tmp)
+    rows = table.to_pylist()
+    imps = {orjson.loads(v)["event_id"] for v in hand_built(0) if b'"impression"' in v}
+    missing = imps - {r["event_id"] for r in rows}
+    if missing:
+        dlq = {r.value.split(b'"event_id":"')[-1].split(b'"')[0].decode(errors="replace"): dict(r.headers)["reason"].decode()
+               for r in read_topic(broker, f"{name}.dlq") if b'"event_id":"h-' in r.value}
+        pytest.fail(f"{len(missing)} hand-built impressions without a sample, DLQ reasons: "
+                    f"{sorted((e, dlq.get(e, 'not in the DLQ')) for e in missing)[:8]}")
+    return SimpleNamespace(name=name, rows=rows, tmp=tmp)
 
 
 def _clicks(rows):

@@ -46,6 +46,7 @@ def _env(broker, tmp_path, name):
 
 
 SPEC = FeatureSpec(attribution_window_s=WINDOW_S)
+GARBAGE = 50_000
 
 
 def _oracle(broker, events_topic, spec: FeatureSpec = SPEC):
@@ -227,6 +228,30 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
         job.communicate(timeout=60)
     assert [reason for reason, _ in _dlq(broker, f"{name}.dlq")] == ["malformed_json"]
     assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == ["i1", "i2"]
+
+
+def test_a_bounded_run_never_treats_a_partition_as_idle(broker, tmp_path):
+    """A backfill's partitions all end, so none may go idle. Here partition 0's reader first
+    chews through rejected events (which are not activity) with a 1 ms idle timeout. With
+    idleness, partition 1's reader finished (its watermark: the end of time) while partition 0's
+    was idle, and partition 0's valid events and partition 1's event were lost: neither samples
+    nor DLQ records (seen in CI as a bounded run missing its last few dozen samples)."""
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__IDLE_TIMEOUT_S": "0.001"}
+    ensure_topics(broker, [f"{name}.events"], 2)
+    t0 = int(time.time() * 1000) - 7_200_000
+    producer = make_producer(broker)
+    for k in range(GARBAGE):
+        producer.send(f"{name}.events", partition=0, value=b'{"type": "impression", "broken %d' % k)
+    backlog = [f"old{k}" for k in range(200)]
+    for k, eid in enumerate(backlog):
+        producer.send(f"{name}.events", partition=0, value=_imp(eid, t0 + 10 * k, 1 + k % 50, 100 + k % 7, f"r{eid}"))
+    producer.send(f"{name}.events", partition=1, value=_imp("new", t0 + 3_600_000, 99, 100, "rnew"))
+    producer.flush()
+    run = run_cli("pipeline", "submit", "--bounded", "--fresh", env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert {reason for reason, _ in _dlq(broker, f"{name}.dlq")} == {"malformed_json"}
+    assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == sorted(backlog + ["new"])
 
 
 def test_a_click_labels_its_sample_on_arrival_not_when_the_watermark_reaches_it(broker, tmp_path):

@@ -28,9 +28,13 @@ public final class ValidEventWatermarks implements WatermarkGenerator<Event> {
         this.inner = inner;
     }
 
+    /** {@code idleTimeout} zero: no partition is ever idle (a bounded run: each partition ends,
+     *  and a slow one must hold the watermark back, not have its events turned late). */
     public static WatermarkStrategy<Event> strategy(Duration outOfOrderness, Duration idleTimeout) {
-        WatermarkStrategy<Event> strategy = context -> new ValidEventWatermarks(new WatermarksWithIdleness<>(
-                new BoundedOutOfOrdernessWatermarks<>(outOfOrderness), idleTimeout, context.getInputActivityClock()));
+        WatermarkStrategy<Event> strategy = idleTimeout.isZero()
+                ? context -> new ValidEventWatermarks(new BoundedOutOfOrdernessWatermarks<>(outOfOrderness))
+                : context -> new ValidEventWatermarks(new WatermarksWithIdleness<>(
+                        new BoundedOutOfOrdernessWatermarks<>(outOfOrderness), idleTimeout, context.getInputActivityClock()));
         return strategy.withTimestampAssigner((e, kafkaTs) -> e.ts);
     }
 
