@@ -260,6 +260,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--publish-interval", type=float, default=5.0)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for the dense model, ours and the baseline's")
+    parser.add_argument("--per-table", action="store_true",
+                        help="ours pulls and pushes table by table, not table-batched (ps/grouped.py): the A/B of that")
     parser.add_argument("--stall-rows", type=int, default=1_000_000)
     parser.add_argument("--stall-rows-per-step", type=int, default=262144)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
@@ -267,6 +269,10 @@ def main() -> None:
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.per_table:
+        import model.sparse
+
+        model.sparse.pull_grouped = lambda *_, **__: None  # SparseFeatures then takes the per-table path
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
     if args.nproc_per_node:
@@ -280,7 +286,7 @@ def main() -> None:
     n_batches = max(1, min(args.steps, table.num_rows // args.batch))
     result = {"bench": "trainer", "device": str(device), "batch": args.batch, "steps": args.steps, "samples_file": path,
               "host": platform.node(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "table_batched": not args.per_table}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"baseline: nn.EmbeddingBag static tables, {args.steps} steps of {args.batch} on {device} ...", flush=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model.batch import SampleBatch
+from ps.grouped import GroupedPull, pull_grouped, push_grouped
 from ps.locks import RWLock
 from ps.sharded import ShardedEmbeddings, ShardedPull
 from ps.store import EmbeddingStore
@@ -37,6 +38,12 @@ class PulledRows:
     table: EmbeddingTable
     pulled: Pulled
     rows: torch.Tensor  # requires grad
+
+
+@dataclass
+class GroupedRows:
+    pulled: GroupedPull
+    rows: torch.Tensor  # every table's unique rows; requires grad
 
 
 @dataclass
@@ -63,22 +70,33 @@ class SparseFeatures:
             "context": batch.context.reshape(-1),
         }
 
-    def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows] | ShardedRows]:
-        """Training lookup: rows are created/admitted as needed and will receive gradients."""
+    def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, list[PulledRows] | GroupedRows | ShardedRows]:
+        """Training lookup: rows are created/admitted as needed and will receive gradients.
+        Table-batched (ps/grouped.py) where the tables allow it, else table by table."""
+        ids = self.table_ids(batch)
         if self.sharded is not None:
-            pulled = self.sharded.pull(self.table_ids(batch), now_ms)
+            pulled = self.sharded.pull(ids, now_ms)
             rows = {name: r.detach().requires_grad_(True) for name, r in pulled.rows.items()}
             return self._assemble(batch, rows), ShardedRows(pulled, rows)  # one row per id already
+        grouped = pull_grouped(self.store.tables, ids, now_ms)
+        if grouped is not None:
+            rows = grouped.rows.detach().requires_grad_(True)
+            per_table = rows.index_select(0, grouped.inverse).split(grouped.id_counts)
+            return self._assemble(batch, dict(zip(ids, per_table))), GroupedRows(grouped, rows)
         embeddings, handles = {}, []
-        for name, pulled in self.store.pull(self.table_ids(batch), now_ms).items():
+        for name, pulled in self.store.pull(ids, now_ms).items():
             rows = pulled.rows.detach().requires_grad_(True)
             embeddings[name] = pulled.embeddings(rows)
             handles.append(PulledRows(self.store[name], pulled, rows))
         return self._assemble(batch, embeddings), handles
 
-    def push(self, handles: list[PulledRows] | ShardedRows) -> None:
+    def push(self, handles: list[PulledRows] | GroupedRows | ShardedRows) -> None:
         if isinstance(handles, ShardedRows):  # collective: every rank pushes every step
             self.sharded.push(handles.pulled, {name: r.grad for name, r in handles.rows.items()})
+            return
+        if isinstance(handles, GroupedRows):
+            if handles.rows.grad is not None:
+                push_grouped(handles.pulled, handles.rows.grad)
             return
         for h in handles:
             if h.rows.grad is not None:

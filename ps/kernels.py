@@ -27,6 +27,9 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 from ps.hash_layout import EMPTY, MULTIPLIER, TOMBSTONE
 
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
+# a grouped find-or-insert's row per table: key start, key count, first block, index bits,
+# seed, then the tier's index keys, index values, fresh slots, weights, state, clock, keys, live, dirty
+GROUP_FIELDS = 14
 
 
 class SlotTables(Protocol):
@@ -172,15 +175,13 @@ def probe(keys: torch.Tensor, index: SlotTables, remove: bool = False) -> torch.
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "seed", "init_std", "state_fill"])
-    def _find_or_insert(keys_ptr, index_keys_ptr, index_values_ptr, scratch_ptr, fresh_ptr, counters_ptr,
-                        weights_ptr, state_ptr, last_seen_ptr, row_keys_ptr, live_ptr, dirty_ptr, out_ptr, slots_ptr,
-                        now, n, multiplier, shift, mask, empty, seed, init_std, state_fill,
-                        DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr, STATE_BLOCK: tl.constexpr,
-                        BLOCK: tl.constexpr, PROBES: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        key = tl.load(keys_ptr + offs, mask=valid, other=0)
+    @triton.jit
+    def _find_or_insert_block(key, valid, offs, index_keys_ptr, index_values_ptr, scratch_ptr, fresh_ptr, counters_ptr,
+                              weights_ptr, state_ptr, last_seen_ptr, row_keys_ptr, live_ptr, dirty_ptr, out_ptr, slots_ptr,
+                              now, multiplier, shift, mask, empty, seed, init_std, state_fill,
+                              DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr,
+                              STATE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        """One block of batch-unique keys of one tier (``offs``: their positions in out/slots)."""
         pos = ((key * multiplier) >> shift) & mask
         slot = tl.full((BLOCK,), -1, tl.int64)
         created = offs < 0  # all False
@@ -214,7 +215,7 @@ if triton is not None:
         safe = tl.where(slot >= 0, slot, 0)
         tl.store(last_seen_ptr + safe, now + tl.zeros((BLOCK,), tl.int64), mask=slot >= 0)
         tl.store(row_keys_ptr + safe, key, mask=created)
-        tl.store(live_ptr + safe, created, mask=created)
+        tl.store(live_ptr + safe, made.to(tl.int8), mask=created)
         tl.store(dirty_ptr + safe, tl.full((BLOCK,), 1, tl.int8), mask=created)
         cols = tl.arange(0, DIM_BLOCK)
         col_ok = (cols < DIM)[None, :]
@@ -227,6 +228,46 @@ if triton is not None:
         rows = tl.load(weights_ptr + safe[:, None] * DIM + cols[None, :], mask=hit[:, None] & col_ok, other=0.0)
         rows = tl.where(created[:, None], init, rows)
         tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok)
+
+    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "seed", "init_std", "state_fill"])
+    def _find_or_insert(keys_ptr, index_keys_ptr, index_values_ptr, scratch_ptr, fresh_ptr, counters_ptr,
+                        weights_ptr, state_ptr, last_seen_ptr, row_keys_ptr, live_ptr, dirty_ptr, out_ptr, slots_ptr,
+                        now, n, multiplier, shift, mask, empty, seed, init_std, state_fill,
+                        DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr, STATE_BLOCK: tl.constexpr,
+                        BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = tl.load(keys_ptr + offs, mask=valid, other=0)
+        _find_or_insert_block(key, valid, offs, index_keys_ptr, index_values_ptr, scratch_ptr, fresh_ptr, counters_ptr,
+                              weights_ptr, state_ptr, last_seen_ptr, row_keys_ptr, live_ptr, dirty_ptr, out_ptr, slots_ptr,
+                              now, multiplier, shift, mask, empty, seed, init_std, state_fill,
+                              DIM, DIM_BLOCK, STATE_DIM, STATE_BLOCK, BLOCK, PROBES)
+
+    @triton.jit(do_not_specialize=["now", "multiplier", "empty", "init_std", "state_fill"])
+    def _find_or_insert_grouped(keys_ptr, groups_ptr, scratch_ptr, counters_ptr, out_ptr, slots_ptr,
+                                now, multiplier, empty, init_std, state_fill,
+                                GROUPS: tl.constexpr, FIELDS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr,
+                                STATE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        # this program's table: the last whose first block is at or before it (GroupLayout rows)
+        pid = tl.program_id(0)
+        g = 0
+        for j in tl.static_range(1, GROUPS):
+            g += (pid >= tl.load(groups_ptr + j * FIELDS + 2)).to(tl.int32)
+        row = groups_ptr + g * FIELDS
+        local = (pid - tl.load(row + 2)) * BLOCK + tl.arange(0, BLOCK)
+        valid = local < tl.load(row + 1)
+        offs = tl.load(row) + local
+        key = tl.load(keys_ptr + offs, mask=valid, other=0)
+        bits = tl.load(row + 3)
+        i64 = tl.pointer_type(tl.int64)
+        f32 = tl.pointer_type(tl.float32)
+        i8 = tl.pointer_type(tl.int8)
+        _find_or_insert_block(key, valid, offs, tl.load(row + 5).to(i64), tl.load(row + 6).to(i64), scratch_ptr,
+                              tl.load(row + 7).to(i64), counters_ptr + 2 * g, tl.load(row + 8).to(f32),
+                              tl.load(row + 9).to(f32), tl.load(row + 10).to(i64), tl.load(row + 11).to(i64),
+                              tl.load(row + 12).to(i8), tl.load(row + 13).to(i8), out_ptr, slots_ptr,
+                              now, multiplier, 64 - bits, (tl.full((), 1, tl.int64) << bits) - 1, empty, tl.load(row + 4),
+                              init_std, state_fill, DIM, DIM_BLOCK, STATE_DIM, STATE_BLOCK, BLOCK, PROBES)
 
 
 def find_or_insert(keys: torch.Tensor, tier, fresh: torch.Tensor, counters: torch.Tensor, now_ms: int, seed: int,
@@ -245,14 +286,57 @@ def find_or_insert(keys: torch.Tensor, tier, fresh: torch.Tensor, counters: torc
     slots = torch.empty(n, device=keys.device, dtype=torch.int64)
     if n == 0:
         return out, slots
-    block = 128 if dim <= 64 else 32
+    block = _fi_block(dim)
     scratch = torch.zeros(triton.cdiv(n, block) * block, dtype=torch.int64, device=keys.device)
     _find_or_insert[(triton.cdiv(n, block),)](
         keys, index_keys, index_values, scratch, fresh, counters, tier.weights, tier.state, tier.last_seen, tier.keys,
-        tier.live, tier.dirty, out, slots, now_ms, n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY, seed, init_std,
-        state_fill, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), STATE_DIM=state_dim,
+        tier.live.view(torch.int8), tier.dirty, out, slots, now_ms, n, MULTIPLIER, 64 - bits, (1 << bits) - 1, EMPTY, seed,
+        init_std, state_fill, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), STATE_DIM=state_dim,
         STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block, PROBES=MAX_PROBES)
     return out, slots
+
+
+def _fi_block(dim: int) -> int:
+    return 128 if dim <= 64 else 32
+
+
+def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, fresh: list[torch.Tensor],
+                           counters: torch.Tensor, now_ms: int, seeds: list[int], init_std: float,
+                           state_fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``find_or_insert`` for several tiers of one row shape in one launch (table-batched):
+    ``keys`` holds each tier's batch-unique keys one group after another (``counts[g]`` of
+    them), ``fresh[g]`` and ``seeds[g]`` are group g's, and ``counters`` (int32[groups, 2],
+    zeroed) receives each group's (created, undecided). Rows and slots come back in ``keys``'
+    order. Why: five tables cost five launches through Triton's Python launcher and five
+    sets of scratch buffers a step; here one."""
+    first = tiers[0]
+    dim, state_dim = first.dim, first.state_dim
+    n = len(keys)
+    out = torch.empty(n, dim, device=keys.device, dtype=first.weights.dtype)
+    slots = torch.empty(n, device=keys.device, dtype=torch.int64)
+    if n == 0:
+        return out, slots
+    block = _fi_block(dim)
+    rows, start, blocks = [], 0, 0
+    for tier, count, f, seed in zip(tiers, counts, fresh, seeds):
+        index_keys, index_values = tier.index.raw_tables()
+        rows.append([start, count, blocks, tier.index.bits, seed, index_keys.data_ptr(), index_values.data_ptr(),
+                     f.data_ptr(), tier.weights.data_ptr(), tier.state.data_ptr(), tier.last_seen.data_ptr(),
+                     tier.keys.data_ptr(), tier.live.data_ptr(), tier.dirty.data_ptr()])
+        start, blocks = start + count, blocks + triton.cdiv(count, block)
+    groups = to_device_async(rows, keys.device)
+    scratch = torch.zeros(blocks * block + n, dtype=torch.int64, device=keys.device)  # a word per lane, never EMPTY
+    _find_or_insert_grouped[(blocks,)](keys, groups, scratch, counters, out, slots, now_ms, MULTIPLIER, EMPTY, init_std,
+                                       state_fill, GROUPS=len(tiers), FIELDS=GROUP_FIELDS, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim),
+                                       STATE_DIM=state_dim, STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block,
+                                       PROBES=MAX_PROBES)
+    return out, slots
+
+
+def to_device_async(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """A small int64 table on the device without a host sync: through pinned memory (torch's
+    caching host allocator keeps the buffer until the copy has run)."""
+    return torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
 
 
 if triton is not None:

@@ -44,6 +44,10 @@ class RowwiseAdagrad:
         else:
             _update_with_step(self, weights, state, dirty, slots, grad)
 
+    def update_grouped_(self, groups: optimizer_kernels.OptimizerGroups, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """``update_`` of several tiers in one launch (CUDA only; see OptimizerGroups)."""
+        optimizer_kernels.rowwise_adagrad_(None, None, None, slots, grad.float(), self.lr, self.eps, groups=groups)
+
 
 @dataclass(frozen=True)
 class LazyAdam:
@@ -77,6 +81,11 @@ class LazyAdam:
             optimizer_kernels.lazy_adam_(weights, state, dirty, slots, grad.float(), self.lr, self.beta1, self.beta2, self.eps)
         else:
             _update_with_step(self, weights, state, dirty, slots, grad)
+
+    def update_grouped_(self, groups: optimizer_kernels.OptimizerGroups, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """``update_`` of several tiers in one launch (CUDA only; see OptimizerGroups)."""
+        optimizer_kernels.lazy_adam_(None, None, None, slots, grad.float(), self.lr, self.beta1, self.beta2, self.eps,
+                                     groups=groups)
 
 
 def _update_with_step(optimizer, weights: torch.Tensor, state: torch.Tensor, dirty: torch.Tensor, slots: torch.Tensor,

@@ -190,16 +190,14 @@ class EmbeddingTable:
         ``counters`` the caller reads (one host sync for many tables) and hands to
         ``pull_finish``; otherwise it returns the finished Pulled."""
         top = self.top
-        self.stats["lookups"] += len(keys)
         self._maybe_refresh_cache_complete()
         if self._can_create_on_device(len(keys), train):
-            cache = self.cache
-            cache.index.reserve(len(keys))
             counters = torch.zeros(2, dtype=torch.int32, device=keys.device)
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
-            rows, slots = kernels.find_or_insert(keys, cache, cache.free_slots(len(keys)), counters, now_ms, seed,
-                                                 self.config.init_std, self._state_fill)
+            fresh, seed = self.prepare_create(len(keys))
+            rows, slots = kernels.find_or_insert(keys, self.cache, fresh, counters, now_ms, seed, self.config.init_std,
+                                                 self._state_fill)
             return PendingPull(keys, inverse, counts, rows, slots, counters, now_ms)
+        self.stats["lookups"] += len(keys)
         if self.cache is not None and kernels.available(self.device):
             # Steady state on CUDA: every key is cached. One fused probe+gather launch and
             # one host sync (the miss count) instead of probe rounds and boolean indexing.
@@ -233,6 +231,24 @@ class EmbeddingTable:
         self._generation += 1
         return Pulled(keys, inverse.to(rows.device), rows, admitted, slots if all_admitted else slots[admitted],
                       self._generation, all_admitted)
+
+    def creates_on_device(self, n: int) -> bool:
+        """Whether a training pull of up to ``n`` keys is one find-or-insert on the device
+        (``prepare_create``, then ``pull_finish``); a grouped pull asks every table."""
+        self._maybe_refresh_cache_complete()
+        return self._can_create_on_device(n, True)
+
+    def prepare_create(self, n: int) -> tuple[torch.Tensor, int]:
+        """Before a find-or-insert of ``n`` batch-unique keys: room in the cache index, and
+        (the row slots it may take, the seed of the new rows' weights)."""
+        self.stats["lookups"] += n
+        self.cache.index.reserve(n)
+        return self.cache.free_slots(n), int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+
+    def creation_settings(self) -> tuple:
+        """What rows created on the device depend on besides their keys: tables that agree on
+        it can share one find-or-insert and one optimizer launch."""
+        return (self.config.dim, self.state_dim, self.optimizer, self.config.init_std, self._state_fill)
 
     def _maybe_refresh_cache_complete(self, every: int = 100) -> None:
         """Every ``every`` pulls while the cache is not known whole (after a restore or an
@@ -363,6 +379,14 @@ class EmbeddingTable:
         top = self.top
         self.optimizer.update_(top.weights, top.state, top.dirty, slots, grad_rows.to(top.device))
         self._track(keys)
+
+    def current(self, pulled: Pulled) -> bool:
+        """No pull since ``pulled`` has moved rows: its slots still hold its keys."""
+        return pulled.generation == self._generation
+
+    def pushed(self, pulled: Pulled) -> None:
+        """A grouped push updated ``pulled``'s rows in place: they reach the next delta."""
+        self._track(pulled.keys)
 
     def _track(self, keys: torch.Tensor) -> None:
         """Remember updated/created keys for the next delta, on the top tier's device (no

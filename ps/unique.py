@@ -16,13 +16,26 @@ def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
     with ``return_inverse`` and ``return_counts`` gives them."""
     if not groups:
         return []
+    keys, inverse, counts, distinct = unique_concat(groups)
+    out, start_id, start_key = [], 0, 0
+    for g, n_keys in zip(groups, distinct):
+        size, end_key = g.numel(), start_key + n_keys
+        out.append((keys[start_key:end_key], inverse[start_id:start_id + size] - start_key, counts[start_key:end_key]))
+        start_id, start_key = start_id + size, end_key
+    return out
+
+
+def unique_concat(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """``unique_per_group`` as one tensor each: (every group's sorted unique keys, one group
+    after another; the inverse of every id into those keys; counts; the distinct count of
+    each group, on the host)."""
     device = groups[0].device
-    sizes = [len(g) for g in groups]
+    sizes = [g.numel() for g in groups]
     ids = torch.cat([g.reshape(-1) for g in groups])
     n = len(ids)
     if n == 0:
-        return [(g.reshape(-1), torch.empty(0, dtype=torch.int64, device=device),
-                 torch.empty(0, dtype=torch.int64, device=device)) for g in groups]
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, empty, [0] * len(groups)
     # the tag of each id: fills, not repeat_interleave (which would wait for the device)
     tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
     by_id = torch.argsort(ids, stable=True)
@@ -38,9 +51,4 @@ def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
     counts = torch.zeros(total, dtype=torch.int64, device=device).index_add_(0, rank, torch.ones_like(rank))
     inverse = torch.empty(n, dtype=torch.int64, device=device)
     inverse[order] = rank
-    out, start_id, start_key = [], 0, 0
-    for size, distinct in zip(sizes, totals_list):
-        end_key = start_key + distinct
-        out.append((keys[start_key:end_key], inverse[start_id:start_id + size] - start_key, counts[start_key:end_key]))
-        start_id, start_key = start_id + size, end_key
-    return out
+    return keys, inverse, counts, totals_list

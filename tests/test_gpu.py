@@ -199,3 +199,44 @@ def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
     assert restored.param_groups[0]["fused"] and restored.state[param]["step"].is_cuda
     restored.step()
     assert float(restored.state[param]["step"]) == 2.0
+
+
+def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(monkeypatch):
+    """SparseFeatures pulls every table with one find-or-insert launch and pushes with one
+    optimizer launch (ps/grouped.py) while every table creates its rows on the device; a
+    table whose cache cannot take the batch sends the step table by table. Both give the
+    same model inputs, and the same rows after the update, on identical stores."""
+    from model.sparse import GroupedRows, SparseFeatures
+    from ps.store import EmbeddingStore
+    from ps.table import TableConfig
+
+    rng = np.random.default_rng(5)
+    batch = batch_from_table(_instances(2000, rng), SPEC, MODEL.history_len, with_labels=False).to("cuda")
+    roomy = [TableConfig(n, 16, lr=0.1, gpu_cache_rows=200_000) for n in TABLES]
+    grouped_store, per_table_store = EmbeddingStore(roomy, "cuda"), EmbeddingStore(roomy, "cuda")
+    grouped, per_table = SparseFeatures(grouped_store), SparseFeatures(per_table_store)
+    for step in range(3):
+        inputs, handles = grouped.pull(batch, now_ms=step)
+        assert isinstance(handles, GroupedRows)
+        if step == 0:  # new rows are drawn on the device: give the per-table store the same ones
+            pulled = per_table_store.pull(SparseFeatures.table_ids(batch), now_ms=step)
+            for name, p in handles.pulled.pulled.items():
+                per_table_store[name].cache.weights[pulled[name].slots] = p.rows
+        with monkeypatch.context() as patched:  # the reference takes the per-table path
+            patched.setattr("model.sparse.pull_grouped", lambda *_, **__: None)
+            reference, ref_handles = per_table.pull(batch, now_ms=step)
+            assert not isinstance(ref_handles, GroupedRows)
+        for got, want in zip(inputs.as_args(), reference.as_args()):  # (backward's atomic sums: not bit-equal)
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+        for model_inputs in (inputs, reference):
+            (model_inputs.fields.square().sum() + model_inputs.history.sum()).backward()
+        grouped.push(handles)
+        per_table.push(ref_handles)
+    for name in TABLES:
+        keys = torch.unique(SparseFeatures.table_ids(batch)[name]).cpu()
+        assert torch.allclose(grouped_store[name].read(keys)[1], per_table_store[name].read(keys)[1], atol=1e-5, rtol=1e-4)
+    small = EmbeddingStore([TableConfig(n, 16, gpu_cache_rows=200_000 if n != "item" else 4_000, dram_rows=0) for n in TABLES],
+                           "cuda")
+    assert not isinstance(SparseFeatures(small).pull(batch, now_ms=1)[1], GroupedRows)
+    for store in (grouped_store, per_table_store, small):
+        store.close()

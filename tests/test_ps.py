@@ -647,3 +647,57 @@ def test_reserved_keys_are_refused_on_the_device_path():
     for key in (EMPTY, TOMBSTONE):
         with pytest.raises(ReservedKeyError):
             table.pull(torch.tensor([5, key], device="cuda"), now_ms=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer):
+    """Three tables in one find-or-insert and one optimizer launch (ps/grouped.py): ids
+    repeated within a batch and shared between tables, rows created once per table, hits
+    read what the table holds, and the update follows the formula written here (row-wise
+    Adagrad: the accumulator adds the mean squared gradient; lazy Adam: per-row step count)."""
+    from ps.grouped import pull_grouped, push_grouped
+
+    names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
+    store = EmbeddingStore([TableConfig(n, 16, optimizer=optimizer, lr=lr, gpu_cache_rows=60_000) for n in names], "cuda")
+    ref: dict[tuple[str, int], list] = {}  # (table, key) -> [weights, state...]
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        ids = {n: torch.randint(0, 3000 * (i + 1), (4000 + 1500 * i,), generator=g) for i, n in enumerate(names)}
+        grouped = pull_grouped(store.tables, {n: t.cuda() for n, t in ids.items()}, now_ms=step)
+        assert grouped is not None
+        embeddings = grouped.rows.index_select(0, grouped.inverse).split(grouped.id_counts)
+        for name, emb in zip(names, embeddings):
+            pulled = grouped.pulled[name]
+            assert torch.equal(pulled.keys.cpu(), torch.unique(ids[name]))
+            for key, row in zip(pulled.keys.tolist(), pulled.rows.cpu()):
+                if (name, key) in ref:
+                    assert torch.allclose(row, ref[(name, key)][0], atol=1e-5, rtol=1e-4), (name, key)  # fp32 pow vs double
+                else:
+                    assert 0 < float(row.abs().sum()) and float(row.abs().max()) < 0.1  # N(0, 0.01), once
+                    ref[(name, key)] = [row.clone(), torch.zeros(1), torch.zeros(16), torch.zeros(16), 0]
+            rows_by_key = {k: r for k, r in zip(pulled.keys.tolist(), pulled.rows.cpu())}
+            assert all(torch.equal(e, rows_by_key[k]) for k, e in zip(ids[name][:50].tolist(), emb[:50].cpu()))
+            assert len(store.tables[name]) == len({k for t, k in ref if t == name})
+        grad = torch.randn(len(grouped.rows), 16, generator=g)
+        push_grouped(grouped, grad.cuda())
+        first = 0
+        for name, n in zip(names, grouped.key_counts):
+            for key, gr in zip(grouped.pulled[name].keys.tolist(), grad[first:first + n]):
+                w, acc, m, v, t = ref[(name, key)]
+                if optimizer == "adagrad":
+                    acc = acc + gr.pow(2).mean()
+                    w = w - lr * gr / (acc.sqrt() + eps)
+                else:
+                    t += 1
+                    m, v = 0.9 * m + 0.1 * gr, 0.999 * v + 0.001 * gr * gr
+                    w = w - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + eps)
+                ref[(name, key)] = [w, acc, m, v, t]
+            first += n
+    for name in names:
+        keys = [k for t, k in ref if t == name]
+        found, rows = store.tables[name].read(torch.tensor(keys))
+        assert bool(found.all())
+        assert torch.allclose(rows, torch.stack([ref[(name, k)][0] for k in keys]), atol=1e-5, rtol=1e-4)
+
