@@ -269,6 +269,8 @@ def main() -> None:
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.per_table and args.nproc_per_node:
+        parser.error("--per-table applies to the in-process run, not to --nproc-per-node's ranks")
     if args.per_table:
         import model.sparse
 

@@ -149,7 +149,7 @@ def submit(spec: JobSpec, opts: RunOptions):
 
     restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
     prepare_checkpoints(opts.checkpoint_dir)
-    settings = spec.properties()  # validates the spec before the JVM starts
+    settings = spec.properties(restored=restore is not None)  # validates the spec before the JVM starts
     if not opts.jobmanager:
         _set_gateway_jvm_options(opts.jvm_options)
     conf = Configuration()

@@ -10,6 +10,8 @@ watermark. :class:`JobSpec` is everything it needs to know, handed over as
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from pipelines import events as ev
@@ -56,8 +58,7 @@ class JobSpec:
         return cls(
             bootstrap=k.bootstrap_servers, events_topic=t.events, samples_topic=t.samples, dlq_topic=t.dlq,
             group_id=f.group_id, feature_spec=cfg.features, out_of_orderness_ms=f.out_of_orderness_ms,
-            # a bounded run's partitions all end: idleness could only lose a slow reader's events
-            idle_timeout_ms=0 if bounded else int(f.idle_timeout_s * 1000), exactly_once=f.delivery == "exactly-once",
+            idle_timeout_ms=math.ceil(f.idle_timeout_s * 1000), exactly_once=f.delivery == "exactly-once",
             transactional_prefix=f.job_name,
             # the heap backend holds the objects already (and must not see them change under its snapshots)
             state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
@@ -66,9 +67,20 @@ class JobSpec:
             features_partitions=features_partitions or k.partitions,
         )
 
-    def properties(self) -> str:
-        """The settings as java.util.Properties text, for SampleJob.build."""
+    def idle_timeout_for(self, restored: bool) -> int:
+        """The job's idle timeout (ms, 0 = no idleness). A bounded run has none: each of its
+        partitions ends, and a reader that stalls must hold the watermark back, not have its
+        events lost (test_a_bounded_run_never_treats_a_partition_as_idle). Unless it resumes
+        from a checkpoint: its restored partitions keep that run's end offsets (none, if it was
+        unbounded), so a quiet one might never end."""
+        return 0 if self.bounded and not restored else self.idle_timeout_ms
+
+    def properties(self, restored: bool = False) -> str:
+        """The settings as java.util.Properties text, for SampleJob.build (``restored``: the job
+        resumes from a checkpoint)."""
         self.feature_spec.validate()
+        if self.idle_timeout_ms < 0:
+            raise ValueError(f"idle_timeout_ms must be >= 0 (0 = no idleness), got {self.idle_timeout_ms}")
         if self.state_cache_keys < 0:
             raise ValueError(f"state_cache_keys must be >= 0 (0 = off), got {self.state_cache_keys}")
         if self.feature_bucket_ms < 1000 or self.features_partitions < 1:
@@ -81,7 +93,7 @@ class JobSpec:
             "dlq_topic": self.dlq_topic, "group_id": self.group_id, "bounded": str(self.bounded).lower(),
             "exactly_once": str(self.exactly_once).lower(), "transactional_prefix": self.transactional_prefix,
             "source_parallelism": str(self.source_parallelism), "out_of_orderness_ms": str(self.out_of_orderness_ms),
-            "idle_timeout_ms": str(self.idle_timeout_ms), "max_future_skew_ms": str(ev.MAX_FUTURE_SKEW_MS),
+            "idle_timeout_ms": str(self.idle_timeout_for(restored)), "max_future_skew_ms": str(ev.MAX_FUTURE_SKEW_MS),
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
             **self.feature_spec.job_properties(),
             "state_cache_keys": str(self.state_cache_keys), "source_idle_backoff_ms": str(self.source_idle_backoff_ms),

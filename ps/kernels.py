@@ -29,7 +29,7 @@ from ps.hash_layout import EMPTY, MULTIPLIER, TOMBSTONE
 MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall back to torch
 # a grouped find-or-insert's row per table: key start, key count, first block, index bits,
 # seed, then the tier's index keys, index values, fresh slots, weights, state, clock, keys, live, dirty
-GROUP_FIELDS = 14
+FIND_OR_INSERT_FIELDS = 14
 
 
 class SlotTables(Protocol):
@@ -248,7 +248,7 @@ if triton is not None:
                                 now, multiplier, empty, init_std, state_fill,
                                 GROUPS: tl.constexpr, FIELDS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, STATE_DIM: tl.constexpr,
                                 STATE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr):
-        # this program's table: the last whose first block is at or before it (GroupLayout rows)
+        # this program's table: the last whose first block is at or before it (FIND_OR_INSERT_FIELDS rows)
         pid = tl.program_id(0)
         g = 0
         for j in tl.static_range(1, GROUPS):
@@ -325,9 +325,11 @@ def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, f
                      tier.keys.data_ptr(), tier.live.data_ptr(), tier.dirty.data_ptr()])
         start, blocks = start + count, blocks + triton.cdiv(count, block)
     groups = to_device_async(rows, keys.device)
-    scratch = torch.zeros(blocks * block + n, dtype=torch.int64, device=keys.device)  # a word per lane, never EMPTY
+    # compare-and-swap targets of lanes not claiming: never EMPTY, so never written (a group's
+    # tail lanes share words with the next group's first lanes, harmlessly)
+    scratch = torch.zeros(n + block, dtype=torch.int64, device=keys.device)
     _find_or_insert_grouped[(blocks,)](keys, groups, scratch, counters, out, slots, now_ms, MULTIPLIER, EMPTY, init_std,
-                                       state_fill, GROUPS=len(tiers), FIELDS=GROUP_FIELDS, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim),
+                                       state_fill, GROUPS=len(tiers), FIELDS=FIND_OR_INSERT_FIELDS, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim),
                                        STATE_DIM=state_dim, STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block,
                                        PROBES=MAX_PROBES)
     return out, slots

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ps.kernels import to_device_async
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
     import triton
     import triton.language as tl
@@ -62,7 +64,7 @@ if triton is not None:
     def _rows_of_program(groups_ptr, slots_ptr, grad_ptr, n, GROUPED: tl.constexpr, GROUPS: tl.constexpr,
                          FIELDS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
         """This program's rows: (group, slot, grad, valid, mask, cols); a grouped launch finds
-        its group as the last whose first block is at or before the program (OptimizerGroups)."""
+        its group as the last whose first block is at or before the program (UPDATE_FIELDS rows)."""
         pid = tl.program_id(0)
         g = pid * 0
         if GROUPED:
@@ -111,7 +113,7 @@ if triton is not None:
 
 # a grouped update's row per table: row start, row count, first block, then the tier's
 # weights, state and dirty pointers
-GROUP_FIELDS = 6
+UPDATE_FIELDS = 6
 
 
 def _block(dim: int) -> int:
@@ -122,7 +124,7 @@ def _launch(n: int, dim: int, groups: "OptimizerGroups | None") -> tuple[tuple[i
     """Grid, the groups table (None: one tier) and the shape constants of an update launch."""
     block = _block(dim)
     programs = groups.blocks if groups is not None else triton.cdiv(n, block)
-    meta = dict(GROUPED=groups is not None, GROUPS=groups.count if groups is not None else 1, FIELDS=GROUP_FIELDS, DIM=dim,
+    meta = dict(GROUPED=groups is not None, GROUPS=groups.count if groups is not None else 1, FIELDS=UPDATE_FIELDS, DIM=dim,
                 DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block)
     return (programs,), groups.table if groups is not None else None, meta
 
@@ -132,8 +134,6 @@ class OptimizerGroups:
     tier's rows one group after another (``counts[g]`` of them)."""
 
     def __init__(self, tiers: list, counts: list[int], dim: int, device: torch.device) -> None:
-        from ps.kernels import to_device_async
-
         block = _block(dim)
         rows, start, blocks = [], 0, 0
         for tier, count in zip(tiers, counts):

@@ -234,8 +234,8 @@ class EmbeddingTable:
 
     def creates_on_device(self, n: int) -> bool:
         """Whether a training pull of up to ``n`` keys is one find-or-insert on the device
-        (``prepare_create``, then ``pull_finish``); a grouped pull asks every table."""
-        self._maybe_refresh_cache_complete()
+        (``prepare_create``, then ``pull_finish``); a grouped pull asks every table. (While it
+        says no for want of a complete cache, ``pull_start`` refreshes that flag.)"""
         return self._can_create_on_device(n, True)
 
     def prepare_create(self, n: int) -> tuple[torch.Tensor, int]:

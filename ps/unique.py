@@ -34,8 +34,8 @@ def unique_concat(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     ids = torch.cat([g.reshape(-1) for g in groups])
     n = len(ids)
     if n == 0:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, empty, empty, [0] * len(groups)
+        keys, inverse, counts = (torch.empty(0, dtype=torch.int64, device=device) for _ in range(3))
+        return keys, inverse, counts, [0] * len(groups)
     # the tag of each id: fills, not repeat_interleave (which would wait for the device)
     tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
     by_id = torch.argsort(ids, stable=True)

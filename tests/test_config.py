@@ -147,3 +147,20 @@ def test_row_budgets_name_their_replacement(tmp_path):
     path.write_text("[model]\ngpu_cache_rows = 1000\n")
     with pytest.raises(ConfigError, match=r"model.gpu_cache_rows' is no longer read: set \[ps\] hbm_bytes"):
         load_config(path, environ={})
+
+
+def test_a_bounded_job_has_no_idleness_unless_it_resumes():
+    """`pipeline submit --bounded`: every partition ends, so none may go idle (a stalled
+    reader's events would be lost); resumed from a checkpoint its partitions may not end,
+    so the configured idleness applies. A sub-millisecond timeout still means idleness."""
+    from pipelines.job import JobSpec
+
+    def idle(spec: JobSpec, restored: bool = False) -> str:
+        return dict(line.split("=", 1) for line in spec.properties(restored).splitlines())["idle_timeout_ms"]
+
+    cfg = load_config(environ={})
+    configured = str(round(cfg.flink.idle_timeout_s * 1000))
+    assert idle(JobSpec.from_config(cfg)) == configured != "0"
+    assert idle(JobSpec.from_config(cfg, bounded=True)) == "0"
+    assert idle(JobSpec.from_config(cfg, bounded=True), restored=True) == configured
+    assert idle(JobSpec.from_config(load_config(overrides={"flink.idle_timeout_s": 0.0004}, environ={}))) == "1"

@@ -204,8 +204,9 @@ def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
 def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(monkeypatch):
     """SparseFeatures pulls every table with one find-or-insert launch and pushes with one
     optimizer launch (ps/grouped.py) while every table creates its rows on the device; a
-    table whose cache cannot take the batch sends the step table by table. Both give the
-    same model inputs, and the same rows after the update, on identical stores."""
+    table whose cache has less free room than the batch has ids sends the step table by
+    table. Both give the same model inputs, and the same rows after the update, on
+    identical stores."""
     from model.sparse import GroupedRows, SparseFeatures
     from ps.store import EmbeddingStore
     from ps.table import TableConfig

@@ -652,7 +652,7 @@ def test_reserved_keys_are_refused_on_the_device_path():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
-def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer):
+def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
     """Three tables in one find-or-insert and one optimizer launch (ps/grouped.py): ids
     repeated within a batch and shared between tables, rows created once per table, hits
     read what the table holds, and the update follows the formula written here (row-wise
@@ -660,6 +660,7 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer):
     from ps.grouped import pull_grouped, push_grouped
 
     names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
+    monkeypatch.setattr(EmbeddingTable, "push", lambda *_: pytest.fail("the grouped push went table by table"))
     store = EmbeddingStore([TableConfig(n, 16, optimizer=optimizer, lr=lr, gpu_cache_rows=60_000) for n in names], "cuda")
     ref: dict[tuple[str, int], list] = {}  # (table, key) -> [weights, state...]
     g = torch.Generator().manual_seed(0)
