@@ -317,13 +317,13 @@ def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, f
     if n == 0:
         return out, slots
     block = _fi_block(dim)
-    rows, start, blocks = [], 0, 0
-    for tier, count, f, seed in zip(tiers, counts, fresh, seeds):
+    layout, blocks = group_blocks(counts, block)
+    rows = []
+    for placed, tier, f, seed in zip(layout, tiers, fresh, seeds):
         index_keys, index_values = tier.index.raw_tables()
-        rows.append([start, count, blocks, tier.index.bits, seed, index_keys.data_ptr(), index_values.data_ptr(),
+        rows.append([*placed, tier.index.bits, seed, index_keys.data_ptr(), index_values.data_ptr(),
                      f.data_ptr(), tier.weights.data_ptr(), tier.state.data_ptr(), tier.last_seen.data_ptr(),
                      tier.keys.data_ptr(), tier.live.data_ptr(), tier.dirty.data_ptr()])
-        start, blocks = start + count, blocks + triton.cdiv(count, block)
     groups = to_device_async(rows, keys.device)
     # compare-and-swap targets of lanes not claiming: never EMPTY, so never written (a group's
     # tail lanes share words with the next group's first lanes, harmlessly)
@@ -333,6 +333,17 @@ def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, f
                                        STATE_DIM=state_dim, STATE_BLOCK=triton.next_power_of_2(state_dim), BLOCK=block,
                                        PROBES=MAX_PROBES)
     return out, slots
+
+
+def group_blocks(counts: list[int], block: int) -> tuple[list[tuple[int, int, int]], int]:
+    """A grouped launch's layout, ``block`` rows per program: each group's (first row, rows,
+    first program), a group's rows never sharing a program with another's, and the programs
+    in all. The first three fields of every grouped kernel's per-group row."""
+    layout, start, programs = [], 0, 0
+    for count in counts:
+        layout.append((start, count, programs))
+        start, programs = start + count, programs + -(-count // block)
+    return layout, programs
 
 
 def to_device_async(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ps.kernels import to_device_async
+from ps.kernels import group_blocks, to_device_async
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
     import triton
@@ -134,11 +134,9 @@ class OptimizerGroups:
     tier's rows one group after another (``counts[g]`` of them)."""
 
     def __init__(self, tiers: list, counts: list[int], dim: int, device: torch.device) -> None:
-        block = _block(dim)
-        rows, start, blocks = [], 0, 0
-        for tier, count in zip(tiers, counts):
-            rows.append([start, count, blocks, tier.weights.data_ptr(), tier.state.data_ptr(), tier.dirty.data_ptr()])
-            start, blocks = start + count, blocks + triton.cdiv(count, block)
+        layout, blocks = group_blocks(counts, _block(dim))
+        rows = [[*placed, tier.weights.data_ptr(), tier.state.data_ptr(), tier.dirty.data_ptr()]
+                for placed, tier in zip(layout, tiers)]
         self.count, self.blocks, self.table = len(tiers), blocks, to_device_async(rows, device)
 
 

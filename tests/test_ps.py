@@ -702,3 +702,12 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
         assert bool(found.all())
         assert torch.allclose(rows, torch.stack([ref[(name, k)][0] for k in keys]), atol=1e-5, rtol=1e-4)
 
+
+
+def test_a_grouped_launch_gives_each_table_its_own_programs():
+    """The layout grouped kernels read: each group's first row, rows and first program, no
+    program shared by two groups, an empty group taking none (it shares the next one's start)."""
+    from ps.kernels import group_blocks
+
+    assert group_blocks([5, 0, 130, 64], 64) == ([(0, 5, 0), (5, 0, 1), (5, 130, 1), (135, 64, 4)], 5)
+    assert group_blocks([], 64) == ([], 0)
