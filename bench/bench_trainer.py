@@ -10,11 +10,11 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). A second baseline run gets our front end instead: the engine's over the same
-file (trainer/front_end.py: the same decode process or thread as ours, ``--decode``; pinned
-batches, a copy per step) and ids mapped to rows on the device; both ratios are reported. On
-CUDA both run the dense model's full batches as CUDA graphs (trainer/dense_graph.py;
-``--eager`` runs both eagerly). ratio = our step time / baseline step time.
+(input time 0). A second baseline run gets our front end instead: the engine's Prefetcher over
+the same file (the same decoding thread, pinned batches, copy per step) and ids mapped to
+rows on the device; both ratios are reported. On CUDA both run the dense model's full batches as CUDA graphs
+(trainer/dense_graph.py; ``--eager`` runs both eagerly). ratio = our step time / baseline
+step time.
 
 Publish stall: a separate measurement of what publishing costs the training thread per
 million touched rows (begin + every snapshot slice), and the longest single pause, against
@@ -62,8 +62,8 @@ from trainer.engine import Trainer, TrainOptions
 from model.batch import TABLES, SampleBatch, batch_from_table
 from model.network import CTRModel, ModelSpec
 from trainer.publisher import Publisher
-from trainer.front_end import decodes_in_process, open_front_end
-from trainer.sources import SourceRecipe, sample_files
+from trainer.prefetch import Prefetcher
+from trainer.sources import FileSampleSource, sample_files
 from model.sparse import ModelInputs, SparseFeatures
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
@@ -75,13 +75,13 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
-             name: str, graphs: bool = True, decode: str = "auto") -> dict:
+             name: str, graphs: bool = True) -> dict:
     """One engine run from a fresh store (the first pass over the data creates rows as a stream does)."""
     cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
         "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
         "trainer.checkpoint_interval_s": 0.0, "trainer.frozen_baseline": False, "trainer.progress_interval_s": 3600.0,
-        "trainer.prefetch_batches": 8, "trainer.cuda_graphs": graphs, "trainer.decode_process": decode,
+        "trainer.prefetch_batches": 8, "trainer.cuda_graphs": graphs,
     }, environ={})
     trainer = Trainer(cfg, TrainOptions(files=[samples], loop_files=True, max_samples=batch * steps, sync_timings=sync_timings,
                                         fresh=True, progress=False))
@@ -107,13 +107,12 @@ class StaticSparse(nn.Module):
 
 
 def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int,
-                 graphs: bool = True, samples: str | None = None, decode: str = "auto") -> dict:
+                 graphs: bool = True, samples: str | None = None) -> dict:
     """The static-table baseline. Its batches: built on the device before timing (input time
-    0), or, with ``samples``, from the same front end as ours: the engine's front end over
-    the same file in a loop (trainer/front_end.py with ``decode`` as ours: decoding in a
-    child process or a thread, pinned batches, one copy to the device per step), with ids
-    mapped to table rows on the device (searchsorted over the sorted vocabulary: a static
-    table's id map, done per step)."""
+    0), or, with ``samples``, from the same front end as ours: the engine's Prefetcher over
+    the same file in a loop (decoding in a thread that shares the GIL, pinned batches, one
+    copy to the device per step), with ids mapped to table rows on the device (searchsorted
+    over the sorted vocabulary: a static table's id map, done per step)."""
     batches = [batch_from_table(table.slice(i * batch, batch), spec, model_spec.history_len) for i in range(n_batches)]
     # Pre-size every table and remap ids to 0..N-1 (the static world the baseline needs).
     raw = {name: [SparseFeatures.table_ids(b)[name] for b in batches] for name in TABLES}
@@ -133,10 +132,10 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
     forward = GraphedDense(model, batch, device) if device.type == "cuda" and graphs else model
     sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=0.05)
     times = {"input": 0.0, "lookup": 0.0, "forward_backward": 0.0, "update": 0.0}
-    prefetch = source = None
+    prefetch = None
     if samples is not None:
-        source, prefetch = open_front_end(SourceRecipe(spec, {}, files=(samples,), loop=True), batch, model_spec.history_len, 8,
-                                          device, decode)
+        source = FileSampleSource([samples], spec, loop=True)
+        prefetch = Prefetcher(source, spec, batch, model_spec.history_len, depth=8, pin_memory=device.type == "cuda").start()
 
     def next_batch(i: int) -> tuple[SampleBatch, dict[str, torch.Tensor]]:
         if prefetch is None:
@@ -187,11 +186,8 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
     finally:
         if prefetch is not None:
             prefetch.stop()
-            source.close()
     return {"samples_per_s": steps * batch / elapsed, "ms_per_step": 1000 * elapsed / steps, "ms_per_step_split": split,
-            "table_rows": sizes,
-            "front_end": ("decode process" if decodes_in_process(decode, device) else "decode thread") if prefetch is not None
-            else "device-resident batches"}
+            "table_rows": sizes, "front_end": "prefetcher" if prefetch is not None else "device-resident batches"}
 
 
 def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int, work: Path) -> dict:
@@ -294,8 +290,6 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for the dense model, ours and the baseline's")
     parser.add_argument("--per-table", action="store_true",
                         help="ours pulls and pushes table by table, not table-batched (ps/grouped.py): the A/B of that")
-    parser.add_argument("--decode", choices=["auto", "thread", "process"], default="auto",
-                        help="trainer.decode_process for ours and the same-front-end baseline (auto: a process on CUDA)")
     parser.add_argument("--stall-rows", type=int, default=1_000_000)
     parser.add_argument("--stall-rows-per-step", type=int, default=262144)
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
@@ -322,8 +316,7 @@ def main() -> None:
     n_batches = max(1, min(args.steps, table.num_rows // args.batch))
     result = {"bench": "trainer", "device": str(device), "batch": args.batch, "steps": args.steps, "samples_file": path,
               "host": platform.node(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "table_batched": not args.per_table,
-              "decode_process": decodes_in_process(args.decode, device)}
+              "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "table_batched": not args.per_table}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         print(f"baseline: nn.EmbeddingBag static tables, {args.steps} steps of {args.batch} on {device} ...", flush=True)
@@ -331,20 +324,18 @@ def main() -> None:
         result["dense_cuda_graphs"] = device.type == "cuda" and graphs
         result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches, graphs)
         print(f"  {result['baseline']['samples_per_s']:,.0f} samples/s  split {result['baseline']['ms_per_step_split']}", flush=True)
-        print("baseline behind our front end (the engine's, over the same file) ...", flush=True)
+        print("baseline behind our front end (the engine's Prefetcher over the same file) ...", flush=True)
         result["baseline_same_front_end"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches,
-                                                         graphs, samples=path, decode=args.decode)
+                                                         graphs, samples=path)
         print(f"  {result['baseline_same_front_end']['samples_per_s']:,.0f} samples/s  "
               f"split {result['baseline_same_front_end']['ms_per_step_split']}", flush=True)
         print("ours: warm-up (Triton compiles, allocator) ...", flush=True)
-        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup", graphs, args.decode)
+        run_ours(path, args.batch, 20, args.device, args.publish_interval, False, work, "warmup", graphs)
         print("ours, with phase sync ...", flush=True)
-        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split", graphs,
-                                        args.decode)
+        result["ours_split"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, True, work, "split", graphs)
         print(f"  split ms/step {json.dumps({k: round(v, 2) for k, v in result['ours_split']['ms_per_step'].items()})}", flush=True)
         print("ours, throughput ...", flush=True)
-        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput", graphs,
-                                  args.decode)
+        result["ours"] = run_ours(path, args.batch, args.steps, args.device, args.publish_interval, False, work, "throughput", graphs)
         ours_ms = 1000 * args.batch / result["ours"]["samples_per_s"]
         result["ratio_step_time_ours_over_baseline"] = ours_ms / result["baseline"]["ms_per_step"]
         result["ratio_step_time_ours_over_baseline_same_front_end"] = ours_ms / result["baseline_same_front_end"]["ms_per_step"]

@@ -57,53 +57,19 @@ class SampleBatch:
     def _tensors(self) -> list[str]:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
-    def layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
-        """Where each tensor lies in one flat byte buffer: (name, dtype, shape, byte offset),
-        each 64-byte aligned. ``pack_into`` writes it, ``unpack`` reads it back."""
-        out, offset = [], 0
-        for name in self._tensors():
-            t = getattr(self, name)
-            out.append((name, t.dtype, tuple(t.shape), offset))
-            offset += -(-t.numel() * t.element_size() // 64) * 64
-        return out
-
-    @staticmethod
-    def packed_bytes(layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> int:
-        if not layout:
-            return 0
-        _, dtype, shape, offset = layout[-1]
-        return offset + int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-
-    def pack_into(self, buffer: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> None:
-        """Copy every tensor into ``buffer`` (uint8, at least ``packed_bytes(layout)`` long)."""
-        for name, dtype, shape, offset in layout:
-            t = getattr(self, name)
-            buffer[offset: offset + t.numel() * t.element_size()].view(dtype).view(shape).copy_(t)
-
-    @staticmethod
-    def views(buffer: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> dict[str, torch.Tensor]:
-        """Every tensor of ``layout`` as a view of ``buffer``."""
-        out = {}
-        for name, dtype, shape, offset in layout:
-            size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-            out[name] = buffer[offset: offset + size].view(dtype).view(shape)
-        return out
-
-    @staticmethod
-    def packed_bytes_bound(batch_size: int, history_len: int, dense_features: int) -> int:
-        """The most bytes ``pack_into`` can need for a batch of ``batch_size`` samples."""
-        int64_per_sample = 5 + 3 + 3 * history_len  # user, item, category, advertiser, ts; context; history
-        return batch_size * (8 * int64_per_sample + 4 * (dense_features + 1)) + 64 * len(fields(SampleBatch))
-
     def pin_memory(self) -> "SampleBatch":
         """Move the tensors into page-locked memory (so the step's host-to-device copies do
         not block): one pinned allocation for all of them, each tensor a view of it. A
         pinned allocation costs far more than the copy, and a batch has eleven tensors."""
-        layout = self.layout()
-        buffer = torch.empty(max(self.packed_bytes(layout), 64), dtype=torch.uint8, pin_memory=True)
-        self.pack_into(buffer, layout)
-        for name, view in self.views(buffer, layout).items():
-            setattr(self, name, view)
+        names = self._tensors()
+        tensors = [getattr(self, name).contiguous() for name in names]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 64) * 64)  # each view 64-byte aligned
+        buffer = torch.empty(max(offsets[-1], 64), dtype=torch.uint8, pin_memory=True)
+        for name, t, offset, size in zip(names, tensors, offsets, sizes):
+            setattr(self, name, buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t))
         return self
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "SampleBatch":

@@ -158,7 +158,6 @@ class TrainerConfig:
     group: str
     device: str
     cuda_graphs: bool
-    decode_process: str
     prefetch_batches: int
     max_batch_delay_ms: int
     eval_window: int
@@ -393,8 +392,6 @@ def validate(config: Config) -> None:
         problems.append(str(exc))
     if config.trainer.compact_every < 0:
         problems.append(f"trainer.compact_every must be >= 0 (0: never), got {config.trainer.compact_every}")
-    if config.trainer.decode_process not in DECODE_MODES:
-        problems.append(f"trainer.decode_process must be one of {', '.join(DECODE_MODES)}, got {config.trainer.decode_process!r}")
     if config.trainer.max_batch_delay_ms < 1:
         problems.append(f"trainer.max_batch_delay_ms must be >= 1, got {config.trainer.max_batch_delay_ms}")
     if config.trainer.lease_s <= 0:
@@ -431,7 +428,6 @@ def validate(config: Config) -> None:
 
 
 SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
-DECODE_MODES = ("auto", "thread", "process")
 
 
 def check_serving_mode(mode: str) -> None:

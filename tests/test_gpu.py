@@ -241,34 +241,3 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(m
     assert not isinstance(SparseFeatures(small).pull(batch, now_ms=1)[1], GroupedRows)
     for store in (grouped_store, per_table_store, small):
         store.close()
-
-
-def test_the_decode_process_hands_over_pinned_batches_equal_to_the_threads(tmp_path):
-    """trainer/decode_process.py on CUDA: each batch, copied out of the shared ring, lies in
-    page-locked memory and holds what the decoding thread makes of the same file."""
-    import pyarrow.parquet as pq
-
-    from trainer.decode_process import DecodeProcess
-    from trainer.prefetch import END, Prefetcher
-    from trainer.sources import SourceRecipe
-
-    rng = np.random.default_rng(5)
-    table = _instances(1000, rng)
-    table = table.append_column(SPEC.schema().field("label"), pa.array(rng.integers(0, 2, 1000), pa.int8()))
-    table = table.append_column(SPEC.schema().field("click_ts"), pa.nulls(1000, SPEC.schema().field("click_ts").type))
-    pq.write_table(table.select(SPEC.schema().names).cast(SPEC.schema()), tmp_path / "s.parquet")
-    recipe = SourceRecipe(SPEC, {}, files=(str(tmp_path / "s.parquet"),))
-    threaded = Prefetcher(recipe.open(), SPEC, 128, MODEL.history_len).start()
-    worker = DecodeProcess(recipe, 128, MODEL.history_len, pin_memory=True).start()
-    batches = 0
-    while (got := worker.get(timeout=60)) is not END:
-        expected = threaded.get(timeout=60)
-        assert got.positions == expected.positions
-        for name in expected._tensors():
-            value = getattr(got, name)
-            assert value.is_pinned() and torch.equal(value, getattr(expected, name)), name
-            assert torch.equal(value.to("cuda", non_blocking=True).cpu(), getattr(expected, name)), name
-        batches += 1
-    assert batches == 8 and threaded.get(timeout=60) is END
-    worker.stop()
-    threaded.stop()

@@ -43,8 +43,7 @@ def _state(tmp_path):
     return json.loads((latest.parent / latest.read_text().strip() / "state.json").read_text())
 
 
-@pytest.mark.parametrize("decode", ["thread", "process"])  # trainer/decode_process.py: the consumer in a child
-def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, tmp_path, decode):
+def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, tmp_path):
     topic, updates = f"t.samples.{uuid.uuid4().hex[:6]}", f"t.updates.{uuid.uuid4().hex[:6]}"
     ensure_topics(broker, [topic, updates], partitions=3)
     table = pq.read_table(sample_run / "samples.parquet").slice(0, N_SAMPLES)
@@ -58,7 +57,7 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     producer.flush()
     producer.close()
     env = {"STREAMREC_TOPICS__SAMPLES": topic, "STREAMREC_TOPICS__MODEL_UPDATES": updates,
-           "STREAMREC_TRAINER__GROUP": f"g-{topic}", "STREAMREC_TRAINER__DECODE_PROCESS": decode}
+           "STREAMREC_TRAINER__GROUP": f"g-{topic}"}
 
     # Kill -9 twice, each time after a new checkpoint and inside the write of a version trained
     # past it, at a pause point (tests/pause_points.py; a sleep could land between publishes):

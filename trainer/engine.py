@@ -56,11 +56,11 @@ from trainer.checkpoint import Checkpointer
 from trainer.dense_graph import GraphedDense
 from trainer.distributed import Agreed, RankFailure, ShardedVersionWriter, agree, gather_to_all, join, rank_device
 from trainer.evaluation import TruthLookup, WindowMetrics
-from trainer.front_end import open_front_end
-from trainer.prefetch import END, Skipped
+from trainer.prefetch import END, Prefetcher, Skipped
 from trainer.progress import ProgressReporter, TrainerMetrics
 from trainer.publisher import PoisonedModel, PublishFailed, Publisher
-from trainer.sources import SampleSource, SourceRecipe, sample_files
+from trainer.rejected import RejectedLog
+from trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource, sample_files
 
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
@@ -255,15 +255,15 @@ class Trainer:
             return TruthLookup.from_topic(self.cfg.kafka.bootstrap_servers, self.cfg.topics.truth, self.cfg.kafka.connect_timeout_s)
         return TruthLookup.from_file(self.opts.truth)
 
-    def _source_recipe(self) -> SourceRecipe:
+    def _source(self) -> SampleSource:
         positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
         shard = (self.ranks.rank, self.ranks.world)
         if self.opts.files:
-            return SourceRecipe(self.feature_spec, positions, shard, files=tuple(self.opts.files), loop=self.opts.loop_files)
+            return FileSampleSource(self.opts.files, self.feature_spec, positions, loop=self.opts.loop_files, shard=shard)
         kept = self.home / "rejected" / f"rank-{self.ranks.rank:05d}.jsonl"
-        return SourceRecipe(self.feature_spec, positions, shard, bootstrap=self.cfg.kafka.bootstrap_servers,
-                            topic=self.cfg.topics.samples, group=self.cfg.trainer.group, timeout_s=self.cfg.kafka.connect_timeout_s,
-                            rejected_path=str(kept), rejected_keep_bytes=self.cfg.trainer.rejected_keep_mb << 20)
+        return KafkaSampleSource(self.cfg.kafka.bootstrap_servers, self.cfg.topics.samples, self.cfg.trainer.group, self.feature_spec,
+                                 positions, timeout_s=self.cfg.kafka.connect_timeout_s, shard=shard,
+                                 rejected_log=RejectedLog(kept, self.cfg.trainer.rejected_keep_mb << 20))
 
     def _announce(self, message: dict) -> None:
         import orjson
@@ -287,9 +287,10 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         tcfg = self.cfg.trainer
-        source, prefetch = open_front_end(self._source_recipe(), tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
-                                          self.device, tcfg.decode_process,
-                                          max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000)
+        source = self._source()
+        prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+                              pin_memory=self.device.type == "cuda",
+                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
         started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()

@@ -41,21 +41,17 @@ class Skipped:
 
 
 class Prefetcher:
-    """``out``: where items go (anything with ``put(item, timeout)`` that raises queue.Full);
-    by default a queue of ``depth`` that ``get`` reads. trainer/decode_process.py runs
-    ``run`` in a child process with its own ``out``."""
-
     def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
-                 pin_memory: bool = False, max_delay_s: float | None = None, out=None) -> None:
+                 pin_memory: bool = False, max_delay_s: float | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
         self.pin_memory, self.max_delay_s = pin_memory, max_delay_s
-        self.queue = out if out is not None else queue.Queue(maxsize=max(1, depth))
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.rejected: Counter = Counter()  # every reason decoded so far (batches carry their own share)
         self.decode_s = 0.0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.run, name="trainer-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="trainer-prefetch", daemon=True)
 
     def start(self) -> "Prefetcher":
         self._thread.start()
@@ -70,10 +66,6 @@ class Prefetcher:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def request_stop(self) -> None:
-        """Make ``run`` return at its next chunk or hand-over."""
-        self._stop.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,8 +85,7 @@ class Prefetcher:
                 continue
         return False
 
-    def run(self) -> None:
-        """The reading loop, on the calling thread (``start`` runs it on a thread of its own)."""
+    def _run(self) -> None:
         tables: list[pa.Table] = []
         parts: list[np.ndarray] = []
         offs: list[np.ndarray] = []

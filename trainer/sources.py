@@ -64,30 +64,6 @@ def sample_files(paths: list[str]) -> list[Path]:
     return out
 
 
-@dataclass(frozen=True)
-class SourceRecipe:
-    """How to open the trainer's sample source: plain values only, so a decode process
-    (trainer/decode_process.py) can open its own source, consumer and rejected log."""
-
-    spec: FeatureSpec
-    start: dict[int, int]
-    shard: tuple[int, int] = (0, 1)
-    files: tuple[str, ...] = ()  # sample files; empty: the Kafka topic below
-    loop: bool = False
-    bootstrap: str = ""
-    topic: str = ""
-    group: str = ""
-    timeout_s: float = 20.0
-    rejected_path: str = ""  # where refused messages are kept (Kafka)
-    rejected_keep_bytes: int = 0
-
-    def open(self) -> SampleSource:
-        if self.files:
-            return FileSampleSource(list(self.files), self.spec, self.start, loop=self.loop, shard=self.shard)
-        return KafkaSampleSource(self.bootstrap, self.topic, self.group, self.spec, self.start, timeout_s=self.timeout_s,
-                                 shard=self.shard, rejected_log=RejectedLog(Path(self.rejected_path), self.rejected_keep_bytes))
-
-
 STRIPE_ROWS = 64  # rows of a file that go to one rank in turn (several ranks)
 
 
