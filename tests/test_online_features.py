@@ -215,6 +215,8 @@ def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, 
         samples, _, _ = decode_samples([r.value for r in read_topic(broker, f"{name}.samples")], SPEC)
         sample = next(r for r in samples.to_pylist() if r["event_id"] == "l-i3")
         assert sample["user_imps_60s"] == 1 and sample["hist_item_ids"] == [700100]  # the late event is not there
+        # the node reads the features topic on its own: the samples topic can be ahead of it
+        _wait_for(lambda: as_of() > sample["ts"], 120, "the serving node's features past l-i3")
 
         request = {"user_id": u, "ts": sample["ts"], "context": {"device": sample["device"], "local_hour": sample["local_hour"]},
                    "candidates": [{k: sample[k] for k in ("item_id", "category_id", "advertiser_id", "position")},
