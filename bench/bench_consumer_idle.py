@@ -4,7 +4,7 @@ An idle consumer (nothing to read) should cost next to nothing. Against the embe
 broker, kafka-python 3's blocking ``poll(timeout_ms)`` re-sends a fetch as soon as one
 comes back empty and the broker answers empty fetches at once, so the loop spins.
 Baseline, same run, same topic: the plain ``consumer.poll(timeout_ms=500)`` loop every
-long-lived consumer used before; vs ``streamrec.bus.clients.poll_records`` (non-blocking
+long-lived consumer used before; vs ``streamrec.plumbing.bus.clients.poll_records`` (non-blocking
 polls, 50 ms sleeps while nothing is buffered). Reports process CPU (%) of each loop,
 read_committed and read_uncommitted, and the ratio.
 
@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 
 from output import write_result  # noqa: E402
 
-from streamrec.bus.clients import make_consumer, poll_records  # noqa: E402
-from streamrec.bus.topics import delete_topics, ensure_topics  # noqa: E402
+from streamrec.plumbing.bus.clients import make_consumer, poll_records  # noqa: E402
+from streamrec.plumbing.bus.topics import delete_topics, ensure_topics  # noqa: E402
 
 
 def cpu_percent(consumer, seconds: float, poll) -> tuple[float, int]:

@@ -42,11 +42,11 @@ sys.path.insert(0, str(REPO))
 from bench_pipeline import _cli, _embedded_broker, _env, _medians, _wait_broker_idle, flink_backlog  # noqa: E402
 from output import write_result  # noqa: E402
 
-from pipelines.feature_spec import FeatureSpec  # noqa: E402
-from pipelines.feature_state import Candidate  # noqa: E402
-from pipelines.flink_rest import FlinkRest  # noqa: E402
-from serving.feature_store import OnlineFeatureStore  # noqa: E402
-from streamrec.bus.topics import delete_topics, list_topics  # noqa: E402
+from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
+from streamrec.contracts.feature_state import Candidate  # noqa: E402
+from streamrec.pipelines.flink_rest import FlinkRest  # noqa: E402
+from streamrec.serving.online_features import OnlineFeatureStore  # noqa: E402
+from streamrec.plumbing.bus.topics import delete_topics, list_topics  # noqa: E402
 
 SPEC = FeatureSpec()
 BUCKET_MS = 10_000

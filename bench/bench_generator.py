@@ -26,14 +26,14 @@ import tomllib
 from pathlib import Path
 
 
-from pipelines.generator.runner import generate
-from pipelines.generator.sinks import FileSink, KafkaSink
-from pipelines.generator.traffic import Traffic, TrafficConfig
-from pipelines.generator.world import WorldConfig
-from streamrec.bus.broker import EmbeddedBroker
-from streamrec.bus.clients import make_producer
-from streamrec.bus.topics import ensure_topics
-from streamrec.config import default_config_text
+from streamrec.generator.runner import generate
+from streamrec.generator.sinks import FileSink, KafkaSink
+from streamrec.generator.traffic import Traffic, TrafficConfig
+from streamrec.generator.world import WorldConfig
+from streamrec.plumbing.bus.broker import EmbeddedBroker
+from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.topics import ensure_topics
+from streamrec.plumbing.config import default_config_text
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 

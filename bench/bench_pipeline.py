@@ -46,13 +46,13 @@ sys.path.insert(0, str(REPO))
 
 from output import write_result  # noqa: E402
 
-from pipelines.flink_rest import FlinkRest  # noqa: E402
-from pipelines.job import LATE_EVENT  # noqa: E402
-from pipelines.feature_spec import FeatureSpec  # noqa: E402
-from pipelines.samples import SampleBuilder  # noqa: E402
-from streamrec.bus.broker import free_port  # noqa: E402
-from streamrec.bus.clients import make_admin, make_consumer, poll_records  # noqa: E402
-from streamrec.bus.topics import delete_topics, list_topics, truncate_topics  # noqa: E402
+from streamrec.pipelines.flink_rest import FlinkRest  # noqa: E402
+from streamrec.pipelines.job import LATE_EVENT  # noqa: E402
+from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
+from streamrec.pipelines.samples import SampleBuilder  # noqa: E402
+from streamrec.plumbing.bus.broker import free_port  # noqa: E402
+from streamrec.plumbing.bus.clients import make_admin, make_consumer, poll_records  # noqa: E402
+from streamrec.plumbing.bus.topics import delete_topics, list_topics, truncate_topics  # noqa: E402
 from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
 
@@ -81,8 +81,8 @@ def _cli(env: dict, *argv: str, **kw) -> subprocess.Popen:
 
 def _embedded_broker():
     """The embedded broker if one runs here (its CPU is part of the job's cost on this box), else None."""
-    from streamrec.config import load_config
-    from streamrec.bus.broker import EmbeddedBroker
+    from streamrec.plumbing.config import load_config
+    from streamrec.plumbing.bus.broker import EmbeddedBroker
 
     k = load_config().kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port) if k.embedded else None

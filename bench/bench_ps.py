@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ps.table import EmbeddingTable, TableConfig
+from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
@@ -123,7 +123,7 @@ def bench_snapshot(n_touched: int, dim: int, device: torch.device) -> dict:
     """How long ``EmbeddingStore.snapshot("delta")`` (the part of a publish that stalls
     training) takes for ``n_touched`` touched rows. Baseline: copying the same number of
     rows out of a dense tensor with one ``index_select`` (the least any snapshot must do)."""
-    from ps.store import EmbeddingStore
+    from streamrec.embedding.collection import EmbeddingStore
 
     gen = torch.Generator().manual_seed(1)
     keys = torch.randint(1, 2**62, (n_touched,), generator=gen)

@@ -41,8 +41,8 @@ import pyarrow.parquet as pq
 
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
-from streamrec.bus.broker import free_port
-from trainer.sources import sample_files
+from streamrec.plumbing.bus.broker import free_port
+from streamrec.trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,12 +26,12 @@ import pyarrow.parquet as pq
 
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
-from pipelines.sample_wire import decode_samples
-from pipelines.feature_spec import FeatureSpec
-from serving.ipc import frame, pack_columns, unpack_columns
-from serving.request import InstanceDecoder
-from model.batch import batch_from_columns, batch_from_table
-from trainer.sources import sample_files
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.serving.ipc import frame, pack_columns, unpack_columns
+from streamrec.serving.request import InstanceDecoder
+from streamrec.model.batch import batch_from_columns, batch_from_table
+from streamrec.trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from bench_serving import load, model_status, start_server  # bench/ is on sys.path
 from bench_trainer import make_samples
 from output import write_result
-from trainer.sources import sample_files
+from streamrec.trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
 UNBOUNDED = {"STREAMREC_SERVING__MAX_QUEUE_INSTANCES": str(10**12), "STREAMREC_SERVING__QUEUE_TIMEOUT_MS": str(10**9)}

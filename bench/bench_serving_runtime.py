@@ -41,14 +41,14 @@ import torch
 
 from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 from output import write_result
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore
-from serving.runner import RuntimeConfig
-from serving.version import ServedVersion
-from streamrec.config import load_config
-from model.batch import SampleBatch, batch_from_table
-from model.inference import InferenceModel
-from trainer.sources import sample_files
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore
+from streamrec.serving.runner import RuntimeConfig
+from streamrec.serving.version import ServedVersion
+from streamrec.plumbing.config import load_config
+from streamrec.model.batch import SampleBatch, batch_from_table
+from streamrec.model.inference import InferenceModel
+from streamrec.trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH_SIZES = (1, 16, 64, 256, 1024)

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore, SparseDelta
-from serving.state import ServedModel
-from streamrec.config import load_config
-from model.batch import TABLES
-from model.inference import InferenceModel
-from model.network import CTRModel, ModelSpec
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.serving.state import ServedModel
+from streamrec.plumbing.config import load_config
+from streamrec.model.batch import TABLES
+from streamrec.model.inference import InferenceModel
+from streamrec.model.network import CTRModel, ModelSpec
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 

@@ -58,20 +58,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore
-from ps.store import EmbeddingStore
-from ps.table import TableConfig
-from streamrec.config import load_config
-from trainer.dense_graph import GraphedDense
-from trainer.engine import Trainer, TrainOptions
-from model.batch import TABLES, SampleBatch, batch_from_table
-from model.network import CTRModel, ModelSpec
-from trainer.publisher import Publisher
-import trainer.engine as trainer_engine
-from trainer.prefetch import END, Prefetcher
-from trainer.sources import FileSampleSource, sample_files
-from model.sparse import ModelInputs, SparseFeatures
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.table import TableConfig
+from streamrec.plumbing.config import load_config
+from streamrec.trainer.dense_graph import GraphedDense
+from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.model.batch import TABLES, SampleBatch, batch_from_table
+from streamrec.model.network import CTRModel, ModelSpec
+from streamrec.trainer.publisher import Publisher
+import streamrec.trainer.engine as trainer_engine
+from streamrec.trainer.prefetch import END, Prefetcher
+from streamrec.trainer.sources import FileSampleSource, sample_files
+from streamrec.model.sparse import ModelInputs, SparseFeatures
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
 
@@ -335,7 +335,7 @@ def main() -> None:
     if args.per_table and args.nproc_per_node:
         parser.error("--per-table applies to the in-process run, not to --nproc-per-node's ranks")
     if args.per_table:
-        import model.sparse
+        import streamrec.model.sparse
 
         model.sparse.pull_grouped = lambda *_, **__: None  # SparseFeatures then takes the per-table path
     if args.samples is None:

@@ -5,8 +5,8 @@ import time
 import torch
 
 from bench.bench_ps import zipf_ranks
-from ps import kernels
-from ps.table import EmbeddingTable, TableConfig
+from streamrec.embedding import kernels
+from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 N, B = 1_000_000, 65536
 g = torch.Generator().manual_seed(0)

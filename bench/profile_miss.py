@@ -12,7 +12,7 @@ import time
 import torch
 
 from bench_ps import zipf_ranks  # bench/ is on sys.path (script dir)
-from ps.table import EmbeddingTable, TableConfig
+from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 N, B, DIM = 4_000_000, 1_048_576, 64
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1

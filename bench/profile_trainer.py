@@ -10,13 +10,13 @@ import time
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.feature_spec import FeatureSpec
-from ps.store import EmbeddingStore
-from streamrec.config import load_config
-from model.batch import batch_from_table
-from model.network import table_configs
-from trainer.sources import sample_files
-from model.sparse import SparseFeatures
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.plumbing.config import load_config
+from streamrec.model.batch import batch_from_table
+from streamrec.model.network import table_configs
+from streamrec.trainer.sources import sample_files
+from streamrec.model.sparse import SparseFeatures
 
 
 def main() -> None:
@@ -56,10 +56,10 @@ def main() -> None:
     import collections
     import functools
 
-    from ps import kernels
-    from ps.hash_index import HashIndex
-    from ps.storage import RowStorage
-    from ps.table import EmbeddingTable
+    from streamrec.embedding import kernels
+    from streamrec.embedding.hash_index import HashIndex
+    from streamrec.embedding.tier_rows import RowStorage
+    from streamrec.embedding.table import EmbeddingTable
 
     spent = collections.Counter()
     calls = collections.Counter()

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from rocksdict import Options, Rdict, WriteBatch
 
-from ps.budget import rows_for_bytes, tier_bytes
-from ps.store import EmbeddingStore
-from ps.table import EmbeddingTable, TableConfig
+from streamrec.embedding.budget import rows_for_bytes, tier_bytes
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 KEY_MULTIPLIER = -2950933219127396973  # 0xD70A3B1E9C2F8A93: odd, so rank -> key is one-to-one
 

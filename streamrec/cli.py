@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 from streamrec import __version__
-from streamrec.config import Config, ConfigError, default_config_text, load_config
+from streamrec.plumbing.config import Config, ConfigError, default_config_text, load_config
 
 log = logging.getLogger("streamrec")
 
@@ -306,8 +306,8 @@ def _config_from(args: argparse.Namespace) -> Config:
 
 # ---------------------------------------------------------------- kafka
 def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
-    from streamrec.bus.broker import EmbeddedBroker
-    from streamrec.bus.topics import COMPACTED, delete_topics, describe_topics, ensure_topics, list_topics
+    from streamrec.plumbing.bus.broker import EmbeddedBroker
+    from streamrec.plumbing.bus.topics import COMPACTED, delete_topics, describe_topics, ensure_topics, list_topics
 
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
@@ -377,8 +377,8 @@ def cmd_kafka(args: argparse.Namespace, cfg: Config) -> int:
 
 # ---------------------------------------------------------------- setup
 def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
-    from pipelines.flink_jars import ensure_jars, verify_jars
-    from pipelines.job_jar import ensure_job_jar
+    from streamrec.pipelines.flink_jars import ensure_jars, verify_jars
+    from streamrec.pipelines.job_jar import ensure_job_jar
 
     jars_dir = cfg.flink.resolved_jars_dir()
     if args.verify:
@@ -394,8 +394,8 @@ def cmd_setup(args: argparse.Namespace, cfg: Config) -> int:
 
 # ---------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
-    from pipelines.generator.sinks import FileSink, KafkaSink
-    from pipelines.generator.traffic import Traffic, TrafficConfig
+    from streamrec.generator.sinks import FileSink, KafkaSink
+    from streamrec.generator.traffic import Traffic, TrafficConfig
 
     g = cfg.generator
     traffic_cfg = TrafficConfig(
@@ -417,8 +417,8 @@ def cmd_generate(args: argparse.Namespace, cfg: Config) -> int:
         pace = False
         where = f"{args.out} ({args.format})"
     else:
-        from streamrec.bus.clients import make_producer
-        from streamrec.bus.topics import ensure_topics
+        from streamrec.plumbing.bus.clients import make_producer
+        from streamrec.plumbing.bus.topics import ensure_topics
 
         k = cfg.kafka
         ensure_topics(k.bootstrap_servers, [cfg.topics.events, cfg.topics.truth], k.partitions, k.replication_factor, k.connect_timeout_s)
@@ -439,7 +439,7 @@ def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
     """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise)."""
     from tqdm import tqdm
 
-    from pipelines.generator.runner import generate
+    from streamrec.generator.runner import generate
 
     interactive = sys.stderr.isatty()
     bar = tqdm(total=round(duration), unit="sim-s", desc=label, disable=not interactive, file=sys.stderr)
@@ -472,8 +472,8 @@ def print_generate_summary(s) -> None:
 def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
     if args.pipeline_command == "offline":
         return cmd_pipeline_offline(args, cfg)
-    from pipelines import pipeline_service as service
-    from pipelines.flink_runner import RunOptions
+    from streamrec.pipelines import pipeline_service as service
+    from streamrec.pipelines.flink_runner import RunOptions
 
     if args.pipeline_command == "submit":
         if args.detach:
@@ -500,7 +500,7 @@ def cmd_pipeline(args: argparse.Namespace, cfg: Config) -> int:
 def cmd_pipeline_offline(args: argparse.Namespace, cfg: Config) -> int:
     from collections import Counter
 
-    from pipelines.samples import SampleBuilder, read_run, write_samples
+    from streamrec.pipelines.samples import SampleBuilder, read_run, write_samples
 
     spec = cfg.features
     builder = SampleBuilder(spec).add_all(read_run(args.run))
@@ -516,8 +516,8 @@ def cmd_pipeline_offline(args: argparse.Namespace, cfg: Config) -> int:
 
 # ---------------------------------------------------------------- train
 def cmd_train(args: argparse.Namespace, cfg: Config) -> int:
-    from trainer.distributed import WORKER_ENV, launch
-    from trainer.engine import TrainOptions, train
+    from streamrec.trainer.distributed import WORKER_ENV, launch
+    from streamrec.trainer.engine import TrainOptions, train
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -560,7 +560,7 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 # ---------------------------------------------------------------- serve
 def cmd_serve(args: argparse.Namespace, cfg: Config) -> int:
-    from serving.server import serve
+    from streamrec.serving.server import serve
 
     serve(cfg)
     return 0
@@ -571,8 +571,8 @@ def cmd_store(args: argparse.Namespace, cfg: Config) -> int:
     import getpass
     import socket
 
-    from ps.model_store import ModelStore
-    from ps.store_report import describe, verify
+    from streamrec.modelstore.store import ModelStore
+    from streamrec.modelstore.report import describe, verify
 
     store = ModelStore(cfg.trainer.model_store, cfg.model.name)
     if args.store_command == "ls":
@@ -650,10 +650,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     # kafka-python logs every connection retry at ERROR; our own errors say what matters.
     logging.getLogger("kafka").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.CRITICAL)
-    from pipelines.flink_jars import ChecksumMismatch
-    from ps.model_store import CorruptVersion
-    from streamrec.bus.broker import BrokerError
-    from streamrec.bus.clients import BusUnavailable
+    from streamrec.pipelines.flink_jars import ChecksumMismatch
+    from streamrec.modelstore.store import CorruptVersion
+    from streamrec.plumbing.bus.broker import BrokerError
+    from streamrec.plumbing.bus.clients import BusUnavailable
 
     try:
         cfg = _config_from(args)
@@ -679,9 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from pipelines.job_jar import JobJarError
-        from pipelines.pipeline_service import PipelineError
-        from trainer.engine import TrainingError
+        from streamrec.pipelines.job_jar import JobJarError
+        from streamrec.pipelines.pipeline_service import PipelineError
+        from streamrec.trainer.engine import TrainingError
 
         if not isinstance(exc, (TrainingError, PipelineError, JobJarError)):
             raise

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from kafka import TopicPartition
 
-from pipelines.generator.world import WorldConfig
-from streamrec.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
-from streamrec.bus.clients import make_consumer, poll_records
-from streamrec.bus.topics import delete_topics, list_topics
-from streamrec.config import default_config_text
+from streamrec.generator.world import WorldConfig
+from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
+from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.plumbing.bus.topics import delete_topics, list_topics
+from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,9 +141,9 @@ def sample_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def published_model(sample_run, tmp_path_factory):
     """(model store root, versions): a trainer's full version followed by a chain of deltas."""
-    from ps.model_store import ModelStore
-    from streamrec.config import load_config
-    from trainer.engine import Trainer, TrainOptions
+    from streamrec.modelstore.store import ModelStore
+    from streamrec.plumbing.config import load_config
+    from streamrec.trainer.engine import Trainer, TrainOptions
 
     root = tmp_path_factory.mktemp("published")
     cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),

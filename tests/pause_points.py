@@ -44,7 +44,7 @@ def _point(path: str) -> str | None:
 
 def install() -> None:
     """In the child: pause at the armed point (the arm file is named by $STREAMREC_TEST_PAUSE_ARM)."""
-    from ps.model_store import ModelStore
+    from streamrec.modelstore.store import ModelStore
 
     arm_file = Path(os.environ[ARM_ENV])
     write = ModelStore._write

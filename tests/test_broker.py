@@ -4,8 +4,8 @@ import json
 import socket
 
 
-from streamrec.bus.broker import EmbeddedBroker, _alive
-from streamrec.bus.clients import make_producer
+from streamrec.plumbing.bus.broker import EmbeddedBroker, _alive
+from streamrec.plumbing.bus.clients import make_producer
 from tests.conftest import free_port, read_topic, run_cli
 
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pyarrow.fs as pafs
 
-from pipelines.checkpoints import checkpoint_uri, latest_checkpoint, prepare
-from pipelines.flink_runner import RunOptions, flink_config
-from streamrec.config import load_config
+from streamrec.pipelines.checkpoints import checkpoint_uri, latest_checkpoint, prepare
+from streamrec.pipelines.flink_runner import RunOptions, flink_config
+from streamrec.plumbing.config import load_config
 from tests.conftest import S3_BUCKET
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from streamrec.config import ConfigError, load_config
+from streamrec.plumbing.config import ConfigError, load_config
 
 
 def test_defaults_load_with_documented_topic_names():
@@ -79,10 +79,10 @@ def test_settings_objects_built_from_the_defaults_agree_with_their_constructor_d
     default (for tests and library use) only when it equals what the defaults file gives."""
     import dataclasses
 
-    from model.network import ModelSpec, table_configs
-    from pipelines.flink_runner import RunOptions
-    from pipelines.job import JobSpec
-    from serving.runner import RuntimeConfig
+    from streamrec.model.network import ModelSpec, table_configs
+    from streamrec.pipelines.flink_runner import RunOptions
+    from streamrec.pipelines.job import JobSpec
+    from streamrec.serving.runner import RuntimeConfig
 
     DERIVED = {("TableConfig", "gpu_cache_rows"), ("TableConfig", "dram_rows")}  # rows from [ps]'s byte budgets
     cfg = load_config(environ={})
@@ -113,9 +113,9 @@ def test_one_validation_place_names_every_bad_setting():
 
 
 def test_tier_budgets_are_sizes_in_bytes_split_across_the_tables(tmp_path):
-    from model.network import table_configs
-    from ps.budget import array_bytes, tier_bytes
-    from ps.table import EmbeddingTable
+    from streamrec.model.network import table_configs
+    from streamrec.embedding.budget import array_bytes, tier_bytes
+    from streamrec.embedding.table import EmbeddingTable
 
     cfg = load_config(environ={"STREAMREC_PS__HBM_BYTES": "512MiB"}, overrides={"ps.dram_bytes": "1.5GB"})
     assert cfg.ps.hbm_bytes == 512 * 2**20 and cfg.ps.dram_bytes == 1_500_000_000
@@ -153,7 +153,7 @@ def test_a_bounded_job_has_no_idleness_unless_it_resumes():
     """`pipeline submit --bounded`: every partition ends, so none may go idle (a stalled
     reader's events would be lost); resumed from a checkpoint its partitions may not end,
     so the configured idleness applies. A sub-millisecond timeout still means idleness."""
-    from pipelines.job import JobSpec
+    from streamrec.pipelines.job import JobSpec
 
     def idle(spec: JobSpec, restored: bool = False) -> str:
         return dict(line.split("=", 1) for line in spec.properties(restored).splitlines())["idle_timeout_ms"]

@@ -21,14 +21,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import REPO, free_port, run_cli
-from model.batch import batch_from_table
-from model.network import CTRModel, ModelSpec
-from model.sparse import SparseFeatures
-from pipelines.feature_spec import FeatureSpec
-from ps.sharded import ShardedEmbeddings, owner_of
-from ps.store import EmbeddingStore
-from ps.table import TableConfig
-from trainer.checkpoint import Checkpointer
+from streamrec.model.batch import batch_from_table
+from streamrec.model.network import CTRModel, ModelSpec
+from streamrec.model.sparse import SparseFeatures
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.embedding.sharded import ShardedEmbeddings, owner_of
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.table import TableConfig
+from streamrec.trainer.checkpoint import Checkpointer
 
 TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
 
@@ -118,7 +118,7 @@ def test_shards_are_balanced_within_ten_percent_on_zipf_ids(world):
 def test_file_shares_are_disjoint_cover_every_row_and_resume_exactly(sample_run):
     """Each rank reads its stripes; stopping anywhere and resuming from the position
     reads the rest of its share, so over all ranks every row is read exactly once."""
-    from trainer.sources import FileSampleSource
+    from streamrec.trainer.sources import FileSampleSource
 
     total = pq.ParquetFile(sample_run / "samples.parquet").metadata.num_rows
     seen = []

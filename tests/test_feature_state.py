@@ -3,8 +3,8 @@ never fatal, and a bucket's updates keep the semantics the job's state has."""
 
 from types import SimpleNamespace
 
-from pipelines.feature_spec import FeatureSpec
-from serving.feature_store import OnlineFeatureStore
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.serving.online_features import OnlineFeatureStore
 
 
 def record(key, value, offset=0):

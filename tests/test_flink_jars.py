@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from pipelines import flink_jars
-from pipelines.flink_jars import JAR_SHA256, ChecksumMismatch, ensure_jars, jar_urls, sha256_of, verify_jars
-from streamrec.bus.clients import make_producer
-from streamrec.bus.topics import ensure_topics
+from streamrec.pipelines import flink_jars
+from streamrec.pipelines.flink_jars import JAR_SHA256, ChecksumMismatch, ensure_jars, jar_urls, sha256_of, verify_jars
+from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.topics import ensure_topics
 from tests.conftest import run_cli
 
 

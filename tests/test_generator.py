@@ -9,11 +9,11 @@ import numpy as np
 import orjson
 import pytest
 
-from pipelines import events as ev
-from pipelines.generator.bad_events import BAD_KINDS, EXPECTED_REASON
-from pipelines.generator.scoring import auc, logloss
-from pipelines.generator.traffic import Traffic, TrafficConfig
-from pipelines.generator.world import World, _sigmoid, sparse_ids
+from streamrec.contracts import events as ev
+from streamrec.generator.bad_events import BAD_KINDS, EXPECTED_REASON
+from streamrec.model.metrics import auc, logloss
+from streamrec.generator.traffic import Traffic, TrafficConfig
+from streamrec.generator.world import World, _sigmoid, sparse_ids
 
 START = 1_700_000_000_000
 

@@ -10,10 +10,10 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import events as ev
-from pipelines.generator.sinks import FileSink, decode_truth_message
-from pipelines.generator.traffic import Traffic, TrafficConfig
-from pipelines.generator.runner import generate
+from streamrec.contracts import events as ev
+from streamrec.generator.sinks import FileSink, decode_truth_message
+from streamrec.generator.traffic import Traffic, TrafficConfig
+from streamrec.generator.runner import generate
 from tests.conftest import REPO, read_topic, run_cli
 
 

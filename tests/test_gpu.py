@@ -16,13 +16,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from model.batch import TABLES, batch_from_table
-from model.network import CTRModel, ModelSpec
-from pipelines.feature_spec import FeatureSpec
-from ps.hash_index import HashIndex
-from ps.model_store import ModelStore, SparseDelta
-from serving.runner import RuntimeConfig
-from serving.state import ServedModel
+from streamrec.model.batch import TABLES, batch_from_table
+from streamrec.model.network import CTRModel, ModelSpec
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.embedding.hash_index import HashIndex
+from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.serving.runner import RuntimeConfig
+from streamrec.serving.state import ServedModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SPEC = FeatureSpec()
@@ -105,8 +105,8 @@ def test_a_snapshot_reads_cached_rows_in_one_launch_and_the_rest_through_the_tie
     """EmbeddingTable.read_cached answers only when the cache holds every key (the publish's
     common case); a delta whose keys partly live in DRAM goes through read() and still
     holds every row's current value."""
-    from ps.store import EmbeddingStore
-    from ps.table import TableConfig
+    from streamrec.embedding.collection import EmbeddingStore
+    from streamrec.embedding.table import TableConfig
 
     store = EmbeddingStore([TableConfig("t", 8, lr=0.1, gpu_cache_rows=1_000)], "cuda", work_dir=tmp_path)
     table = store["t"]
@@ -136,7 +136,7 @@ def test_graphed_dense_steps_train_like_the_eager_model():
 
     import torch.nn.functional as F
 
-    from trainer.dense_graph import GraphedDense
+    from streamrec.trainer.dense_graph import GraphedDense
 
     torch.manual_seed(0)
     eager = CTRModel(MODEL).cuda()
@@ -170,7 +170,7 @@ def test_the_mapped_dram_tier_keeps_its_budget_when_evictions_give_rows_a_home(t
     """Rows created in the GPU cache get a DRAM home when evicted; when a batch's misses all
     come up from the mapped DRAM tier (the kernel path), DRAM must still spill to its budget:
     its size stays within the budget's headroom and its arrays are never regrown."""
-    from ps.table import EmbeddingTable, TableConfig
+    from streamrec.embedding.table import EmbeddingTable, TableConfig
 
     # batches of 1,500 rows fit the budget's headroom (an eighth of 16,000) before each spill
     table = EmbeddingTable(TableConfig("t", 8, dram_rows=16_000, gpu_cache_rows=3_000), "cuda", ssd_dir=tmp_path)
@@ -187,7 +187,7 @@ def test_the_mapped_dram_tier_keeps_its_budget_when_evictions_give_rows_a_home(t
 def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
     """A checkpoint's Adam state written by an unfused run (CPU, or an older trainer) comes
     back fused on CUDA, its step counters where the fused kernel wants them, and steps on."""
-    from trainer.engine import _fuse_on
+    from streamrec.trainer.engine import _fuse_on
 
     param = torch.nn.Parameter(torch.ones(4, device="cuda"))
     unfused = torch.optim.Adam([param], lr=0.1)
@@ -207,9 +207,9 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(m
     table whose cache has less free room than the batch has ids sends the step table by
     table. Both give the same model inputs, and the same rows after the update, on
     identical stores."""
-    from model.sparse import GroupedRows, SparseFeatures
-    from ps.store import EmbeddingStore
-    from ps.table import TableConfig
+    from streamrec.model.sparse import GroupedRows, SparseFeatures
+    from streamrec.embedding.collection import EmbeddingStore
+    from streamrec.embedding.table import TableConfig
 
     rng = np.random.default_rng(5)
     batch = batch_from_table(_instances(2000, rng), SPEC, MODEL.history_len, with_labels=False).to("cuda")
@@ -224,7 +224,7 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(m
             for name, p in handles.pulled.pulled.items():
                 per_table_store[name].cache.weights[pulled[name].slots] = p.rows
         with monkeypatch.context() as patched:  # the reference takes the per-table path
-            patched.setattr("model.sparse.pull_grouped", lambda *_, **__: None)
+            patched.setattr("streamrec.model.sparse.pull_grouped", lambda *_, **__: None)
             reference, ref_handles = per_table.pull(batch, now_ms=step)
             assert not isinstance(ref_handles, GroupedRows)
         for got, want in zip(inputs.as_args(), reference.as_args()):  # (backward's atomic sums: not bit-equal)

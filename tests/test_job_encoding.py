@@ -7,10 +7,10 @@ from dataclasses import replace
 import orjson
 import pytest
 
-from pipelines.feature_spec import FeatureSpec
-from pipelines.flink_runner import RunOptions, job_jars
-from pipelines.sample_wire import decode_samples
-from streamrec.config import load_config
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.pipelines.flink_runner import RunOptions, job_jars
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.plumbing.config import load_config
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ from collections import defaultdict
 import pytest
 from kafka import TopicPartition
 
-from streamrec.bus.clients import make_consumer, make_producer
-from streamrec.bus.topics import describe_topics, ensure_topics, truncate_topics
+from streamrec.plumbing.bus.clients import make_consumer, make_producer
+from streamrec.plumbing.bus.topics import describe_topics, ensure_topics, truncate_topics
 from tests.conftest import read_topic
 
 N = 2000

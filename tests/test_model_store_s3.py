@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ps.model_store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
 from tests.conftest import S3_BUCKET as BUCKET
 
 

@@ -15,13 +15,13 @@ import orjson
 import pytest
 
 from conftest import REPO, copy_store, free_port, read_topic, run_cli
-from pipelines.feature_spec import FeatureSpec
-from pipelines.feature_state import Candidate, differing_features, entity_partition
-from pipelines.sample_wire import decode_samples
-from pipelines.flink_rest import FlinkRest
-from serving.feature_store import OnlineFeatureStore
-from streamrec.bus.clients import make_producer
-from streamrec.bus.topics import ensure_topics
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.contracts.feature_state import Candidate, differing_features, entity_partition
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.pipelines.flink_rest import FlinkRest
+from streamrec.serving.online_features import OnlineFeatureStore
+from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
 from test_serving_http import call
 

@@ -15,15 +15,15 @@ import pyarrow as pa
 import pytest
 
 from conftest import REPO, free_port, read_topic as _read, run_cli
-from pipelines.events import MAX_FUTURE_SKEW_MS
-from pipelines.flink_rest import FlinkRest, FlinkUnreachable
-from pipelines.generator.sinks import decode_truth_message
-from pipelines.sample_wire import decode_samples
-from pipelines.feature_spec import FeatureSpec
-from pipelines.samples import SampleBuilder
-from streamrec.bus.clients import make_producer
-from streamrec.bus.topics import ensure_topics
-from streamrec.config import load_config
+from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
+from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable
+from streamrec.generator.sinks import decode_truth_message
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.pipelines.samples import SampleBuilder
+from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.topics import ensure_topics
+from streamrec.plumbing.config import load_config
 from streamrec.demo.resources import process_tree, threads_cpu_seconds
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import pause_points
-from ps.hash_index import HashIndex, ReservedKeyError
-from ps.model_store import CorruptVersion, ModelStore
-from ps.optimizers import make_optimizer
-from ps.store import EmbeddingStore
-from ps.table import EmbeddingTable, TableConfig
+from streamrec.embedding.hash_index import HashIndex, ReservedKeyError
+from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.embedding.optimizers import make_optimizer
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
@@ -233,7 +233,7 @@ CRASH_WRITER = r"""
 import sys, torch
 import pause_points
 pause_points.install()
-from ps.model_store import ModelStore, SparseDelta
+from streamrec.modelstore.store import ModelStore, SparseDelta
 ms = ModelStore(sys.argv[1], "m")
 keys = torch.arange(250_000)
 n = 0
@@ -422,7 +422,7 @@ def test_lookups_stay_exact_while_another_thread_evicts(device):
     (which evicts cache rows) under the exclusive side, from several threads at once."""
     import threading
 
-    from ps.locks import RWLock
+    from streamrec.plumbing.locks import RWLock
 
     dim, n = 8, 3000
     table = EmbeddingTable(TableConfig("t", dim, gpu_cache_rows=400 if device == "cuda" else 0), device)
@@ -459,7 +459,7 @@ def test_lookups_stay_exact_while_another_thread_evicts(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_unique_per_group_equals_torch_unique_of_each_group(device):
-    from ps.unique import unique_per_group
+    from streamrec.embedding.unique import unique_per_group
 
     g = torch.Generator().manual_seed(2)
     for _ in range(100):
@@ -474,7 +474,7 @@ def test_unique_per_group_equals_torch_unique_of_each_group(device):
 def test_ssd_tier_keeps_its_row_count_and_expires_by_clock_alone(tmp_path):
     """The SSD tier opens without counting its keys (the count is stored with every write),
     and expiry reads only the rows older than the cutoff (a time-ordered column family)."""
-    from ps.ssd import SsdTier
+    from streamrec.embedding.ssd import SsdTier
 
     ssd = SsdTier(tmp_path / "t", dim=2, state_dim=1)
     keys = torch.arange(1, 1001, dtype=torch.int64) * 7919
@@ -605,7 +605,7 @@ def test_a_reopened_ssd_tier_counts_its_rows_without_a_scan(tmp_path):
     """The count is read from the tier (stored with each write), right after puts of new
     keys, overwrites, takes, expiry and reopening; a table reopened over its SSD directory
     has exactly those rows."""
-    from ps.ssd import SsdTier
+    from streamrec.embedding.ssd import SsdTier
 
     table = EmbeddingTable(TableConfig("t", 3, dram_rows=20), ssd_dir=tmp_path)
     table.load_rows(torch.arange(1, 201) * 31, torch.randn(200, 3))
@@ -640,7 +640,7 @@ def test_removing_a_key_twice_in_one_call_frees_its_row_once(tmp_path, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reserved_keys_are_refused_on_the_device_path():
-    from ps.hash_layout import EMPTY, TOMBSTONE
+    from streamrec.embedding.hash_layout import EMPTY, TOMBSTONE
 
     table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1024), "cuda")
     assert table.cache_complete
@@ -657,7 +657,7 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
     repeated within a batch and shared between tables, rows created once per table, hits
     read what the table holds, and the update follows the formula written here (row-wise
     Adagrad: the accumulator adds the mean squared gradient; lazy Adam: per-row step count)."""
-    from ps.grouped import pull_grouped, push_grouped
+    from streamrec.embedding.grouped import pull_grouped, push_grouped
 
     names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
     monkeypatch.setattr(EmbeddingTable, "push", lambda *_: pytest.fail("the grouped push went table by table"))
@@ -707,7 +707,7 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
 def test_a_grouped_launch_gives_each_table_its_own_programs():
     """The layout grouped kernels read: each group's first row, rows and first program, no
     program shared by two groups, an empty group taking none (it shares the next one's start)."""
-    from ps.kernels import group_blocks
+    from streamrec.embedding.kernels import group_blocks
 
     assert group_blocks([5, 0, 130, 64], 64) == ([(0, 5, 0), (5, 0, 1), (5, 130, 1), (135, 64, 4)], 5)
     assert group_blocks([], 64) == ([], 0)

@@ -4,8 +4,8 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.sample_wire import check_samples, decode_samples, encode_samples
-from pipelines.feature_spec import FeatureSpec
+from streamrec.contracts.sample_wire import check_samples, decode_samples, encode_samples
+from streamrec.contracts.feature_spec import FeatureSpec
 
 
 @pytest.fixture(scope="module")

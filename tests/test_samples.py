@@ -8,9 +8,9 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.generator.bad_events import EXPECTED_REASON
-from pipelines.feature_spec import FeatureSpec
-from pipelines.samples import SampleBuilder, read_run
+from streamrec.generator.bad_events import EXPECTED_REASON
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.pipelines.samples import SampleBuilder, read_run
 from tests.conftest import run_cli
 
 NOW = 10**13

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from serving.batcher import RequestBatcher, Shed
+from streamrec.serving.batcher import RequestBatcher, Shed
 
 
 class Recorder:

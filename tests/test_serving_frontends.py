@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, copy_store, free_port
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore
 from streamrec.demo.resources import process_tree
 from test_serving_http import TOKEN, call
-from model.batch import batch_from_table
-from model.inference import InferenceModel
+from streamrec.model.batch import batch_from_table
+from streamrec.model.inference import InferenceModel
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def frontends(proc: subprocess.Popen) -> list[int]:
     for pid in process_tree(proc.pid)[1:]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"serving.frontend" in f.read():
+                if b"streamrec.serving.frontend" in f.read():
                     out.append(pid)
         except OSError:
             pass

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, copy_store, free_port
-from serving.guard import LogThrottle
+from streamrec.serving.guard import LogThrottle
 from test_serving_http import TOKEN, call
 
 pytestmark = pytest.mark.slow

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, copy_store, free_port
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore
-from model.batch import batch_from_table
-from model.inference import InferenceModel
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore
+from streamrec.model.batch import batch_from_table
+from streamrec.model.inference import InferenceModel
 
 pytestmark = pytest.mark.slow
 TOKEN = "test-token"
@@ -242,8 +242,8 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
 def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
     """With a 60 s LATEST poll, a version announced on the model-updates topic is still
     applied within seconds: the server follows the topic."""
-    from streamrec.bus.clients import make_producer
-    from streamrec.bus.topics import ensure_topics
+    from streamrec.plumbing.bus.clients import make_producer
+    from streamrec.plumbing.bus.topics import ensure_topics
 
     root, versions = published_model
     store_root = tmp_path / "models"

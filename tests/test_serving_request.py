@@ -7,11 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.sample_wire import decode_samples
-from pipelines.feature_spec import FeatureSpec
-from serving.errors import ApiError
-from serving.request import InstanceDecoder
-from model.batch import batch_from_columns, batch_from_table
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.serving.errors import ApiError
+from streamrec.serving.request import InstanceDecoder
+from streamrec.model.batch import batch_from_columns, batch_from_table
 
 SPEC = FeatureSpec()
 

@@ -8,11 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import copy_store
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import CorruptVersion, ModelStore
-from serving.state import IncompatibleVersion, ServedModel
-from model.batch import batch_from_table
-from model.inference import InferenceModel
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.serving.state import IncompatibleVersion, ServedModel
+from streamrec.model.batch import batch_from_table
+from streamrec.model.inference import InferenceModel
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from conftest import make_sample_run, run_cli
-from pipelines.feature_spec import FeatureSpec
-from ps.model_store import ModelStore
-from ps.store import EmbeddingStore
-from ps.table import TableConfig
-from streamrec.config import load_config
-from trainer.checkpoint import Checkpointer
-from trainer.engine import Trainer, TrainingError, TrainOptions, train
-from model.batch import TABLES, batch_from_table
-from model.inference import InferenceModel
-from trainer.prefetch import END, IDLE, Prefetcher, Skipped
-from trainer.sources import FileSampleSource
-from model.sparse import SparseFeatures
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.modelstore.store import ModelStore
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.table import TableConfig
+from streamrec.plumbing.config import load_config
+from streamrec.trainer.checkpoint import Checkpointer
+from streamrec.trainer.engine import Trainer, TrainingError, TrainOptions, train
+from streamrec.model.batch import TABLES, batch_from_table
+from streamrec.model.inference import InferenceModel
+from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
+from streamrec.trainer.sources import FileSampleSource
+from streamrec.model.sparse import SparseFeatures
 
 SPEC = FeatureSpec()
 
@@ -98,7 +98,7 @@ class _TrickleSource:
     def chunks(self):
         import time
 
-        from trainer.sources import SampleChunk
+        from streamrec.trainer.sources import SampleChunk
 
         for start in range(0, self.table.num_rows, 10):
             time.sleep(0.05)

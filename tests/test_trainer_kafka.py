@@ -16,10 +16,10 @@ from kafka import TopicPartition
 
 import pause_points
 from conftest import REPO
-from pipelines.sample_wire import encode_samples
-from ps.model_store import ModelStore
-from streamrec.bus.clients import make_consumer, make_producer, poll_records
-from streamrec.bus.topics import ensure_topics
+from streamrec.contracts.sample_wire import encode_samples
+from streamrec.modelstore.store import ModelStore
+from streamrec.plumbing.bus.clients import make_consumer, make_producer, poll_records
+from streamrec.plumbing.bus.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
 N_SAMPLES = 80_000
@@ -132,8 +132,8 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
 
 
 def test_ranks_split_the_partitions_and_fewer_partitions_than_ranks_is_refused(broker):
-    from pipelines.feature_spec import FeatureSpec
-    from trainer.sources import KafkaSampleSource
+    from streamrec.contracts.feature_spec import FeatureSpec
+    from streamrec.trainer.sources import KafkaSampleSource
 
     topic = f"t.samples.{uuid.uuid4().hex[:6]}"
     ensure_topics(broker, [topic], partitions=3)

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines import events as ev
-from pipelines.flink_runner import RunOptions, job_jars
-from pipelines.validation_spec import reason_key, validation_spec
-from streamrec.config import load_config
+from streamrec.contracts import events as ev
+from streamrec.pipelines.flink_runner import RunOptions, job_jars
+from streamrec.contracts.validation_spec import reason_key, validation_spec
+from streamrec.plumbing.config import load_config
 from tests.conftest import run_cli
 
 EDGE_CASES = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipelines.generator.scoring import auc, logloss
+from streamrec.model.metrics import auc, logloss
 
 STAGES = ("event_to_sample", "sample_to_trained", "trained_to_published", "published_to_applied")
 

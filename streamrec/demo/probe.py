@@ -24,12 +24,12 @@ from typing import Callable
 import numpy as np
 import orjson
 
-from model.batch import batch_from_table
-from model.inference import InferenceModel
-from pipelines.generator.sinks import decode_truth_message
-from pipelines.sample_wire import decode_samples
-from ps.model_store import ModelStore
-from streamrec.bus.clients import make_consumer, poll_records
+from streamrec.model.batch import batch_from_table
+from streamrec.model.inference import InferenceModel
+from streamrec.generator.sinks import decode_truth_message
+from streamrec.contracts.sample_wire import decode_samples
+from streamrec.modelstore.store import ModelStore
+from streamrec.plumbing.bus.clients import make_consumer, poll_records
 
 log = logging.getLogger("streamrec.demo")
 CHUNK = 256  # instances per predict request

@@ -19,13 +19,13 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from pipelines.feature_spec import FeatureSpec
-from pipelines.flink_rest import FlinkRest
-from ps.model_store import ModelStore
-from streamrec.bus.broker import EmbeddedBroker, free_port
-from streamrec.bus.clients import make_consumer
-from streamrec.bus.topics import delete_topics, describe_topics, ensure_topics
-from streamrec.config import Config
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.pipelines.flink_rest import FlinkRest
+from streamrec.modelstore.store import ModelStore
+from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port
+from streamrec.plumbing.bus.clients import make_consumer
+from streamrec.plumbing.bus.topics import delete_topics, describe_topics, ensure_topics
+from streamrec.plumbing.config import Config
 from streamrec.demo.analysis import freshness, quality
 from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until

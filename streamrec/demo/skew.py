@@ -22,11 +22,11 @@ from collections import defaultdict, deque
 import numpy as np
 import orjson
 
-from pipelines.events import InvalidEvent, validate_event
-from pipelines.feature_spec import FeatureSpec
-from pipelines.feature_state import differing_features
-from pipelines.generator.scoring import auc
-from streamrec.bus.clients import make_consumer, poll_records
+from streamrec.contracts.events import InvalidEvent, validate_event
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.contracts.feature_state import differing_features
+from streamrec.model.metrics import auc
+from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.demo.probe import BackgroundProbe, ServingClient
 
 log = logging.getLogger("streamrec.demo")

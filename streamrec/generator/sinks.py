@@ -1,0 +1,217 @@
+"""Where generated traffic goes: Kafka topics, or files for offline runs and GPU machines.
+
+Kafka: events (good and injected bad) to the events topic keyed by user id; truth rows
+(columnar chunks) and bad-event records to a separate truth topic; a final ``end``
+record tells consumers where the stream ends. Files: a directory with ``events.*``,
+``truth.*``, ``bad_events.jsonl`` and ``manifest.json``, written under a temporary name
+and renamed when complete, so a reader never sees a half-written run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Protocol
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from streamrec.generator.traffic import TickBatch, Truth
+
+EVENTS_SCHEMA = pa.schema([("emit_ms", pa.int64()), ("key", pa.binary()), ("value", pa.binary())])
+TRUTH_SCHEMA = pa.schema(
+    [
+        ("event_id", pa.string()),
+        ("request_id", pa.string()),
+        ("user_id", pa.int64()),
+        ("item_id", pa.int64()),
+        ("ts", pa.int64()),
+        ("position", pa.int32()),
+        ("p", pa.float64()),
+        ("clicked", pa.bool_()),
+        ("click_ts", pa.int64()),  # null when never clicked
+    ]
+)
+FORMATS = ("jsonl", "parquet")
+TRUTH_ROWS_PER_MESSAGE = 2000
+
+
+class Sink(Protocol):
+    def write_events(self, events: list[tuple[int, bytes, bytes]]) -> None: ...
+    def write_truth(self, batch: TickBatch) -> None: ...
+    def close(self, manifest: dict) -> None: ...
+    def abort(self) -> None: ...
+
+
+class SinkError(RuntimeError):
+    """Events could not be delivered; the message says how many and why."""
+
+
+def bad_record(kind: str, emit_ms: int, raw: bytes) -> dict:
+    return {"kind": "bad", "reason": kind, "emit_ms": emit_ms, "raw": raw.decode("utf-8", "replace")}
+
+
+class KafkaSink:
+    """Produces to Kafka and counts delivery failures (reported at close, never dropped silently).
+
+    ``atomic``: the whole run is one transaction (the producer needs a transactional_id),
+    committed at close only if every message was acknowledged, aborted otherwise.
+    """
+
+    def __init__(self, producer, events_topic: str, truth_topic: str | None, atomic: bool = False) -> None:
+        self.producer = producer
+        self.atomic = atomic
+        if atomic:
+            producer.init_transactions()
+            producer.begin_transaction()
+        self.events_topic = events_topic
+        self.truth_topic = truth_topic
+        self._failures = 0
+        self._first_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _on_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._failures += 1
+            self._first_error = self._first_error or exc
+
+    def _send(self, topic: str, key: bytes, value: bytes) -> None:
+        self.producer.send(topic, key=key, value=value).add_errback(self._on_error)
+
+    def write_events(self, events: list[tuple[int, bytes, bytes]]) -> None:
+        for _, key, value in events:
+            self._send(self.events_topic, key, value)
+
+    def write_truth(self, batch: TickBatch) -> None:
+        if not self.truth_topic:
+            return
+        for chunk in truth_chunks(batch.truth):
+            self._send(self.truth_topic, b"impressions", chunk)
+        for bad in batch.bad:
+            self._send(self.truth_topic, b"bad", orjson.dumps(bad_record(bad.kind, bad.emit_ms, bad.raw)))
+
+    def close(self, manifest: dict) -> None:
+        if self.truth_topic:
+            self._send(self.truth_topic, b"end", orjson.dumps({"kind": "end", **manifest}))
+        self.producer.flush()
+        if self.atomic:
+            if self._failures:
+                self.producer.abort_transaction()
+            else:
+                self.producer.commit_transaction()
+        self.producer.close()
+        if self._failures:
+            lost = "the transaction was aborted: nothing was written" if self.atomic else "they are missing from the topic"
+            raise SinkError(f"{self._failures} messages were not acknowledged by Kafka ({lost}); first error: {self._first_error!r}")
+
+    def abort(self) -> None:
+        self.producer.flush()
+        if self.atomic:
+            self.producer.abort_transaction()
+        self.producer.close()
+
+
+class FileSink:
+    """Writes a run directory atomically: everything goes to ``<out>.tmp-<pid>`` first."""
+
+    def __init__(self, out_dir: str | os.PathLike, fmt: str = "parquet") -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists():
+            raise FileExistsError(f"{self.out_dir} already exists; choose a new --out directory or remove it")
+        self.fmt = fmt
+        self.tmp_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir(parents=True)
+        self._bad = open(self.tmp_dir / "bad_events.jsonl", "wb")
+        if fmt == "jsonl":
+            self._events = open(self.tmp_dir / "events.jsonl", "wb")
+            self._truth = open(self.tmp_dir / "truth.jsonl", "wb")
+        else:
+            self._events = pq.ParquetWriter(self.tmp_dir / "events.parquet", EVENTS_SCHEMA, compression="zstd")
+            self._truth = pq.ParquetWriter(self.tmp_dir / "truth.parquet", TRUTH_SCHEMA, compression="zstd")
+
+    def write_events(self, events: list[tuple[int, bytes, bytes]]) -> None:
+        if not events:
+            return
+        if self.fmt == "jsonl":
+            self._events.write(b"\n".join(value for _, _, value in events) + b"\n")
+        else:
+            emit, key, value = zip(*events)
+            self._events.write_table(pa.table([list(emit), list(key), list(value)], schema=EVENTS_SCHEMA))
+
+    def write_truth(self, batch: TickBatch) -> None:
+        for bad in batch.bad:
+            self._bad.write(orjson.dumps(bad_record(bad.kind, bad.emit_ms, bad.raw)) + b"\n")
+        if not len(batch.truth):
+            return
+        if self.fmt == "jsonl":
+            self._truth.write(b"".join(orjson.dumps(row) + b"\n" for row in batch.truth.rows()))
+        else:
+            self._truth.write_table(truth_table(batch.truth))
+
+    def close(self, manifest: dict) -> None:
+        for fh in (self._events, self._truth, self._bad):
+            fh.close()
+        (self.tmp_dir / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+        self.tmp_dir.rename(self.out_dir)
+
+    def abort(self) -> None:
+        for fh in (self._events, self._truth, self._bad):
+            try:
+                fh.close()
+            except Exception:  # noqa: BLE001 - best effort while discarding a failed run
+                pass
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def truth_chunks(truth: Truth, rows_per_message: int = TRUTH_ROWS_PER_MESSAGE) -> list[bytes]:
+    """Truth rows as columnar JSON messages: ``{"kind": "impressions", "event_id": [...], ...}``.
+
+    One message per ~2000 impressions instead of one per row: kafka-python's per-message
+    cost dominates here, and this halves the generator's messages (see bench/RESULTS.md).
+    Decode with :func:`decode_truth_message`.
+    """
+    out = []
+    for lo in range(0, len(truth), rows_per_message):
+        hi = lo + rows_per_message
+        message = {"kind": "impressions", **{name: _column(truth, name)[lo:hi] for name in TRUTH_SCHEMA.names}}
+        out.append(orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY))
+    return out
+
+
+def _column(truth: Truth, name: str):
+    if name == "click_ts":  # JSON null for never-clicked, like the Parquet column
+        return [int(t) if c else None for t, c in zip(truth.click_ts.tolist(), truth.clicked.tolist())]
+    return getattr(truth, name)
+
+
+def decode_truth_message(value: bytes) -> list[dict]:
+    """Rows of one truth-topic message: impression rows, or the single bad/end record."""
+    message = orjson.loads(value)
+    if message.get("kind") != "impressions":
+        return [message]
+    names = TRUTH_SCHEMA.names
+    return [{"kind": "impression", **dict(zip(names, values))} for values in zip(*(message[n] for n in names))]
+
+
+def truth_table(truth: Truth) -> pa.Table:
+    click_ts = pa.array(truth.click_ts, mask=~truth.clicked.astype(bool), type=pa.int64())
+    return pa.table(
+        [
+            pa.array(truth.event_id, pa.string()),
+            pa.array(truth.request_id, pa.string()),
+            pa.array(truth.user_id, pa.int64()),
+            pa.array(truth.item_id, pa.int64()),
+            pa.array(truth.ts, pa.int64()),
+            pa.array(truth.position, pa.int32()),
+            pa.array(truth.p, pa.float64()),
+            pa.array(truth.clicked, pa.bool_()),
+            click_ts,
+        ],
+        schema=TRUTH_SCHEMA,
+    )

@@ -1,0 +1,163 @@
+"""From checked sample rows (the pipelines/ schema) to the tensors the model consumes.
+
+The same conversion serves training (batches of samples) and serving (predict
+instances: the sample schema minus the label), so both see identical features.
+
+Sparse tables and the ids that go into them:
+- ``user``: user_id;  ``advertiser``: advertiser_id;
+- ``item``: the candidate item_id *and* the behaviour-sequence item ids (shared rows, as
+  in DIN: the history is compared with the candidate in the same space);
+- ``category``: category_id and the sequence's category ids;
+- ``context``: device, position and local hour, as ``field << 32 | value`` keys in one
+  small table (one lookup instead of three).
+Dense features: log1p of every windowed counter, plus smoothed click-through rates of
+user, item and category per window.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from streamrec.model.columns import FeatureColumns, columns_from_table
+from streamrec.contracts.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES, FeatureSpec
+
+TABLES = ("user", "item", "category", "advertiser", "context")
+CONTEXT_FIELDS = ("device", "position", "local_hour")
+CTR_PRIOR_IMPS = 10.0  # smoothing of the rate features: clicks / (imps + prior)
+
+
+@dataclass
+class SampleBatch:
+    """One batch as tensors; ``hist_index`` places each flat history id at ``row * L + j``."""
+
+    user: torch.Tensor  # [B] int64
+    item: torch.Tensor
+    category: torch.Tensor
+    advertiser: torch.Tensor
+    context: torch.Tensor  # [B, 3] int64 keys
+    hist_items: torch.Tensor  # [n] int64, the real (unpadded) sequence ids
+    hist_categories: torch.Tensor  # [n] int64
+    hist_index: torch.Tensor  # [n] int64 in [0, B * L)
+    dense: torch.Tensor  # [B, F] float32
+    label: torch.Tensor  # [B] float32 (zeros at serving)
+    ts: torch.Tensor  # [B] int64 event time
+    history_len: int
+    event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
+    positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
+    rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
+
+    def __len__(self) -> int:
+        return len(self.user)
+
+    def _tensors(self) -> list[str]:
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def pin_memory(self) -> "SampleBatch":
+        """Move the tensors into page-locked memory (so the step's host-to-device copies do
+        not block): one pinned allocation for all of them, each tensor a view of it. A
+        pinned allocation costs far more than the copy, and a batch has eleven tensors."""
+        names = self._tensors()
+        tensors = [getattr(self, name).contiguous() for name in names]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 64) * 64)  # each view 64-byte aligned
+        buffer = torch.empty(max(offsets[-1], 64), dtype=torch.uint8, pin_memory=True)
+        for name, t, offset, size in zip(names, tensors, offsets, sizes):
+            setattr(self, name, buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t))
+        return self
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "SampleBatch":
+        for name in self._tensors():
+            setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
+        return self
+
+    def max_ts(self) -> int:
+        return int(self.ts.max()) if len(self) else 0
+
+    def longest_history(self) -> int:
+        """Length of the longest behaviour sequence in the batch (entries are at ``j < length``)."""
+        return int((self.hist_index % self.history_len).max()) + 1 if len(self.hist_index) else 0
+
+    def with_history_len(self, length: int) -> "SampleBatch":
+        """The same batch laid out for sequences of ``length`` (>= longest_history()): serving
+        runs short sequences in a shorter bucket."""
+        if length == self.history_len:
+            return self
+        rows, positions = self.hist_index // self.history_len, self.hist_index % self.history_len
+        longest = int(positions.max()) + 1 if len(positions) else 0
+        if length < longest:
+            raise ValueError(f"history length {length} is shorter than the batch's longest sequence ({longest})")
+        return replace(self, hist_index=rows * length + positions, history_len=length)
+
+
+def dense_feature_names(spec: FeatureSpec) -> list[str]:
+    names = [f"log1p_{c}" for c in spec.counter_columns()]
+    names += [f"ctr_{entity}_{w}s" for w in spec.windows_s for entity in COUNTER_ENTITIES]
+    return names
+
+
+def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.ndarray) -> np.ndarray:
+    """[B, 3] keys of the context table."""
+    out = np.empty((len(position), 3), dtype=np.int64)
+    for j, values in enumerate((device_hash, position.astype(np.int64), local_hour.astype(np.int64))):
+        out[:, j] = (j + 1) << 32 | (values & 0xFFFFFFFF)
+    return out
+
+
+def batch_from_table(table: pa.Table, spec: FeatureSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
+    """Tensors of a table of checked samples (see pipelines.sample_wire.check_samples)."""
+    return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
+
+
+def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
+    """A tensor over ``values``, copied only when it must be (another dtype, a strided view,
+    a read-only buffer such as Arrow's or a received frame's): columns_from_table's arrays
+    are already fresh int64 copies."""
+    return torch.from_numpy(np.require(values, dtype, ["C", "W"]))
+
+
+def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int) -> SampleBatch:
+    """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
+    (first) ``history_len`` ids."""
+    n = len(cols.hist_lengths)
+    lengths = cols.hist_lengths
+    rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    position = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    kept = position < history_len
+    hist_items, hist_categories = cols.hist_items, cols.hist_categories
+    if not kept.all():
+        rows, position, hist_items, hist_categories = rows[kept], position[kept], hist_items[kept], hist_categories[kept]
+    hist_index = rows * history_len + position
+
+    counters = cols.counters.astype(np.float32)
+    names = spec.counter_columns()
+    rates = []
+    for w in spec.windows_s:
+        for entity in COUNTER_ENTITIES:
+            imps, clicks = (counters[:, names.index(spec.counter_name(entity, counted, w))] for counted in COUNTED_EVENTS)
+            rates.append(clicks / (imps + CTR_PRIOR_IMPS))
+    dense = np.concatenate([np.log1p(counters), np.stack(rates, axis=1) if n else np.zeros((0, len(rates)), np.float32)], axis=1)
+
+    ints = cols.ints
+    label = cols.label if cols.label is not None else np.zeros(n, np.float32)
+    return SampleBatch(
+        user=_tensor(ints["user_id"], np.int64),
+        item=_tensor(ints["item_id"], np.int64),
+        category=_tensor(ints["category_id"], np.int64),
+        advertiser=_tensor(ints["advertiser_id"], np.int64),
+        context=torch.from_numpy(context_keys(cols.device_hash, ints["position"], ints["local_hour"])),
+        hist_items=_tensor(hist_items, np.int64),
+        hist_categories=_tensor(hist_categories, np.int64),
+        hist_index=torch.from_numpy(hist_index),
+        dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        label=_tensor(label, np.float32),
+        ts=_tensor(ints["ts"], np.int64),
+        history_len=history_len,
+        event_ids=cols.event_ids,
+    )

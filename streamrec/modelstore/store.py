@@ -1,0 +1,487 @@
+"""The model store: full and delta versions of sparse tables and dense tensors.
+
+Layout (docs/architecture.md; the files' schemas in streamrec/contracts/delta.py)::
+
+    <root>/<model>/versions/<version:012d>/manifest.json
+                                          sparse/<table>.arrow   key int64, deleted bool, value float32[dim]
+                                          sparse/<table>/<shard>-of-<n>.arrow   the same, one file per
+                                                                 rank of a sharded trainer
+                                          dense.arrow            name, shape, values
+    <root>/<model>/compacted/<version:012d>/                     version's whole state as one full image
+                                                                 (the same files and manifest as a full
+                                                                 version): its chain, compacted
+    <root>/<model>/LATEST                                        the newest complete version, as text
+    <root>/<model>/PIN                                           an operator's pin (rollback): JSON
+    <root>/<model>/leases/<token:012d>.json                      the writer lease (ps/store_lease.py)
+
+Compaction: a trainer publishing every few seconds writes small deltas and rarely a full
+version, so chains grow long. ``compact(v)`` merges ``v``'s chain into ``compacted/<v>``; a
+reader that loads ``v`` or a later version starts from the newest image on its chain and
+applies only the deltas after it, and ``gc`` counts images as full versions. Serving nodes
+that follow deltas in place never read an image: only a node that starts or falls behind.
+
+Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hdfs://``).
+
+Visibility: a version is written under ``versions/.tmp-*`` (manifest last), renamed into
+place, and only then is ``LATEST`` replaced (temp + rename). A reader trusts a version
+only when its manifest exists and every file's size and sha256 match, so a crash at any
+point leaves either the previous state or the complete new version. A version whose
+values are not all finite fails verification like a bad checksum: no reader serves it. Object stores (S3,
+GCS) cannot rename a directory: there the files go straight into the version's directory
+with the manifest last (a version without a manifest is not listed) and ``LATEST`` is
+overwritten in one PUT (atomic per object).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
+import torch
+
+from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, SparseDelta, dense_table, sparse_arrays, sparse_table
+
+
+
+class Lease(Protocol):
+    """What a commit needs from a writer lease (ps/store_lease.py): raise if it was lost."""
+
+    def check(self) -> None: ...
+
+
+
+class CorruptVersion(RuntimeError):
+    """A version is incomplete, fails its checksums, or breaks the format."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An operator's decision to serve ``version`` whatever LATEST says, until released."""
+
+    version: int
+    by: str
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A version being written: its number, kind, parent, and where its files go until
+    the commit makes it visible."""
+
+    version: int
+    kind: str
+    parent: int | None
+    staging: str
+
+
+@dataclass
+class LoadedModel:
+    version: int
+    manifest: dict
+    tables: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (keys int64 [n], values float32 [n, dim])
+    dense: dict[str, torch.Tensor]
+    chain: list[int]
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+class ModelStore:
+    def __init__(self, root: str, model: str) -> None:
+        if not model or "/" in model or model.startswith("."):
+            raise ValueError(f"invalid model name {model!r}")
+        self.fs, base = pafs.FileSystem.from_uri(root) if "://" in root else (pafs.LocalFileSystem(), _abs(root))
+        self.model = model
+        self.base = f"{base.rstrip('/')}/{model}"
+        self.versions_dir = f"{self.base}/versions"
+        self.compacted_dir = f"{self.base}/compacted"
+        # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
+        # refuses a "directory"); their single-object PUTs are atomic instead.
+        self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
+        self.lease: Lease | None = None  # set by a writer that holds one: every commit checks it
+
+    def hold(self, lease: Lease) -> None:
+        """Commit only while ``lease`` is this store's newest (fencing a writer that lost it)."""
+        self.lease = lease
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
+    # ------------------------------------------------------------------ paths
+    def _vdir(self, version: int, image: bool = False) -> str:
+        return f"{self.compacted_dir if image else self.versions_dir}/{version:012d}"
+
+    def _exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def _write(self, path: str, data: bytes) -> None:
+        with self.fs.open_output_stream(path) as out:
+            out.write(data)
+
+    def _read(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as src:
+            return src.read()
+
+    def replace_file(self, path: str, data: bytes) -> None:
+        """Readers see the old content or the new, never a part (one PUT on object stores)."""
+        if not self.renames_dirs:
+            self._write(path, data)
+            return
+        tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex[:8]}"
+        self._write(tmp, data)
+        self.fs.move(tmp, path)
+
+    # ------------------------------------------------------------------ listing
+    def latest(self) -> int | None:
+        try:
+            text = self._read(f"{self.base}/LATEST").decode().strip()
+        except (FileNotFoundError, OSError):
+            return None
+        if not text.isdigit():
+            raise CorruptVersion(f"{self.base}/LATEST holds {text!r}, not a version number")
+        return int(text)
+
+    def versions(self) -> list[int]:
+        """Complete versions present (those with a manifest), ascending."""
+        return self._listed(self.versions_dir)
+
+    def images(self) -> list[int]:
+        """Versions with a complete compacted image, ascending."""
+        return self._listed(self.compacted_dir)
+
+    def _listed(self, directory: str) -> list[int]:
+        if not self._exists(directory):
+            return []
+        out = []
+        for info in self.fs.get_file_info(pafs.FileSelector(directory)):
+            name = info.base_name
+            if info.type == pafs.FileType.Directory and name.isdigit() and self._exists(f"{info.path}/{MANIFEST}"):
+                out.append(int(name))
+        return sorted(out)
+
+    def resolve_latest(self) -> tuple[int | None, str | None]:
+        """(the version readers should follow, why LATEST itself could not be used): a
+        garbage or dangling LATEST falls back to the newest version with a manifest."""
+        try:
+            latest = self.latest()
+        except CorruptVersion as exc:
+            problem = str(exc)
+        else:
+            if latest is None or self._exists(f"{self._vdir(latest)}/{MANIFEST}"):
+                return latest, None
+            problem = f"{self.base}/LATEST names version {latest}, which does not exist"
+        versions = self.versions()
+        return (versions[-1] if versions else None), problem
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, version: int, by: str, reason: str = "") -> Pin:
+        """Record that every reader serves ``version`` until :meth:`unpin` (atomic)."""
+        self.manifest(version)  # raises CorruptVersion for a version that is not there
+        pin = Pin(version, by, time.time(), reason)
+        self.replace_file(f"{self.base}/PIN", json.dumps(pin.__dict__).encode())
+        return pin
+
+    def unpin(self) -> Pin | None:
+        """Release the pin; returns the one released."""
+        pin = self.pinned()
+        if self._exists(f"{self.base}/PIN"):
+            self.fs.delete_file(f"{self.base}/PIN")
+        return pin
+
+    def pinned(self) -> Pin | None:
+        """The pin in force, if any (a PIN file that does not parse raises CorruptVersion)."""
+        try:
+            data = json.loads(self._read(f"{self.base}/PIN"))
+            return Pin(int(data["version"]), str(data["by"]), float(data["at"]), str(data.get("reason", "")))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptVersion(f"{self.base}/PIN is not a valid pin ({exc}): fix or delete it (streamrec store unpin)") from None
+
+    def manifest(self, version: int, image: bool = False) -> dict:
+        path = f"{self._vdir(version, image)}/{MANIFEST}"
+        try:
+            manifest = json.loads(self._read(path))
+        except FileNotFoundError:
+            what = "compacted image" if image else "version"
+            raise CorruptVersion(f"{what} {version} of {self.model} has no manifest (incomplete or absent)") from None
+        except ValueError as exc:
+            raise CorruptVersion(f"{path} is not valid JSON: {exc}") from None
+        for key in ("format_version", "version", "kind", "parent", "files", "tables"):
+            if key not in manifest:
+                raise CorruptVersion(f"{path} lacks '{key}'")
+        if manifest["format_version"] != FORMAT_VERSION:
+            raise CorruptVersion(f"{path}: format_version {manifest['format_version']} is not supported (expected {FORMAT_VERSION})")
+        return manifest
+
+    # ------------------------------------------------------------------ writing
+    def publish(
+        self,
+        kind: str,
+        tables: Mapping[str, SparseDelta],
+        dims: Mapping[str, int],
+        dense: Mapping[str, torch.Tensor] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        parent: int | None = None,
+    ) -> int:
+        """Write a complete version atomically and move LATEST to it; returns its number.
+
+        ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since
+        ``parent`` (default: the current LATEST) plus deleted keys. One writer, one shard:
+        the sharded trainer uses ``begin`` / ``write_shard`` / ``commit`` instead.
+        """
+        staged = self.begin(kind, parent)
+        files = self.write_shard(staged, tables, dims)
+        return self.commit(staged, files, dense, meta)
+
+    def begin(self, kind: str, parent: int | None = None) -> "StagedVersion":
+        """Fix the number, parent and staging directory of the next version (the writer's
+        rank 0 does this and hands the result to every shard's writer). A delta holds the
+        rows changed since ``parent``, the writer's previous version: it is refused unless
+        LATEST is that version (a delta over anything else would mix two histories)."""
+        if kind not in ("full", "delta"):
+            raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
+        if kind == "delta":
+            latest, _ = self.resolve_latest()  # a garbage LATEST over the writer's own newest version is repaired by the commit
+            if latest is None:
+                raise ValueError("a delta needs a parent: publish a full version first")
+            if parent is not None and latest != parent:
+                raise CorruptVersion(f"LATEST is version {latest}, not {parent}, the version this delta was built on")
+            parent = latest
+        version = max([parent or 0, *self.versions()]) + 1
+        vdir = self._vdir(version)
+        staging = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
+        return StagedVersion(version, kind, parent if kind == "delta" else None, staging)
+
+    def write_shard(self, staged: "StagedVersion", tables: Mapping[str, SparseDelta], dims: Mapping[str, int],
+                    shard: int = 0, shards: int = 1) -> dict[str, dict]:
+        """Write one shard's sparse files into ``staged``; returns their manifest entries.
+        One shard: ``sparse/<table>.arrow``; several: ``sparse/<table>/<shard>-of-<shards>.arrow``
+        (readers concatenate a table's shards by the entries' ``table``)."""
+        self.fs.create_dir(f"{staged.staging}/sparse", recursive=True)
+        files: dict[str, dict] = {}
+        for name, delta in tables.items():
+            data = _ipc_bytes(sparse_table(delta, dims[name]))
+            rel = f"sparse/{name}.arrow" if shards == 1 else f"sparse/{name}/{shard:05d}-of-{shards:05d}.arrow"
+            if shards > 1:
+                self.fs.create_dir(f"{staged.staging}/sparse/{name}", recursive=True)
+            self._write(f"{staged.staging}/{rel}", data)
+            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(delta.keys) + len(delta.deleted),
+                          "table": name, "dim": dims[name], "upserts": len(delta.keys), "deleted": len(delta.deleted)}
+        return files
+
+    def commit(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None = None,
+               meta: Mapping[str, Any] | None = None) -> int:
+        """Write the dense file and the manifest (listing every shard's ``files``), make the
+        version visible and move LATEST to it; returns the version."""
+        self._seal(staged, files, dense, meta)
+        if not self.renames_dirs:
+            self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
+            return staged.version
+        self._check_lease()
+        self.fs.move(staged.staging, self._vdir(staged.version))
+        self.replace_file(f"{self.base}/LATEST", f"{staged.version}\n".encode())
+        return staged.version
+
+    def _seal(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None,
+              meta: Mapping[str, Any] | None) -> None:
+        """Write the dense file and the manifest into the staging directory (the manifest last:
+        on an object store, where the staging directory is the final one, it is the commit)."""
+        files = {rel: dict(info) for rel, info in files.items()}
+        table_info: dict[str, dict] = {}
+        for info in files.values():
+            entry = table_info.setdefault(info["table"], {"dim": info.pop("dim"), "upserts": 0, "deleted": 0})
+            entry["upserts"] += info.pop("upserts")
+            entry["deleted"] += info.pop("deleted")
+        if dense:
+            data = _ipc_bytes(dense_table(dense))
+            self._write(f"{staged.staging}/dense.arrow", data)
+            files["dense.arrow"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(dense)}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "model": self.model,
+            "version": staged.version,
+            "kind": staged.kind,
+            "parent": staged.parent,
+            "created_at": time.time(),
+            "files": files,
+            "tables": table_info,
+            **dict(meta or {}),
+        }
+        self.fs.create_dir(staged.staging, recursive=True)
+        if not self.renames_dirs:
+            self._check_lease()
+        self._write(f"{staged.staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+
+    def compact(self, version: int) -> int:
+        """Write ``compacted/<version>``: ``version``'s whole state (its chain merged, from the
+        newest image on it) as one full image, with ``version``'s manifest metadata. Returns
+        the rows written. Atomic like a version; a writer that lost its lease writes nothing."""
+        loaded = self.load(version)
+        if len(loaded.chain) == 1:
+            return 0  # a full version, or an image already: nothing to merge
+        skip = {"format_version", "model", "version", "kind", "parent", "created_at", "files", "tables"}
+        meta = {k: v for k, v in loaded.manifest.items() if k not in skip}
+        meta.update({"image_of": version, "compacted_chain": loaded.chain, "version_created_at": loaded.manifest["created_at"]})
+        image = self._vdir(version, image=True)
+        staging = f"{self.compacted_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else image
+        staged = StagedVersion(version, "full", None, staging)
+        dims = {name: loaded.manifest["tables"][name]["dim"] for name in loaded.tables}
+        tables = {name: SparseDelta(torch.from_numpy(keys), torch.from_numpy(values)) for name, (keys, values) in loaded.tables.items()}
+        self._seal(staged, self.write_shard(staged, tables, dims), loaded.dense, meta)
+        if self.renames_dirs:
+            self._check_lease()
+            self.fs.move(staging, image)
+        return sum(len(keys) for keys, _ in loaded.tables.values())
+
+    def abort(self, staged: "StagedVersion") -> None:
+        """Delete a staged version that will not be committed (nothing reads it)."""
+        if self._exists(staged.staging) and not self._exists(f"{staged.staging}/{MANIFEST}"):
+            self.fs.delete_dir(staged.staging)
+
+    # ------------------------------------------------------------------ reading
+    def chain(self, version: int) -> list[int]:
+        """Versions to apply, oldest first: the nearest full version or compacted image at or
+        before ``version`` (``load`` reads the first one's image when it has one), then deltas."""
+        return self._chain(version)[1]
+
+    def _chain(self, version: int) -> tuple[bool, list[int]]:
+        images = set(self.images())
+        out = [version]
+        if version in images:
+            return True, out
+        manifest = self.manifest(version)
+        while manifest["kind"] == "delta":
+            parent = manifest["parent"]
+            if parent is None:
+                raise CorruptVersion(f"delta version {manifest['version']} has no parent")
+            out.append(parent)
+            if parent in images:
+                return True, out[::-1]
+            manifest = self.manifest(parent)
+        return False, out[::-1]
+
+    def read_version(self, version: int, image: bool = False) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
+        """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense tensors)."""
+        manifest = self.manifest(version, image)
+        vdir = self._vdir(version, image)
+        sparse: dict[str, pa.Table] = {}
+        shards: dict[str, list[pa.Table]] = {}
+        dense: dict[str, torch.Tensor] = {}
+        for rel, info in manifest["files"].items():
+            try:
+                data = self._read(f"{vdir}/{rel}")
+            except FileNotFoundError:
+                raise CorruptVersion(f"version {version}: {rel} is missing") from None
+            if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+                raise CorruptVersion(f"version {version}: {rel} fails its checksum (expected sha256 {info['sha256']}, {info['bytes']} bytes)")
+            try:
+                table = ipc.open_file(pa.BufferReader(data)).read_all()
+            except pa.ArrowInvalid as exc:
+                raise CorruptVersion(f"version {version}: {rel} is not an Arrow file: {exc}") from None
+            if table.num_rows != info["rows"]:
+                raise CorruptVersion(f"version {version}: {rel} has {table.num_rows} rows, manifest says {info['rows']}")
+            if rel == "dense.arrow":
+                for name, shape, values in zip(table["name"].to_pylist(), table["shape"].to_pylist(), table["values"].to_numpy(zero_copy_only=False)):
+                    dense[name] = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).reshape(shape)
+                    if not bool(torch.isfinite(dense[name]).all()):
+                        raise CorruptVersion(f"version {version}: dense parameter {name} holds non-finite values")
+            else:  # a table's shards (disjoint keys) read as one table
+                if table.num_rows and not _all_finite(table["value"]):
+                    raise CorruptVersion(f"version {version}: {rel} holds non-finite embedding values")
+                shards.setdefault(info.get("table") or rel[len("sparse/") : -len(".arrow")], []).append(table)
+        for name, parts in shards.items():
+            if name not in manifest["tables"]:
+                raise CorruptVersion(f"version {version}: files of table {name!r}, which the manifest's tables do not list")
+            sparse[name] = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        return manifest, sparse, dense
+
+    def load(self, version: int | None = None) -> LoadedModel:
+        """Materialise a version: its full ancestor plus every delta after it, verified."""
+        version = self.latest() if version is None else version
+        if version is None:
+            raise CorruptVersion(f"model {self.model} has no published version under {self.base}")
+        from_image, chain = self._chain(version)
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        dims: dict[str, int] = {}
+        dense: dict[str, torch.Tensor] = {}
+        manifest: dict = {}
+        for i, v in enumerate(chain):
+            manifest, sparse, dense_v = self.read_version(v, image=from_image and i == 0)
+            dense.update(dense_v)
+            for name, table in sparse.items():
+                dims[name] = manifest["tables"][name]["dim"]
+                parts.setdefault(name, []).append(sparse_arrays(table, dims[name]))
+        tables = {name: _merge(chunks, dims[name]) for name, chunks in parts.items()}
+        if from_image and len(chain) == 1:  # the version's own manifest (its kind, parent, times), not the image's
+            try:
+                manifest = self.manifest(version)
+            except CorruptVersion:
+                pass  # garbage-collected: the image carries its metadata
+        return LoadedModel(version, manifest, tables, dense, chain)
+
+    # ------------------------------------------------------------------ retention
+    def gc(self, keep_fulls: int = 2) -> list[int]:
+        """Delete versions older than the ``keep_fulls``-th newest full version (and stale
+        temp dirs); everything needed to load any kept version stays. Returns deleted versions."""
+        versions, images = self.versions(), self.images()
+        fulls = sorted({v for v in versions if self.manifest(v)["kind"] == "full"} | set(images))  # where a chain can start
+        if len(fulls) <= keep_fulls:
+            return []
+        horizon = fulls[-keep_fulls]
+        try:
+            pin = self.pinned()
+        except CorruptVersion:  # which versions a pin needs is unknown: delete nothing until it is fixed
+            return []
+        pinned = set(self.chain(pin.version)) if pin is not None and pin.version in versions else set()  # these stay
+        doomed = [v for v in versions if v < horizon and v not in pinned]
+        for v in doomed:
+            self.fs.delete_dir(self._vdir(v))
+        for info in [*self.fs.get_file_info(pafs.FileSelector(self.versions_dir)),
+                     *self.fs.get_file_info(pafs.FileSelector(self.compacted_dir, allow_not_found=True))]:
+            if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
+                self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
+            elif info.base_name.isdigit() and int(info.base_name) < horizon and int(info.base_name) not in pinned \
+                    and info.type == pafs.FileType.Directory:
+                self.fs.delete_dir(info.path)  # an image behind the horizon, or a version without a manifest (a crashed writer's, on an object store)
+        return doomed
+
+
+def _all_finite(values: pa.ChunkedArray) -> bool:
+    flat = pa.chunked_array([chunk.flatten() for chunk in values.chunks], pa.float32())
+    return bool(pc.all(pc.is_finite(flat)).as_py() is not False)
+
+
+def _merge(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Last write wins across the chain; deleted keys disappear."""
+    keys = np.concatenate([c[0] for c in chunks]) if chunks else np.empty(0, np.int64)
+    deleted = np.concatenate([c[1] for c in chunks]) if chunks else np.empty(0, bool)
+    values = np.concatenate([c[2] for c in chunks]) if chunks else np.empty((0, dim), np.float32)
+    # np.unique returns the first occurrence: look at the reversed arrays to get the last.
+    _, first_in_reversed = np.unique(keys[::-1], return_index=True)
+    last = len(keys) - 1 - first_in_reversed
+    last = last[~deleted[last]]
+    last.sort()
+    return keys[last], values[last]
+
+
+def _abs(path: str) -> str:
+    import os
+
+    return os.path.abspath(path)

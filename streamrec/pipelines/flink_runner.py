@@ -1,0 +1,163 @@
+"""Runs the streaming job (pipelines/java/, settings from pipelines/job.py) on the embedded
+mini-cluster or a Flink cluster.
+
+The job is Java: the client builds its graph here through PyFlink's gateway and a real
+cluster needs no Python at all: ``--jobmanager host:port`` ships the same JobGraph with
+the connector jars and the job's jar. The embedded mini-cluster lives in this process's
+PyFlink JVM and serves Flink's REST API on ``127.0.0.1:<rest_port>``, so `status` and
+`cancel` talk to both the same way (pipelines/flink_rest.py).
+
+Recovery: checkpoints (RocksDB, incremental) go to ``checkpoint_dir/<job id>/chk-N`` and
+are kept on cancel and on failure; a new submission resumes from the newest complete one
+unless told to start fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrec.pipelines.checkpoints import checkpoint_uri, latest_checkpoint
+from streamrec.pipelines.checkpoints import prepare as prepare_checkpoints
+from streamrec.pipelines.flink_jars import jar_urls, verify_jars
+from streamrec.pipelines.job import JobSpec
+from streamrec.pipelines.job_jar import ensure_job_jar
+
+log = logging.getLogger("streamrec.pipeline")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the job runs; from the [flink] config section (:meth:`from_config`)."""
+
+    jars_dir: Path
+    checkpoint_dir: str | Path  # a local path or a URI the cluster writes (pipelines/checkpoints.py)
+    job_name: str
+    parallelism: int
+    checkpoint_interval_ms: int
+    state_backend: str
+    jobmanager: str  # host:port of a Flink cluster's REST endpoint; empty = embedded
+    rest_port: int  # the embedded mini-cluster's REST port
+    jvm_options: str  # the embedded mini-cluster's JVM (PyFlink's gateway), e.g. "-XX:+UseParallelGC"
+    resume: bool = True  # from the newest complete checkpoint (`submit --fresh`: False)
+    watermark_interval_ms: int = 200
+    buffer_timeout_ms: int = 100
+
+    @classmethod
+    def from_config(cls, cfg, fresh: bool = False) -> "RunOptions":
+        f = cfg.flink
+        return cls(jars_dir=f.resolved_jars_dir(), checkpoint_dir=f.checkpoint_dir, job_name=f.job_name,
+                   parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
+                   state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port,
+                   jvm_options=f.jvm_options, resume=not fresh, watermark_interval_ms=f.watermark_interval_ms,
+                   buffer_timeout_ms=f.buffer_timeout_ms)
+
+
+def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
+    if opts.state_backend not in ("rocksdb", "hashmap"):
+        raise ValueError(f"state backend must be rocksdb or hashmap, got {opts.state_backend!r}")
+    if opts.parallelism < 1:
+        raise ValueError(f"parallelism must be >= 1, got {opts.parallelism}")
+    if opts.watermark_interval_ms < 1 or opts.buffer_timeout_ms < 1:
+        raise ValueError(f"flink.watermark_interval_ms and flink.buffer_timeout_ms must be >= 1 (0 flushes every record), "
+                         f"got {opts.watermark_interval_ms} and {opts.buffer_timeout_ms}")
+    conf = {
+        "execution.runtime-mode": "streaming",
+        "pipeline.name": opts.job_name,
+        "pipeline.jars": ";".join(job_jars(opts)),
+        "parallelism.default": str(opts.parallelism),
+        "pipeline.auto-watermark-interval": f"{opts.watermark_interval_ms} ms",
+        "execution.buffer-timeout.interval": f"{opts.buffer_timeout_ms} ms",
+        "pipeline.object-reuse": "true",
+        "state.backend.type": opts.state_backend,
+        "state.backend.incremental": "true",
+        # no operator uses Flink timers (each stage keeps its deadlines in memory and
+        # checkpoints them as raw keyed state, which heap timers on RocksDB would claim)
+        "state.backend.rocksdb.timer-service.factory": "ROCKSDB",
+        "state.backend.rocksdb.predefined-options": "FLASH_SSD_OPTIMIZED",
+        "taskmanager.memory.managed.size": "512m",
+        "execution.checkpointing.interval": f"{opts.checkpoint_interval_ms} ms",
+        "execution.checkpointing.mode": "EXACTLY_ONCE",
+        "execution.checkpointing.dir": checkpoint_uri(opts.checkpoint_dir, for_flink=True),
+        "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
+        "execution.checkpointing.min-pause": f"{max(100, opts.checkpoint_interval_ms // 4)} ms",
+    }
+    if opts.jobmanager:
+        host, _, port = opts.jobmanager.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--jobmanager must be host:port of the cluster's REST endpoint, got {opts.jobmanager!r}")
+        conf.update({"execution.target": "remote", "rest.address": host, "rest.port": port})
+    else:
+        conf.update({"rest.bind-address": "127.0.0.1", "rest.address": "127.0.0.1", "rest.port": str(opts.rest_port)})
+    if restore_from is not None:
+        conf["execution.state-recovery.path"] = restore_from
+    return conf
+
+
+def _execution_environment(conf, remote: bool):
+    """The environment the job is built in: the embedded mini-cluster, or a cluster's REST endpoint.
+
+    Why not ``get_execution_environment(conf)`` for both: outside ``flink run`` (no context
+    environment) it builds a *local* environment, which overrides ``execution.target`` and
+    ran a ``--jobmanager`` job on a private mini-cluster inside this process. The public
+    constructor picks the executor that ``execution.target`` (``remote``) names.
+    """
+    from pyflink.datastream import StreamExecutionEnvironment
+    from pyflink.java_gateway import get_gateway
+
+    if not remote:
+        return StreamExecutionEnvironment.get_execution_environment(conf)
+    jvm = get_gateway().jvm
+    return StreamExecutionEnvironment(jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment(conf._j_configuration))
+
+
+def _set_gateway_jvm_options(options: str) -> None:
+    """Add ``options`` to the PyFlink gateway JVM this process is about to start, which
+    hosts the embedded mini-cluster: through JVM_ARGS, which PyFlink's launcher puts in
+    front of Flink's own JVM options (FLINK_ENV_JAVA_OPTS would replace those, and with
+    them the --add-opens flags Flink needs on Java 17)."""
+    import os
+
+    from pyflink import java_gateway
+
+    if not options:
+        return
+    if getattr(java_gateway, "_gateway", None) is not None:
+        log.warning("the PyFlink JVM is running already: flink.jvm_options (%s) not applied", options)
+        return
+    current = os.environ.get("JVM_ARGS", "")
+    if options not in current:
+        os.environ["JVM_ARGS"] = f"{current} {options}".strip()
+
+
+def job_jars(opts: RunOptions) -> list[str]:
+    """URLs of the connector jars and the job's jar (compiled here if its sources changed)."""
+    verify_jars(opts.jars_dir)
+    return [*jar_urls(opts.jars_dir), ensure_job_jar(opts.jars_dir).resolve().as_uri()]
+
+
+def submit(spec: JobSpec, opts: RunOptions):
+    """Submit the job; returns (PyFlink JobClient, the checkpoint it resumed from or None).
+
+    On the embedded mini-cluster the job runs inside this process: keep it alive (wait on
+    the client's execution result) for as long as the job should run.
+    """
+    from pyflink.common import Configuration
+    from pyflink.java_gateway import get_gateway
+    from pyflink.util.java_utils import add_jars_to_context_class_loader
+
+    restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
+    prepare_checkpoints(opts.checkpoint_dir)
+    settings = spec.properties(restored=restore is not None)  # validates the spec before the JVM starts
+    if not opts.jobmanager:
+        _set_gateway_jvm_options(opts.jvm_options)
+    conf = Configuration()
+    for key, value in flink_config(opts, restore).items():
+        conf.set_string(key, value)
+    env = _execution_environment(conf, remote=bool(opts.jobmanager))
+    add_jars_to_context_class_loader(job_jars(opts))  # the job's classes, for the gateway
+    get_gateway().jvm.streamrec.flink.SampleJob.build(env._j_stream_execution_environment, settings)
+    log.info("submitting %s (parallelism %d, %s state, resume from %s)", opts.job_name, opts.parallelism,
+             opts.state_backend, restore or "nothing")
+    return env.execute_async(opts.job_name), restore

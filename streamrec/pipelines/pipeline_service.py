@@ -1,0 +1,200 @@
+"""`streamrec pipeline submit|status|cancel`: the job's lifecycle on either kind of cluster.
+
+Embedded (default): the mini-cluster runs inside the submitting process, which stays in
+the foreground printing progress until the job ends, Ctrl-C or SIGTERM (the job is then
+cancelled; its last checkpoint is kept and the next submit resumes from it). ``--detach``
+starts that process in the background with its log and PID under ``var/flink/``.
+Remote (``--jobmanager``): the job graph is submitted to the cluster and the command
+returns; the job runs there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from streamrec.pipelines.checkpoints import checkpoint_uri, is_local
+from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
+from streamrec.pipelines.flink_runner import RunOptions, submit
+from streamrec.pipelines.job import JobSpec
+
+log = logging.getLogger("streamrec.pipeline")
+
+STATE_DIR = Path("var/flink")
+
+
+class PipelineError(RuntimeError):
+    """The job failed or could not start (the message says why and where the log is)."""
+
+
+def rest_address(cfg) -> str:
+    return cfg.flink.jobmanager or f"127.0.0.1:{cfg.flink.rest_port}"
+
+
+def job_spec(cfg, bounded: bool = False) -> JobSpec:
+    """The job for this config; creates its topics if missing (the features topic compacted;
+    one reader per events partition)."""
+    from streamrec.plumbing.bus.topics import COMPACTED, describe_topics, ensure_topics
+
+    k, t = cfg.kafka, cfg.topics
+    ensure_topics(k.bootstrap_servers, [t.events, t.samples, t.dlq, t.features], k.partitions, k.replication_factor,
+                  k.connect_timeout_s, configs={t.features: COMPACTED})
+    partitions = {info.name: info.partitions for info in describe_topics(k.bootstrap_servers, [t.events, t.features], k.connect_timeout_s)}
+    return JobSpec.from_config(cfg, source_parallelism=partitions.get(t.events, 1), bounded=bounded,
+                               features_partitions=partitions.get(t.features))
+
+
+def _progress(job: JobInfo, started: float) -> str:
+    return (f"job {job.job_id[:8]} {job.state}: {job.records_in:,} events in, {job.records_out:,} records out "
+            f"({job.records_in / max(1e-9, time.monotonic() - started):,.0f} events/s)")
+
+
+def _warn_if_bounded_restore(spec: JobSpec, restored: str | None) -> None:
+    """Kafka splits restored from a checkpoint keep the stopping offsets of the run that took it."""
+    if spec.bounded and restored:
+        print(f"warning: --bounded does not apply to partitions restored from {restored}: they keep the end "
+              "offsets of the run that took the checkpoint (none, if it was unbounded). Use --fresh for a "
+              "bounded run over the whole topic.", file=sys.stderr, flush=True)
+
+
+def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0) -> int:
+    """Run on the in-process mini-cluster until the job ends or we are told to stop."""
+    if _embedded_alive(cfg):
+        raise PipelineError(f"a Flink REST endpoint already answers at {rest_address(cfg)}: is a pipeline running? "
+                           "(`streamrec pipeline status`, `streamrec pipeline cancel`)")
+    client, restored = submit(spec, opts)
+    _warn_if_bounded_restore(spec, restored)
+    job_id = str(client.get_job_id())
+    print(f"pipeline job {job_id} submitted to the embedded mini-cluster "
+          f"(REST http://{rest_address(cfg)}; {'resumed from ' + str(restored) if restored else 'fresh start'})", flush=True)
+    stop, done, outcome = threading.Event(), threading.Event(), {}
+
+    def wait_for_job() -> None:
+        try:
+            client.get_job_execution_result().result()  # returns when the job finished, raises when it failed or was cancelled
+        except Exception as exc:  # noqa: BLE001 - reported below, with the job's own message
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    threading.Thread(target=wait_for_job, name="flink-job", daemon=True).start()
+    rest, started, last = FlinkRest(rest_address(cfg)), time.monotonic(), time.monotonic()
+    try:
+        while not done.wait(0.5):
+            if stop.is_set():
+                print("stopping: cancelling the job (its last checkpoint is kept for the next submit)", flush=True)
+                client.cancel().result()
+                done.wait(60)
+                break
+            if time.monotonic() - last >= interval_s:
+                last = time.monotonic()
+                try:
+                    print(_progress(next(j for j in rest.jobs() if j.job_id == job_id), started), flush=True)
+                except (FlinkUnreachable, StopIteration, RuntimeError):
+                    pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop.is_set():
+        print(f"pipeline job {job_id} cancelled", flush=True)
+        return 0
+    if "error" in outcome:
+        message = next((line for line in str(outcome["error"]).splitlines() if "Exception" in line), str(outcome["error"])[:500])
+        raise PipelineError(f"the pipeline job failed: {message} (the full trace is in the Flink log: pyflink/log/)")
+    print(f"pipeline job {job_id} finished", flush=True)
+    return 0
+
+
+def _embedded_alive(cfg) -> bool:
+    try:
+        FlinkRest(rest_address(cfg), timeout_s=1.0).jobs()
+        return True
+    except FlinkUnreachable:
+        return False
+
+
+def detach(argv: list[str], cfg, timeout_s: float = 120.0) -> int:
+    """Start ``streamrec pipeline submit`` (without --detach) in the background; wait until it runs."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    log_path, pid_path = STATE_DIR / "pipeline.log", STATE_DIR / "pipeline.pid"
+    args = [a for a in argv if a != "--detach"]
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", *args], stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    pid_path.write_text(f"{proc.pid}\n")
+    rest = FlinkRest(rest_address(cfg))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PipelineError(f"the pipeline process exited with {proc.returncode} before its job ran; see {log_path}")
+        try:
+            job = rest.wait_running(cfg.flink.job_name, timeout_s=2.0)
+            print(f"pipeline job {job.job_id} running in the background (pid {proc.pid}, log {log_path}, "
+                  f"REST http://{rest_address(cfg)})")
+            return 0
+        except TimeoutError:
+            continue
+    os.killpg(proc.pid, signal.SIGTERM)
+    raise TimeoutError(f"the pipeline job did not start within {timeout_s:.0f} s; see {log_path}")
+
+
+def _check_cluster(spec: JobSpec, opts: RunOptions) -> None:
+    """Fail before the JVM starts when the cluster does not answer; warn about what would
+    leave the job waiting (too few free slots) or unable to resume (node-local checkpoints)."""
+    try:
+        overview = FlinkRest(opts.jobmanager).overview()
+    except FlinkUnreachable as exc:
+        raise FlinkUnreachable(f"the cluster at {opts.jobmanager} does not answer: {exc}") from exc
+    needed = max(spec.source_parallelism, opts.parallelism)
+    free = overview.get("slots-available", 0)
+    if free < needed:
+        print(f"warning: the job needs {needed} task slots (a source reader per partition of "
+              f"{spec.events_topic}: {spec.source_parallelism}; parallelism {opts.parallelism}) and the cluster at "
+              f"{opts.jobmanager} has {free} free of {overview.get('slots-total', 0)}: its tasks wait for slots "
+              "(and the job fails after Flink's slot.request.timeout)", file=sys.stderr, flush=True)
+    host = opts.jobmanager.rpartition(":")[0]
+    if is_local(opts.checkpoint_dir) and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: checkpoints go to {checkpoint_uri(opts.checkpoint_dir)} on each TaskManager's own disk, "
+              "and the next submit looks for them on this machine: set flink.checkpoint_dir to storage all of "
+              "them share (s3://, hdfs://, a shared mount)", file=sys.stderr, flush=True)
+
+
+def submit_remote(spec: JobSpec, opts: RunOptions) -> int:
+    _check_cluster(spec, opts)
+    client, restored = submit(spec, opts)
+    _warn_if_bounded_restore(spec, restored)
+    job_id = client.get_job_id()
+    print(f"pipeline job {job_id} submitted to {opts.jobmanager}"
+          f"{' (resumed from ' + str(restored) + ')' if restored else ''}")
+    return 0
+
+
+def status(cfg) -> list[JobInfo]:
+    try:
+        return FlinkRest(rest_address(cfg)).jobs()
+    except FlinkUnreachable as exc:
+        where = "the embedded mini-cluster is not running (start it with `streamrec pipeline submit`)" \
+            if not cfg.flink.jobmanager else f"the cluster at {cfg.flink.jobmanager} does not answer"
+        raise FlinkUnreachable(f"{where}: {exc}") from exc
+
+
+def cancel(cfg, job_id: str | None) -> list[str]:
+    """Cancel the given job, or every running job with the configured name."""
+    rest = FlinkRest(rest_address(cfg))
+    jobs = status(cfg)
+    targets = [j.job_id for j in jobs if (j.job_id == job_id if job_id else j.name == cfg.flink.job_name and j.state == "RUNNING")]
+    if job_id and not targets:
+        raise ValueError(f"no job {job_id} on {rest_address(cfg)} (jobs: {', '.join(j.job_id for j in jobs) or 'none'})")
+    for target in targets:
+        rest.cancel(target)
+    return targets

@@ -1,0 +1,114 @@
+"""Create and describe topics on any Kafka cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from streamrec.plumbing.bus.clients import make_admin, make_consumer
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    name: str
+    partitions: int
+    messages: int  # sum over partitions of (end offset - beginning offset)
+
+
+COMPACTED = {"cleanup.policy": "compact"}  # a topic whose latest value per key is the state (streamrec.features)
+
+
+def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1, timeout_s: float = 20.0,
+                  configs: dict[str, dict[str, str]] | None = None) -> list[str]:
+    """Create the topics that do not exist yet (``configs``: topic settings by name); return
+    the names created.
+
+    Existing topics are left as they are (even with another partition count: changing
+    it would reshuffle keys, which is an operator's decision, not a side effect).
+    """
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        existing = set(admin.list_topics())
+        missing = [n for n in names if n not in existing]
+        created = []
+        for name in missing:
+            try:
+                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor,
+                                              topic_configs=(configs or {}).get(name, {}))])
+                created.append(name)
+            except TopicAlreadyExistsError:
+                pass  # created concurrently by someone else: fine
+        return created
+    finally:
+        admin.close()
+
+
+def delete_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> list[str]:
+    """Delete the topics that exist among ``names``; return the names deleted.
+
+    Why it matters here: the embedded broker keeps everything in memory and re-saves all of
+    it on every change, so its CPU grows with what it holds (docs/kafka.md); finished runs
+    delete their topics.
+    """
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        doomed = sorted(set(names) & set(admin.list_topics()))
+        if doomed:
+            admin.delete_topics(doomed)
+        return doomed
+    finally:
+        admin.close()
+
+
+def truncate_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> int:
+    """Delete every record the topics hold now (Kafka's DeleteRecords up to each partition's
+    end offset), keeping the topics and their offsets; return the records deleted.
+
+    For long runs against the embedded broker, which re-saves all it holds on every change:
+    a consumer that has read a topic's records lets them go, and the broker's work stays
+    small. Records written after the end offsets were read are kept.
+    """
+    consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, timeout_s=timeout_s)
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        available = consumer.topics()
+        parts = [TopicPartition(n, p) for n in names if n in available for p in sorted(consumer.partitions_for_topic(n) or [])]
+        end = consumer.end_offsets(parts)
+        begin = consumer.beginning_offsets(parts)
+        doomed = {tp: end[tp] for tp in parts if end[tp] > begin[tp]}
+        if doomed:
+            admin.delete_records(doomed)
+        return sum(end[tp] - begin[tp] for tp in doomed)
+    finally:
+        admin.close()
+        consumer.close()
+
+
+def list_topics(bootstrap: str, timeout_s: float = 20.0) -> list[str]:
+    admin = make_admin(bootstrap, timeout_s)
+    try:
+        return sorted(admin.list_topics())
+    finally:
+        admin.close()
+
+
+def describe_topics(bootstrap: str, names: list[str] | None = None, timeout_s: float = 20.0) -> list[TopicInfo]:
+    """Partition counts and message counts of the given (or all non-internal) topics."""
+    consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, timeout_s=timeout_s)
+    try:
+        available = consumer.topics()
+        wanted = sorted(n for n in (names or available) if n in available and not n.startswith("__"))
+        out = []
+        for name in wanted:
+            parts = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or [])]
+            end = consumer.end_offsets(parts)
+            begin = consumer.beginning_offsets(parts)
+            out.append(TopicInfo(name, len(parts), sum(end[tp] - begin[tp] for tp in parts)))
+        return out
+    finally:
+        consumer.close()

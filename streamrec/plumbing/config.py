@@ -1,0 +1,493 @@
+"""One configuration for every command: packaged defaults < TOML file < environment < flags.
+
+Defaults live only in ``defaults.toml`` (shipped in this package) so there is one
+place to read them; the dataclasses below give them types and reject unknown keys,
+so a typo in a config file is an error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Mapping
+
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.plumbing.units import SizeError, parse_bytes
+
+ENV_PREFIX = "STREAMREC_"
+CONFIG_ENV = "STREAMREC_CONFIG"
+LOCAL_CONFIG = Path("streamrec.toml")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap: str
+    embedded_host: str
+    embedded_port: int
+    data_dir: str
+    partitions: int
+    replication_factor: int
+    connect_timeout_s: float
+
+    @property
+    def embedded(self) -> bool:
+        """True when no external cluster is configured and the embedded broker is used."""
+        return not self.bootstrap.strip()
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """The address every client connects to, embedded or external."""
+        if self.embedded:
+            return f"{self.embedded_host}:{self.embedded_port}"
+        return self.bootstrap.strip()
+
+
+@dataclass(frozen=True)
+class TopicsConfig:
+    events: str
+    dlq: str
+    samples: str
+    model_updates: str
+    truth: str
+    features: str
+
+    def all(self) -> list[str]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+@dataclass(frozen=True)
+class FlinkConfig:
+    jars_dir: str
+    jobmanager: str
+    rest_port: int
+    job_name: str
+    group_id: str
+    parallelism: int
+    state_backend: str
+    state_cache_keys: int
+    jvm_options: str
+    checkpoint_dir: str
+    checkpoint_interval_s: float
+    delivery: str
+    out_of_orderness_ms: int
+    watermark_interval_ms: int
+    buffer_timeout_ms: int
+    idle_timeout_s: float
+    source_idle_backoff_ms: int
+    feature_state: bool
+    feature_bucket_s: int
+
+    def resolved_jars_dir(self) -> Path:
+        if self.jars_dir:
+            return Path(self.jars_dir).expanduser()
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return cache / "streamrec" / "flink-jars"
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Parameters of the generator's synthetic world (streamrec/generator/world.py); defaults
+    live in defaults.toml [generator.world]."""
+
+    n_users: int
+    n_items: int
+    n_categories: int
+    n_advertisers: int
+    latent_dim: int
+    max_slots: int
+    target_ctr: float
+    zipf_exponent: float
+    user_zipf_exponent: float
+    position_decay: float
+    sequence_weight: float
+    sequence_half_life_s: float
+    drift_time_constant_s: float
+    drift_scale: float
+    new_items_per_s: float
+    mean_item_lifetime_s: float
+    trend_every_s: float
+    trend_duration_s: float
+    trend_strength: float
+    median_click_delay_s: float
+
+    def validate(self) -> None:
+        checks = {
+            "n_users": self.n_users >= 1,
+            "n_items": self.n_items >= self.max_slots,
+            "n_categories": self.n_categories >= 2,
+            "n_advertisers": self.n_advertisers >= 1,
+            "latent_dim": self.latent_dim >= 1,
+            "max_slots": self.max_slots >= 1,
+            "target_ctr": 0.0 < self.target_ctr < 0.5,
+            "drift_scale": self.drift_scale >= 0.0,
+            "drift_time_constant_s": self.drift_time_constant_s > 0,
+            "sequence_half_life_s": self.sequence_half_life_s > 0,
+            "mean_item_lifetime_s": self.mean_item_lifetime_s > 0,
+            "trend_every_s": self.trend_every_s > 0,
+            "trend_duration_s": self.trend_duration_s > 0,
+            "median_click_delay_s": self.median_click_delay_s > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid world config: {', '.join(bad)} out of range ({self})")
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    seed: int
+    rate: float
+    duration_s: float
+    bad_fraction: float
+    max_disorder_ms: int
+    world: WorldConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    embedding_dim: int
+    history_len: int
+    attention_hidden: int
+    cross_layers: int
+    mlp: str
+    sparse_optimizer: str
+    sparse_lr: float
+    dense_lr: float
+    admit_after: int
+    ttl_s: float
+
+    @property
+    def mlp_widths(self) -> tuple[int, ...]:
+        try:
+            widths = tuple(int(w) for w in self.mlp.split(",") if w.strip())
+        except ValueError:
+            raise ConfigError(f"model.mlp must be comma-separated integers, got {self.mlp!r}") from None
+        if not widths or min(widths) < 1:
+            raise ConfigError(f"model.mlp must name at least one positive width, got {self.mlp!r}")
+        return widths
+
+
+class ByteSize(int):
+    """A size in bytes; the config may write it as "4GiB", "512MiB", "1.5GB" (ps/budget.py)."""
+
+
+@dataclass(frozen=True)
+class PsConfig:
+    hbm_bytes: ByteSize
+    dram_bytes: ByteSize
+
+
+# settings replaced by others: an old config gets told what to set instead
+REPLACED_KEYS = {"model.dram_rows": "[ps] dram_bytes (a size such as 16GiB)",
+                 "model.gpu_cache_rows": "[ps] hbm_bytes (a size such as 4GiB)"}
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    model_store: str
+    work_dir: str
+    batch_size: int
+    publish_interval_s: float
+    full_every: int
+    compact_every: int
+    keep_fulls: int
+    publish_rows_per_step: int
+    checkpoint_interval_s: float
+    group: str
+    device: str
+    cuda_graphs: bool
+    prefetch_batches: int
+    max_batch_delay_ms: int
+    eval_window: int
+    warmup_samples: int
+    frozen_baseline: bool
+    metrics_port: int
+    metrics_host: str
+    progress_interval_s: float
+    collective_timeout_s: float
+    lease_s: float
+    max_publish_failures: int
+    rejected_keep_mb: int
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    host: str
+    port: int
+    model_store: str
+    device: str
+    admin_token: str
+    max_batch: int
+    max_delay_us: int
+    workers: int
+    frontends: int
+    switch_interval_us: int
+    max_instances: int
+    max_body_bytes: int
+    max_queue_instances: int
+    queue_timeout_ms: int
+    keep_alive_s: float
+    read_timeout_s: float
+    max_connections: int
+    poll_interval_s: float
+    undo_depth: int
+    compile: str
+    batch_buckets: str
+    history_buckets: str
+    max_extra_buckets: int
+    follow_updates: bool
+    feature_store: bool
+    feature_store_memory_mb: int
+    feature_store_dir: str
+    feature_store_ready_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Config:
+    kafka: KafkaConfig
+    topics: TopicsConfig
+    flink: FlinkConfig
+    features: FeatureSpec
+    generator: GeneratorConfig
+    model: ModelConfig
+    ps: PsConfig
+    trainer: TrainerConfig
+    serving: ServingConfig
+    source: str = "defaults"  # which files contributed, for `--help`/status output
+
+
+def _deep_merge(base: dict, extra: Mapping, where: str) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if key not in out:
+            if f"{where}{key}" in REPLACED_KEYS:
+                raise ConfigError(f"config key '{where}{key}' is no longer read: set {REPLACED_KEYS[where + key]} instead")
+            raise ConfigError(f"unknown config key '{where}{key}' (known: {', '.join(sorted(base))})")
+        if isinstance(out[key], dict):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config key '{where}{key}' must be a table, got {value!r}")
+            out[key] = _deep_merge(out[key], value, f"{where}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def _coerce(value: Any, target: Any, name: str) -> Any:
+    """Convert TOML/env/flag values to the field's type; strings come from env and flags."""
+    if target is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+        elif isinstance(value, bool):
+            return value
+    elif target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif target is str:
+        if isinstance(value, str):
+            return value
+    elif target is ByteSize:
+        try:
+            return ByteSize(parse_bytes(value, name))
+        except SizeError as exc:
+            raise ConfigError(str(exc)) from None
+    elif typing.get_origin(target) is tuple:  # tuple[int, ...]: a TOML array, or "60,600" from env/flags
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            try:
+                return tuple(_coerce(v.strip() if isinstance(v, str) else v, typing.get_args(target)[0], name) for v in items)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{name}' must be a list of {typing.get_args(target)[0].__name__}, got {value!r}")
+    else:
+        return value
+    raise ConfigError(f"config key '{name}' must be {target.__name__}, got {value!r}")
+
+
+def _build(cls: type, data: Mapping, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name == "source":
+            continue
+        name = f"{where}{field.name}"
+        if field.name not in data:
+            raise ConfigError(f"missing config key '{name}'")
+        target = hints[field.name]
+        if dataclasses.is_dataclass(target):
+            kwargs[field.name] = _build(target, data[field.name], name + ".")
+        else:
+            kwargs[field.name] = _coerce(data[field.name], target, name)
+    return cls(**kwargs)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict:
+    """STREAMREC_KAFKA__BOOTSTRAP=x -> {"kafka": {"bootstrap": "x"}}."""
+    tree: dict = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_ENV or "__" not in key:
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _dotted_overrides(overrides: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree
+
+
+def default_config_text() -> str:
+    return files("streamrec.plumbing").joinpath("defaults.toml").read_text()
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Load the effective configuration.
+
+    ``path``: an explicit TOML file (must exist); otherwise ``$STREAMREC_CONFIG``, otherwise
+    ``./streamrec.toml`` if present. ``overrides``: dotted keys from command-line flags;
+    ``None`` values are ignored so unset flags never mask the file.
+    """
+    environ = os.environ if environ is None else environ
+    data = tomllib.loads(default_config_text())
+    sources = ["defaults"]
+    chosen = path or environ.get(CONFIG_ENV) or (LOCAL_CONFIG if LOCAL_CONFIG.exists() else None)
+    if chosen:
+        chosen = Path(chosen)
+        if not chosen.is_file():
+            raise ConfigError(f"config file {chosen} does not exist")
+        try:
+            file_data = tomllib.loads(chosen.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {chosen} is not valid TOML: {exc}") from exc
+        data = _deep_merge(data, file_data, "")
+        sources.append(str(chosen))
+    env_tree = _env_overrides(environ)
+    if env_tree:
+        data = _deep_merge(data, env_tree, "")
+        sources.append("environment")
+    flag_tree = _dotted_overrides(overrides or {})
+    if flag_tree:
+        data = _deep_merge(data, flag_tree, "")
+        sources.append("flags")
+    config = _build(Config, data, "")
+    validate(config)
+    return dataclasses.replace(config, source=" < ".join(sources))
+
+
+def validate(config: Config) -> None:
+    """Every check of a value against its range or the other values, in one place: a bad
+    setting fails when the configuration is loaded, before any command starts work."""
+    problems: list[str] = []
+    try:
+        config.features.validate()
+    except ValueError as exc:
+        problems.append(f"[features]: {exc}")
+    m, s, f = config.model, config.serving, config.flink
+    if not 1 <= m.history_len <= config.features.history_len:
+        problems.append(f"model.history_len ({m.history_len}) must be within 1..features.history_len ({config.features.history_len})")
+    try:
+        m.mlp_widths
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if f.delivery not in ("exactly-once", "at-least-once"):
+        problems.append(f"flink.delivery must be exactly-once or at-least-once, got {f.delivery!r}")
+    if f.state_backend not in ("rocksdb", "hashmap"):
+        problems.append(f"flink.state_backend must be rocksdb or hashmap, got {f.state_backend!r}")
+    try:
+        check_serving_mode(s.compile)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if config.trainer.compact_every < 0:
+        problems.append(f"trainer.compact_every must be >= 0 (0: never), got {config.trainer.compact_every}")
+    if config.trainer.max_batch_delay_ms < 1:
+        problems.append(f"trainer.max_batch_delay_ms must be >= 1, got {config.trainer.max_batch_delay_ms}")
+    if config.trainer.lease_s <= 0:
+        problems.append(f"trainer.lease_s must be > 0, got {config.trainer.lease_s}")
+    if config.trainer.rejected_keep_mb < 1:
+        problems.append(f"trainer.rejected_keep_mb must be >= 1, got {config.trainer.rejected_keep_mb}")
+    if config.trainer.max_publish_failures < 1:
+        problems.append(f"trainer.max_publish_failures must be >= 1, got {config.trainer.max_publish_failures}")
+    if f.feature_bucket_s < 1:
+        problems.append(f"flink.feature_bucket_s must be >= 1, got {f.feature_bucket_s}")
+    for name in ("watermark_interval_ms", "buffer_timeout_ms"):
+        if getattr(f, name) < 1:  # 0 would flush or emit per record: a severe throughput loss
+            problems.append(f"flink.{name} must be >= 1, got {getattr(f, name)}")
+    if s.feature_store_memory_mb < 1:
+        problems.append(f"serving.feature_store_memory_mb must be >= 1, got {s.feature_store_memory_mb}")
+    if s.switch_interval_us <= 0:
+        problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
+    if s.frontends < 0:
+        problems.append(f"serving.frontends must be >= 0, got {s.frontends}")
+    if s.max_queue_instances < s.max_instances:
+        problems.append(f"serving.max_queue_instances ({s.max_queue_instances}) must be >= serving.max_instances ({s.max_instances})")
+    for name in ("keep_alive_s", "read_timeout_s", "max_connections"):
+        if getattr(s, name) <= 0:
+            problems.append(f"serving.{name} must be > 0, got {getattr(s, name)}")
+    if s.queue_timeout_ms * 1000 <= s.max_delay_us:  # else a request waiting out the batching window is dropped
+        problems.append(f"serving.queue_timeout_ms ({s.queue_timeout_ms}) must be longer than serving.max_delay_us ({s.max_delay_us} us)")
+    for name in ("batch_buckets", "history_buckets"):
+        try:
+            parse_sizes(getattr(s, name), f"serving.{name}")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
+
+
+def check_serving_mode(mode: str) -> None:
+    if mode not in SERVING_MODES:
+        raise ConfigError(f"serving.compile must be one of {', '.join(SERVING_MODES)}; got {mode!r}")
+
+
+def parse_sizes(text: str, name: str) -> tuple[int, ...]:
+    """``"1,4,16"`` -> (1, 4, 16): a sorted set of positive sizes."""
+    try:
+        sizes = tuple(sorted({int(s) for s in str(text).split(",") if s.strip()}))
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated positive integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"{name} must name at least one positive size, got {text!r}")
+    return sizes

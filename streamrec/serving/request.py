@@ -1,0 +1,259 @@
+"""Predict request bodies, from bytes straight to checked feature columns.
+
+A body is ``{"instances": [instance, ...]}``, an instance being the sample schema without
+its label (docs/samples.md). msgspec decodes and type-checks the whole body in one C pass
+against a struct derived from the served version's :class:`FeatureSpec`: an int field
+refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
+Only a body that fails is decoded again instance by instance, so the error names every
+bad instance and field. Why not ``pipelines.sample_wire.decode_samples`` (the Kafka
+path): re-encoding each instance for pyarrow's JSON reader cost several ms per batch
+whatever its size, more than the model itself (`streamrec bench serving_decode`).
+
+Checks that need more than one field (reserved ids, history lengths, ``sample_version``)
+run in numpy over a whole batch in :meth:`InstanceDecoder.columns`; the rules are those
+of ``pipelines.sample_wire.check_samples``, and ``tests/test_serving_request.py`` checks
+that both give the same verdicts and the same features.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import chain
+from operator import attrgetter
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from streamrec.model.columns import FeatureColumns, device_hashes
+from streamrec.contracts.feature_spec import HISTORY_COLUMNS, ID_COLUMNS, INT_COLUMNS, SAMPLE_VERSION, FeatureSpec
+from streamrec.contracts.sample_wire import RESERVED_IDS
+from streamrec.serving.errors import ApiError
+
+INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+_FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
+
+
+_TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
+
+
+def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
+    """The typed predict instance of ``spec``: the fields of ``spec.schema()``, counters never
+    negative, the meta fields (sample_version, ids) and the label optional (a replayed sample
+    is an instance). Any other field is refused: an instance built for another feature spec
+    (another counter window, say) must not be scored as if it were of this one."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for f in spec.fields(with_label=True):
+        if f.role == "counter":
+            fields.append((f.name, COUNT))
+        elif f.role in ("meta", "label"):
+            fields.append((f.name, int | None if pa.types.is_integer(f.type) else str | None, None))
+        else:
+            fields.append((f.name, _TYPES[f.type]))
+    return msgspec.defstruct("Instance", fields, kw_only=True, forbid_unknown_fields=True)
+
+
+# What msgspec raises for a body that is not JSON: bad syntax, nesting deeper than Python's
+# recursion limit, or bytes that are not UTF-8 inside a string.
+NOT_JSON = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+
+
+def not_json(exc: Exception) -> ApiError:
+    """The 400 for a body that :data:`NOT_JSON` refused."""
+    if isinstance(exc, RecursionError):
+        return ApiError(400, "request body is JSON nested too deeply (over ~1,000 levels)")
+    if isinstance(exc, UnicodeDecodeError):
+        return ApiError(400, f"request body is not valid UTF-8: a JSON string holds byte {exc.object[exc.start]:#04x} ({exc.reason})")
+    return ApiError(400, f"request body is not valid JSON: {exc}")
+
+
+def reason_of(error: msgspec.ValidationError) -> str:
+    """A rejection reason in the vocabulary of the sample checks (``wrong_type:user_id``, ...)."""
+    message = str(error)
+    missing = re.match(r"Object missing required field `([A-Za-z0-9_]+)`", message)
+    if missing:
+        return f"missing_field:{missing.group(1)}"
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
+    if unknown:
+        return f"unknown_field:{unknown.group(1)}"
+    field = _FIELD.search(message)
+    name = field.group(1) if field else "?"
+    if "got `null`" in message:
+        return f"missing_field:{name}"
+    if re.search(r"Expected `int` [<>]=", message):
+        return f"invalid_value:{name}"
+    return f"wrong_type:{name}"
+
+
+class InstanceDecoder:
+    """Decodes predict bodies and turns batches of instances into :class:`FeatureColumns`."""
+
+    def __init__(self, spec: FeatureSpec, max_instances: int) -> None:
+        self.spec, self.max_instances = spec, max_instances
+        self.instance = instance_struct(spec)
+        self._body = msgspec.json.Decoder(msgspec.defstruct("PredictBody", [("instances", list[self.instance])]))
+        self._ints = attrgetter(*INT_COLUMNS, *spec.counter_columns())
+        self._n_ints, self._width = len(INT_COLUMNS), len(INT_COLUMNS) + len(spec.counter_columns())
+
+    def decode(self, body: bytes) -> list:
+        """The instances of a request body; ApiError (400/413) with a clear message otherwise."""
+        try:
+            instances = self._body.decode(body).instances
+        except NOT_JSON:
+            raise self._explain(body) from None
+        if not instances:
+            raise ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
+        if len(instances) > self.max_instances:
+            raise self._too_many(len(instances))
+        return instances
+
+    def _too_many(self, n: int) -> ApiError:
+        return ApiError(413, f"{n:,} instances in one request; the limit is serving.max_instances ({self.max_instances:,})")
+
+    def _explain(self, body: bytes) -> ApiError:
+        """Why a body failed the typed decode (the slow path: bad requests only)."""
+        try:
+            data = msgspec.json.decode(body)
+        except NOT_JSON as exc:
+            return not_json(exc)
+        if not isinstance(data, dict):
+            return ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        instances = data.get("instances")
+        if not isinstance(instances, list) or not instances:
+            return ApiError(400, "the body needs 'instances': a non-empty list of instances (the sample schema without the label)")
+        if len(instances) > self.max_instances:
+            return self._too_many(len(instances))
+        not_objects = [i for i, x in enumerate(instances) if not isinstance(x, dict)]
+        if not_objects:
+            return ApiError(400, f"instances {not_objects[:10]} are not JSON objects")
+        reasons, typed, where = {}, [], []
+        for i, x in enumerate(instances):
+            try:
+                typed.append(msgspec.convert(x, self.instance))
+                where.append(i)
+            except msgspec.ValidationError as exc:
+                reasons[i] = reason_of(exc)
+        if typed:  # the cross-field checks too, so one answer names every bad instance
+            reasons.update((where[j], reason) for j, reason in self.columns(typed)[1])
+        error = invalid_instances([f"instance {i}: {reasons[i]}" for i in sorted(reasons)])
+        if any(r.startswith(("unknown_field:", "missing_field:")) for r in reasons.values()):
+            s = self.spec
+            error.message += (f"; this node serves feature spec windows_s {list(s.windows_s)}, history_len {s.history_len}: "
+                              f"counters {', '.join(s.counter_columns())}")
+        return error
+
+    def columns(self, instances: list) -> tuple[FeatureColumns, list[tuple[int, str]]]:
+        """Columns of decoded instances, and [(index, reason)] of those the batch checks refuse
+        (their rows are still in the columns: decode the others again without them)."""
+        n, k = len(instances), self._n_ints
+        ints = np.fromiter(chain.from_iterable(map(self._ints, instances)), np.int64, n * self._width).reshape(n, self._width)
+        items, categories = (list(map(attrgetter(name), instances)) for name in HISTORY_COLUMNS)
+        lengths = np.fromiter(map(len, items), np.int64, n)
+        cols = FeatureColumns(
+            ints={name: ints[:, j] for j, name in enumerate(INT_COLUMNS)},
+            counters=ints[:, k:],
+            device_hash=device_hashes([x.device for x in instances]),
+            hist_items=np.fromiter(chain.from_iterable(items), np.int64, int(lengths.sum())),
+            hist_categories=np.fromiter(chain.from_iterable(categories), np.int64),
+            hist_lengths=lengths,
+        )
+        return cols, self._check(instances, cols, categories)
+
+    def _check(self, instances: list, cols: FeatureColumns, categories: list) -> list[tuple[int, str]]:
+        n = len(instances)
+        reason = np.full(n, None, dtype=object)
+
+        def flag(mask: np.ndarray, why: str) -> None:
+            reason[mask & (reason == None)] = why  # noqa: E711 -- elementwise on an object array
+
+        versions = [x.sample_version for x in instances]
+        if any(v is not None and v != SAMPLE_VERSION for v in versions):
+            flag(np.array([v is not None and v != SAMPLE_VERSION for v in versions]), "unknown_sample_version")
+        reserved = np.array(RESERVED_IDS, np.int64)
+        for name in ID_COLUMNS:
+            flag(np.isin(cols.ints[name], reserved), f"reserved_id:{name}")
+        category_lengths = np.fromiter(map(len, categories), np.int64, n)
+        flag(cols.hist_lengths > self.spec.history_len, "invalid_value:hist_item_ids")
+        flag(cols.hist_lengths != category_lengths, "invalid_value:hist_category_ids")
+        for name, flat, lengths in zip(HISTORY_COLUMNS, (cols.hist_items, cols.hist_categories), (cols.hist_lengths, category_lengths)):
+            bad = np.isin(flat, reserved)
+            if bad.any():
+                mask = np.zeros(n, dtype=bool)
+                mask[np.repeat(np.arange(n), lengths)[bad]] = True
+                flag(mask, f"reserved_id:{name}")
+        return [(int(i), str(reason[i])) for i in np.flatnonzero(reason != None)]  # noqa: E711
+
+
+def invalid_instances(reasons: list[str]) -> ApiError:
+    shown = "; ".join(reasons[:10])
+    return ApiError(400, f"{len(reasons)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
+
+
+# ---------------------------------------------------------------------- predict by ids
+class Context(msgspec.Struct, forbid_unknown_fields=True):
+    device: str
+    local_hour: INT32
+
+
+class CandidateAd(msgspec.Struct, forbid_unknown_fields=True):
+    item_id: INT64
+    category_id: INT64
+    advertiser_id: INT64
+    position: INT32
+
+
+class ByIdsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``{"user_id", "context", "candidates", "ts"?, "return_features"?}``: what an ad
+    server has; the features come from the node's online feature store."""
+
+    user_id: INT64
+    context: Context
+    candidates: list[CandidateAd]
+    ts: INT64 | None = None  # the request's event time (ms); default: the server's clock
+    return_features: bool = False  # answer with the feature values used, per candidate
+
+
+BY_IDS_FORM = ('{"user_id": U, "context": {"device": str, "local_hour": int}, '
+               '"candidates": [{"item_id", "category_id", "advertiser_id", "position"}, ...], "ts"?: ms}')
+
+
+def is_by_ids(body: bytes) -> bool:
+    """Which form a predict body is: by ids names candidates or a user; the full-feature
+    form (and anything else, for its errors) has "instances"."""
+    return b'"instances"' not in body and (b'"candidates"' in body or b'"user_id"' in body)
+
+
+class ByIdsDecoder:
+    """Decodes and checks predict-by-ids bodies (400/413 with what is wrong)."""
+
+    def __init__(self, max_candidates: int, max_future_skew_ms: int) -> None:
+        self.max_candidates, self.max_future_skew_ms = max_candidates, max_future_skew_ms
+        self._decoder = msgspec.json.Decoder(ByIdsRequest)
+
+    def decode(self, body: bytes, now_ms: int) -> ByIdsRequest:
+        try:
+            request = self._decoder.decode(body)
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, f"invalid predict-by-ids request: {exc} (expected {BY_IDS_FORM}, "
+                                'or {"instances": [...]} with every feature)') from None
+        except NOT_JSON as exc:
+            raise not_json(exc) from None
+        if not request.candidates:
+            raise ApiError(400, "'candidates' must be a non-empty list of candidate ads")
+        if len(request.candidates) > self.max_candidates:
+            raise ApiError(413, f"{len(request.candidates):,} candidates in one request; the limit is serving.max_instances "
+                                f"({self.max_candidates:,})")
+        if request.ts is not None and request.ts > now_ms + self.max_future_skew_ms:
+            raise ApiError(400, f"'ts' {request.ts} is {request.ts - now_ms:,} ms ahead of this server's clock "
+                                f"(at most {self.max_future_skew_ms:,} ms is accepted, as for events)")
+        reserved = set(RESERVED_IDS)
+        bad = [f"user_id {request.user_id}"] if request.user_id in reserved else []
+        for i, c in enumerate(request.candidates):
+            bad.extend(f"candidates[{i}].{name} {getattr(c, name)}" for name in ("item_id", "category_id", "advertiser_id")
+                       if getattr(c, name) in reserved)
+        if bad:
+            raise ApiError(400, f"reserved ids ({', '.join(map(str, RESERVED_IDS))}) are not entity ids: {'; '.join(bad[:10])}")
+        return request

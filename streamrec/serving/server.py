@@ -1,0 +1,89 @@
+"""`streamrec serve`: load the model, follow new versions, serve HTTP until stopped."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from streamrec.model.device import pick_device
+from streamrec.model.network import inference_cache_rows
+from streamrec.modelstore.store import ModelStore
+from streamrec.serving.app import create_app
+from streamrec.serving.engine import ServingEngine
+from streamrec.serving.online_features import OnlineFeatureStore
+from streamrec.serving.frontend import FrontendPlan
+from streamrec.serving.guard import HttpLimits, throttle_logs
+from streamrec.serving.pauses import GcPauses, freeze_heap
+from streamrec.serving.runner import RuntimeConfig
+from streamrec.serving.shortcut import PredictShortcut
+from streamrec.serving.state import ServedModel
+from streamrec.serving.watcher import UpdateListener, VersionWatcher
+from streamrec.plumbing.bus.broker import free_port
+from streamrec.plumbing.config import Config
+
+log = logging.getLogger("streamrec.serving")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies
+    by the signal); we stop the watcher and release the model first, and exit 0."""
+
+    @contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(cfg: Config) -> None:
+    """Blocks until SIGINT/SIGTERM; uvicorn then stops accepting and drains in-flight requests."""
+    s = cfg.serving
+    sys.setswitchinterval(s.switch_interval_us / 1e6)
+    throttle_logs()
+    device = pick_device(s.device, "serving.device")
+    runtime = RuntimeConfig.from_serving(s)
+    runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
+    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, inference_cache_rows(cfg.model, cfg.ps), s.undo_depth, runtime,
+                         cfg.features)
+    for report in served.catch_up():
+        log.info("loaded version %d of %s (%d rows)", report.version, cfg.model.name, report.rows)
+    freeze_heap()  # the loaded model's objects: full collections no longer walk them (serving/pauses.py)
+    if served.version is None:
+        log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", cfg.model.name, s.model_store)
+    listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
+    watcher = VersionWatcher(served, s.poll_interval_s, listener).start()
+    private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
+    limits = HttpLimits.from_serving(s)
+    plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
+                        s.max_instances, limits, s.switch_interval_us) if private else None
+    features = None
+    if s.feature_store:
+        features = OnlineFeatureStore(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
+                                      s.feature_store_dir, cfg.kafka.connect_timeout_s).start()
+        log.info("online feature store: materialising %s (ready once caught up)", cfg.topics.features)
+    engine = ServingEngine(served, s, GcPauses().install(), features)
+    app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
+    if plan is not None:
+        log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
+    try:
+        # lifespan "on": FastAPI's lifespan starts the batcher (uvicorn's "auto" would too, but
+        # only after probing the wrapper); no proxy headers: nothing here reads the client address.
+        # With front-ends they own the public port and this process listens on the loopback only.
+        host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
+        _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                               lifespan="on", proxy_headers=False, **limits.uvicorn_options())).run()
+    finally:
+        watcher.stop()
+        engine.close()
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)

@@ -1,0 +1,220 @@
+"""Training on several ranks with torch.distributed: who this process is, how the ranks
+agree on each step, and how one version is written by all of them.
+
+One process per GPU (or per CPU share), started by torch's elastic launcher
+(``streamrec train --nproc-per-node N``, or ``torchrun ... -m streamrec.cli train``
+across nodes). Three process groups:
+
+- ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (ps/sharded.py) and DDP;
+- ``control`` (gloo): the per-step agreement, on the training thread;
+- ``publish`` (gloo): the version writer threads (a group per thread, so their
+  collectives never interleave with the training thread's).
+
+Every collective has the ``[trainer] collective_timeout_s`` timeout, so a rank that dies
+or hangs makes the others fail with an error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.embedding.collection import EmbeddingStore
+from streamrec.modelstore.lease import LeaseLost
+from streamrec.trainer.publisher import PoisonedModel
+
+log = logging.getLogger(__name__)
+WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher starts
+
+
+class RankFailure(RuntimeError):
+    """Another rank died or stopped answering: this one stops too."""
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+    control: Any = None
+    publish: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        """Under a launcher: the collectives run, even for one rank (what they cost is measurable)."""
+        return self.group is not None
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join(device: torch.device, timeout_s: float) -> Ranks:
+    """This process's place among the ranks, from the launcher's environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); a lone process without a launcher when
+    WORLD_SIZE is unset."""
+    if "WORLD_SIZE" not in os.environ:
+        return Ranks()
+    world = int(os.environ["WORLD_SIZE"])
+    if timeout_s <= 0:
+        raise ValueError("trainer.collective_timeout_s must be > 0 when training on several ranks")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
+    rank = dist.get_rank()
+    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout),
+                  dist.new_group(backend="gloo", timeout=timeout))
+    log.info("rank %d of %d (%s, collective timeout %.0f s)", rank, world, backend, timeout_s)
+    return ranks
+
+
+def rank_device(device: torch.device, ranks_env: Mapping[str, str] = os.environ) -> torch.device:
+    """One GPU per rank: ``cuda`` becomes ``cuda:<LOCAL_RANK>`` under the launcher."""
+    if device.type != "cuda" or "WORLD_SIZE" not in ranks_env or device.index not in (None, 0):
+        return device
+    local = int(ranks_env.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local} has no GPU: this node has {torch.cuda.device_count()}; "
+                         "start at most one rank per GPU (--nproc-per-node)")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+@dataclass
+class Agreed:
+    """What every rank decided together for one step."""
+
+    samples: int  # samples in this step across ranks (0: nobody had a batch)
+    ended: bool  # every rank's source is exhausted
+    stop: bool  # some rank was asked to stop (signal, limit, idle)
+    now_ms: int  # the step's clock: the newest sample time across ranks
+    publish: int  # rank 0's word: 0 no, 1 the due version, 2 a full version
+    checkpoint: bool  # rank 0's word
+
+
+def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: int = 0, checkpoint: bool = False) -> Agreed:
+    """One small all_gather on the control group: every rank learns the others' state and
+    rank 0's decisions, so all take the same branch (and call the same collectives)."""
+    mine = torch.tensor([samples, int(ended), int(stop), now_ms, publish, int(checkpoint)], dtype=torch.int64)
+    if not ranks.distributed:
+        rows = mine.unsqueeze(0)
+    else:
+        parts = [torch.empty_like(mine) for _ in range(ranks.world)]
+        try:
+            dist.all_gather(parts, mine, group=ranks.control)
+        except RuntimeError as exc:
+            raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
+        rows = torch.stack(parts)
+    return Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
+                  int(rows[0, 4]), bool(rows[0, 5]))
+
+
+def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), on every rank."""
+    if not ranks.distributed:
+        return [value]
+    out: list[Any] = [None] * ranks.world
+    try:
+        dist.all_gather_object(out, value, group=group if group is not None else ranks.control)
+    except RuntimeError as exc:
+        raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
+    return out
+
+
+class ShardedVersionWriter:
+    """Writes one version from every rank's shard (called on each rank's publish thread):
+    rank 0 fixes the version and its staging directory, every rank writes its shard's
+    sparse files there, rank 0 writes the dense file and the one manifest listing every
+    shard's files, then renames the version into place and moves LATEST. A rank that
+    refuses (non-finite values) or fails makes the version abort on every rank."""
+
+    def __init__(self, ranks: Ranks, store: EmbeddingStore) -> None:
+        self.ranks, self.store = ranks, store
+
+    def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
+                 dense: Mapping[str, torch.Tensor] | None, meta: Mapping[str, Any] | None, refusal: str | None) -> int:
+        ranks, group = self.ranks, self.ranks.publish
+        staged: list[Any] = [None]
+        if ranks.rank == 0:
+            try:
+                staged = [model_store.begin(kind, parent)]
+            except Exception as exc:  # every rank learns it and fails this version alike
+                staged = [f"rank 0 could not start the version: {exc}"]
+        dist.broadcast_object_list(staged, src=0, group=group)
+        if isinstance(staged[0], str):
+            raise RuntimeError(staged[0])
+        files, problem = {}, refusal
+        if problem is None:
+            try:
+                dims = {name: t.config.dim for name, t in self.store.tables.items()}
+                files = model_store.write_shard(staged[0], tables, dims, ranks.rank, ranks.world)
+            except Exception as exc:  # reported to rank 0, which aborts the version for all
+                problem = f"rank {ranks.rank} could not write its shard: {exc}"
+        shards = gather_to_all(ranks, (files, problem, dict((meta or {}).get("offsets", {}))), group)
+        problems = [p for _, p, _ in shards if p]
+        outcome: list[Any] = [None]
+        if ranks.rank == 0:
+            if problems:
+                model_store.abort(staged[0])
+                outcome = [("refused" if refusal or any("non-finite" in p for p in problems) else "failed", "; ".join(problems))]
+            else:
+                try:
+                    merged = {rel: info for shard_files, _, _ in shards for rel, info in shard_files.items()}
+                    offsets = [o for _, _, o in shards]
+                    meta = {**dict(meta or {}), "shards": ranks.world, "offsets_by_rank": offsets}
+                    if len({p for o in offsets for p in o}) == sum(map(len, offsets)):
+                        # Kafka partitions are disjoint across ranks: one map covers them all
+                        meta["offsets"] = {p: o for rank_offsets in offsets for p, o in rank_offsets.items()}
+                    outcome = [("ok", model_store.commit(staged[0], merged, dense, meta))]
+                except LeaseLost as exc:
+                    outcome = [("lease", str(exc))]
+                except Exception as exc:
+                    outcome = [("failed", f"rank 0 could not commit version {staged[0].version}: {exc}")]
+        dist.broadcast_object_list(outcome, src=0, group=group)
+        status, detail = outcome[0]
+        if status == "ok":
+            return detail
+        raise {"refused": PoisonedModel, "lease": LeaseLost}.get(status, RuntimeError)(detail)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``streamrec <argv>`` as ``nproc`` local ranks under torch's elastic launcher
+    (the same machinery as ``torchrun --standalone``). Returns the launcher's exit code;
+    when a rank fails, the launcher stops the others and says which rank failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "--module",
+                                         "streamrec.cli", *argv])
+    os.environ[WORKER_ENV] = "1"
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        failures = "; ".join(f"rank {f.local_rank} ({_why(f)})" for f in exc.failures.values())
+        print(f"streamrec train: {failures}. The other ranks were stopped. Nothing after the last checkpoint is lost: "
+              "run the same command again to resume from it.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _why(failure: Any) -> str:
+    """A rank's failure in words: a signal, or its error message."""
+    if failure.exitcode is not None and failure.exitcode < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-failure.exitcode}"
+    message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+    return f"exit code {failure.exitcode}" + (f": {message.strip().splitlines()[-1]}" if message else "")
+

@@ -1,0 +1,164 @@
+"""Decoding and batching off the training thread.
+
+A background thread reads chunks from the source, cuts them into batches of
+``batch_size`` samples, converts them to tensors (pinned when training on CUDA, so the
+step's host-to-device copy is asynchronous) and keeps up to ``depth`` batches queued.
+A partial batch whose oldest sample has waited ``max_delay_s`` is released (checked at
+every chunk the source yields, an empty one included): an online learner should not sit on
+fresh samples waiting for a full batch. ``max_delay_s=None`` (sample files) never releases a
+partial batch but the last, so a file run cuts the same batches run after run.
+
+Each batch carries the source *position after it*: for every partition, the first row
+not yet handed to the trainer (rows still buffered here count as not consumed), so a
+checkpoint taken after a batch resumes without skipping or repeating anything.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from streamrec.model.batch import batch_from_table
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.trainer.sources import SampleSource
+
+END = "end"  # the source is exhausted
+IDLE = "idle"  # nothing to train on right now
+
+
+@dataclass
+class Skipped:
+    """Only rejected rows were consumed since the last batch: advance positions, count them."""
+
+    positions: dict[int, int]
+    rejected: Counter
+
+
+class Prefetcher:
+    def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
+                 pin_memory: bool = False, max_delay_s: float | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
+        self.pin_memory, self.max_delay_s = pin_memory, max_delay_s
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.rejected: Counter = Counter()  # every reason decoded so far (batches carry their own share)
+        self.decode_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainer-prefetch", daemon=True)
+
+    def start(self) -> "Prefetcher":
+        self._thread.start()
+        return self
+
+    def get(self, timeout: float | None = None):
+        """The next SampleBatch, IDLE, or END; re-raises a failure of the reading thread."""
+        try:
+            item = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return IDLE
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            try:
+                self.queue.get_nowait()  # unblock a put
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        tables: list[pa.Table] = []
+        parts: list[np.ndarray] = []
+        offs: list[np.ndarray] = []
+        buffered = 0
+        consumed: dict[int, int] = {}
+        rejects: list[tuple[int, int, str]] = []  # not yet handed to the trainer
+        oldest = None
+        try:
+            for chunk in self.source.chunks():
+                if self._stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                rejects += chunk.rejected
+                for _, _, reason in chunk.rejected:
+                    self.rejected[reason.split(":")[0]] += 1
+                for p, o in chunk.consumed.items():
+                    consumed[p] = max(consumed.get(p, 0), o)
+                if chunk.table.num_rows:
+                    tables.append(chunk.table)
+                    parts.append(chunk.partitions)
+                    offs.append(chunk.offsets)
+                    buffered += chunk.table.num_rows
+                    oldest = oldest or time.monotonic()
+                self.decode_s += time.perf_counter() - t0
+                flush_partial = bool(buffered) and self.max_delay_s is not None and time.monotonic() - oldest >= self.max_delay_s
+                while buffered >= self.batch_size or flush_partial:
+                    t0 = time.perf_counter()
+                    table = pa.concat_tables(tables)
+                    part, off = np.concatenate(parts), np.concatenate(offs)
+                    n = min(self.batch_size, buffered)
+                    batch = batch_from_table(table.slice(0, n), self.spec, self.history_len)
+                    batch.positions = self._positions(consumed, part[n:], off[n:])
+                    batch.rejected, rejects = self._settle(rejects, batch.positions)
+                    if self.pin_memory:
+                        batch.pin_memory()
+                    tables, parts, offs = [table.slice(n)], [part[n:]], [off[n:]]
+                    buffered -= n
+                    oldest = time.monotonic() if buffered else None
+                    flush_partial = False
+                    self.decode_s += time.perf_counter() - t0
+                    if not self._put(batch):
+                        return
+                if not buffered and rejects:
+                    settled, rejects = self._settle(rejects, consumed)
+                    if not self._put(Skipped(dict(consumed), settled)):
+                        return
+                if chunk.empty and not buffered and not self._put(IDLE):
+                    return
+            if buffered:
+                table = pa.concat_tables(tables)
+                batch = batch_from_table(table, self.spec, self.history_len)
+                batch.positions, batch.rejected = dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)
+                self._put(batch.pin_memory() if self.pin_memory else batch)
+            elif rejects:
+                self._put(Skipped(dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)))
+            self._put(END)
+        except BaseException as exc:  # hand the failure to the training thread
+            self._put(exc)
+
+    @staticmethod
+    def _positions(consumed: dict[int, int], rest_parts: np.ndarray, rest_offsets: np.ndarray) -> dict[int, int]:
+        positions = dict(consumed)
+        for p in np.unique(rest_parts).tolist():  # buffered rows are not consumed yet
+            positions[p] = int(rest_offsets[rest_parts == p].min())
+        return positions
+
+    @staticmethod
+    def _settle(rejects: list[tuple[int, int, str]], positions: dict[int, int]) -> tuple[Counter, list[tuple[int, int, str]]]:
+        """Rejected rows before ``positions`` belong to this hand-over; the rest wait."""
+        done, later = Counter(), []
+        for r in rejects:
+            if r[1] < positions.get(r[0], 0):
+                done[r[2].split(":")[0]] += 1
+            else:
+                later.append(r)
+        return done, later

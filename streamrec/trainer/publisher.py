@@ -1,0 +1,262 @@
+"""Publishing versions while training continues.
+
+A publish has three phases: *begin* (on the training thread: fix the key set, copy the
+dense parameters; microseconds plus a small dense copy), *snapshot* (on the training
+thread, ``rows_per_step`` rows between steps, so no single pause is long), and *write*
+(Arrow files, checksums, rename, LATEST; on a background thread). Right after the write,
+the same thread announces the version on the model-updates topic.
+
+A new serving node starts from the newest full version or compacted image and applies the
+deltas after it. Every ``compact_every`` deltas a background thread compacts the chain into
+an image (``ModelStore.compact``) and deletes what the newest ``keep_fulls`` starting points
+do not need, so a seconds cadence grows neither the store nor a node's start-up; a full
+version every ``full_every`` deltas starts a new chain (rarely needed with compaction: the
+full snapshot costs the training thread a pass over every row). A poisoned model (non-finite values) is never written: the write
+checks every value it is about to publish and refuses.
+
+A delta is built on the writer's own previous version, and the store refuses it unless
+LATEST is that version; the next version is then a full one. This is also how a resumed
+trainer makes the store equal its state: a store whose LATEST is not the checkpoint's
+last version (versions published after the checkpoint by the run that crashed) gets a
+full version first. A publish that fails is retried as a full version at the next
+interval; ``max_failures`` failures in a row, or a lost writer lease, end training
+(:class:`PublishFailed`): a trainer that cannot publish must not look healthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.embedding.collection import EmbeddingStore, SnapshotTask, to_host
+from streamrec.modelstore.lease import LeaseLost
+
+log = logging.getLogger(__name__)
+
+
+class PoisonedModel(RuntimeError):
+    """The model holds NaN/inf values: it must not be published or checkpointed."""
+
+
+class PublishFailed(RuntimeError):
+    """Versions cannot be published (failures in a row, or the writer lease was lost)."""
+
+
+@dataclass
+class PublishRecord:
+    version: int
+    kind: str
+    rows: int
+    begin_s: float  # training-thread time to begin (key set + dense copy)
+    snapshot_s: float  # training-thread time spent stepping the snapshot
+    write_s: float  # background time to write and rename
+    trained_through_ms: int
+    finished_at: float = field(default_factory=time.time)
+
+
+# (model store, kind, parent: the delta's base, tables, dense, meta, refusal) -> the version written
+VersionWriter = Callable[[ModelStore, str, "int | None", dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
+
+
+def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> str | None:
+    """Why these values must not be published (non-finite ones), or None."""
+    for name, delta in tables.items():
+        if len(delta.values) and not bool(torch.isfinite(delta.values).all()):
+            return f"table {name} holds non-finite embedding values"
+    for name, tensor in dense.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return f"dense parameter {name} holds non-finite values"
+    return None
+
+
+class Publisher:
+    def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
+                 rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
+                 last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
+                 collect_garbage: bool = True, max_failures: int = 3, force_full: bool = False, compact_every: int = 0) -> None:
+        if interval_s <= 0 or full_every < 1 or rows_per_step < 1 or max_failures < 1:
+            raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
+        self.store, self.model_store = store, model_store
+        self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
+        self.announce = announce
+        self.write_version = write_version or self._write_local  # the sharded trainer writes with every rank
+        self.collect_garbage = collect_garbage  # one writer compacts and deletes old versions
+        self.compact_every = compact_every  # deltas between compactions (0: never)
+        self.deltas_since_base = deltas_since_full
+        self.compactions: list[dict[str, Any]] = []
+        self._compactor: ThreadPoolExecutor | None = None
+        self._compaction: Future | None = None
+        self.last_version = last_version
+        self.deltas_since_full = deltas_since_full
+        self.max_failures, self.failures, self.last_error = max_failures, 0, ""
+        self.force_full = force_full or last_version is None  # a chain starts with a full version
+        newest, _ = model_store.resolve_latest()
+        if last_version is not None and newest != last_version:
+            self.force_full = True
+            log.warning("the model store's newest version is %s, not %d (this trainer's last): the next version is a full one, "
+                        "so the store equals this trainer's state again", newest, last_version)
+        self.records: list[PublishRecord] = []
+        self.poisoned: str | None = None
+        self._task: SnapshotTask | None = None
+        self._future: Future | None = None
+        self._pending: dict[str, Any] = {}
+        self._last_begin = time.monotonic()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def busy(self) -> bool:
+        return self._task is not None or self._future is not None
+
+    def due(self) -> bool:
+        return not self.busy and not self.poisoned and time.monotonic() - self._last_begin >= self.interval_s
+
+    # ------------------------------------------------------------------ phases
+    def begin(self, dense: dict[str, torch.Tensor], meta: dict[str, Any], kind: str | None = None) -> str:
+        """Start a version now (training thread). Returns its kind."""
+        if self.poisoned:
+            raise PoisonedModel(self.poisoned)
+        if self.busy:
+            raise RuntimeError("a publish is already in progress")
+        if kind is None:
+            kind = "full" if self.force_full or self.deltas_since_full >= self.full_every else "delta"
+        t0 = time.perf_counter()
+        self._task = self.store.begin_snapshot(kind)
+        dense_copy = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
+        self._pending = {"kind": kind, "dense": dense_copy, "meta": dict(meta), "begin_s": time.perf_counter() - t0, "snapshot_s": 0.0}
+        self._last_begin = time.monotonic()
+        return kind
+
+    def pump(self) -> PublishRecord | None:
+        """Advance the current publish by one bounded slice; returns a record when a
+        version has just become visible."""
+        if self._task is not None:
+            t0 = time.perf_counter()
+            done = self._task.step(self.rows_per_step)
+            self._pending["snapshot_s"] += time.perf_counter() - t0
+            if done:
+                tables, pending = self._task.result(), self._pending
+                self._task = None
+                self._future = self.store.writer.submit(self._write, pending, tables)
+        if self._future is not None and self._future.done():
+            future, self._future = self._future, None
+            try:
+                record = future.result()
+            except PoisonedModel as exc:
+                self.poisoned = str(exc)
+                log.critical("NOT PUBLISHED: %s. Publishing is stopped; the last good version is %s.", exc, self.last_version)
+                raise
+            except LeaseLost as exc:
+                raise PublishFailed(str(exc)) from None
+            except Exception as exc:  # I/O: keep training, and make the next version a full one
+                self.force_full = True
+                self.failures, self.last_error = self.failures + 1, str(exc)
+                if self.failures >= self.max_failures:
+                    raise PublishFailed(f"{self.failures} publishes in a row failed, the last with: {exc}") from None
+                log.error("publishing failed (%s, %d of %d in a row); the next version will be a full one", exc,
+                          self.failures, self.max_failures)
+                return None
+            self.failures = 0
+            self._finish(record)
+            return record
+        return None
+
+    def flush(self) -> PublishRecord | None:
+        """Finish the current publish (blocking)."""
+        record = None
+        while self.busy:
+            if self._future is not None:
+                self._future.exception()  # wait
+            record = self.pump() or record
+        return record
+
+    def abandon(self, reason: str) -> None:
+        """The model is poisoned: drop the snapshot in progress and publish nothing more."""
+        self.poisoned = reason
+        self._task = None
+        if self._future is not None:
+            self._future.cancel()
+
+    # ------------------------------------------------------------------ writer thread
+    def _write(self, pending: dict, tables: dict[str, SparseDelta]) -> PublishRecord:
+        t0 = time.perf_counter()
+        tables = to_host(tables)
+        kind = pending["kind"]
+        version = self.write_version(self.model_store, kind, self.last_version, tables, pending["dense"], pending["meta"],
+                                     _refusal(tables, pending["dense"]))
+        self._announce(version)  # from here: the training thread learns of it only at its next pump
+        if kind == "full" and self.keep_fulls and self.collect_garbage:
+            try:
+                self.model_store.gc(keep_fulls=self.keep_fulls)
+            except Exception as exc:  # the version is out: old ones are deleted at the next full
+                log.warning("deleting old versions failed: %s", exc)
+        rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
+        return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
+                             int(pending["meta"].get("trained_through_ms", 0)))
+
+    def _write_local(self, model_store: ModelStore, kind: str, parent: int | None, tables: dict[str, SparseDelta],
+                     dense: dict[str, torch.Tensor], meta: dict[str, Any], refusal: str | None) -> int:
+        if refusal:
+            raise PoisonedModel(refusal)
+        return self.store.write(model_store, kind, tables, dense, meta, parent)
+
+    def _finish(self, record: PublishRecord) -> None:
+        self.last_version = record.version
+        if record.kind == "full":
+            self.deltas_since_full, self.force_full, self.deltas_since_base = 0, False, 0
+        else:
+            self.deltas_since_full += 1
+            self.deltas_since_base += 1
+            self._maybe_compact(record.version)
+        self.records.append(record)
+        log.info("published version %d (%s, %d rows; training paused %.1f ms, write %.0f ms)", record.version, record.kind,
+                 record.rows, 1000 * (record.begin_s + record.snapshot_s), 1000 * record.write_s)
+
+    def _maybe_compact(self, version: int) -> None:
+        """Compact the chain up to ``version`` in the background, one compaction at a time."""
+        if not (self.compact_every and self.collect_garbage and self.deltas_since_base >= self.compact_every):
+            return
+        if self._compaction is not None and not self._compaction.done():
+            return  # the next delta tries again
+        self.deltas_since_base = 0
+        if self._compactor is None:
+            self._compactor = ThreadPoolExecutor(1, thread_name_prefix="compactor")
+        self._compaction = self._compactor.submit(self._compact, version)
+
+    def _compact(self, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            rows = self.model_store.compact(version)
+            deleted = self.model_store.gc(keep_fulls=self.keep_fulls) if self.keep_fulls else []
+        except Exception as exc:  # the chain stays longer until the next try; versions are unaffected
+            log.warning("compacting the chain up to version %d failed: %s", version, exc)
+            return
+        seconds = time.perf_counter() - t0
+        self.compactions.append({"version": version, "rows": rows, "seconds": seconds, "deleted_versions": len(deleted)})
+        log.info("compacted the chain up to version %d (%d rows, %.2f s); %d old versions deleted", version, rows, seconds, len(deleted))
+
+    def close(self) -> None:
+        """Wait for a compaction in progress (it is atomic either way: this just finishes it)."""
+        if self._compactor is not None:
+            self._compactor.shutdown(wait=True)
+
+    def _announce(self, version: int) -> None:
+        """Tell serving nodes (model-updates topic) that ``version`` is in the store (writer thread)."""
+        if self.announce is None:
+            return
+        try:
+            manifest = self.model_store.manifest(version)
+            self.announce({k: manifest.get(k) for k in ("model", "version", "kind", "parent", "created_at", "trained_through_ms")})
+        except Exception as exc:  # the store is the source of truth; pollers still find it
+            log.warning("announcing version %d failed: %s", version, exc)
+
+    def stall_ms_per_million_rows(self) -> float:
+        rows = sum(r.rows for r in self.records)
+        paused = sum(r.begin_s + r.snapshot_s for r in self.records)
+        return math.nan if rows == 0 else 1000 * paused / rows * 1e6
