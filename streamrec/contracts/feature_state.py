@@ -124,7 +124,7 @@ class EntityCounts:
 
     Held as an ``array('q')`` (8 bytes a time: most entities, users above all, have few)
     or, past :data:`LIST_ABOVE` times, a list: ``bisect`` on a list compares ints without
-    boxing them, 3-5x faster, and a hot item or category is looked up on most requests.
+    boxing them (faster), and a hot item or category is looked up on most requests.
 
     A bucket's new content replaces the held times in its range. Times only leave a bucket
     by expiry (its oldest first), so the held times older than the new content's first are

@@ -77,8 +77,8 @@ def poll_records(consumer: KafkaConsumer, timeout_ms: int, max_records: int | No
 
     Why: kafka-python 3's blocking poll re-sends a fetch as soon as one comes back empty,
     and the embedded broker (noida) answers empty fetches at once instead of waiting
-    ``fetch_max_wait_ms``: every idle consumer burned a full core (measured: 100% CPU for
-    an idle read_committed or uncommitted consumer, 2% this way). Non-blocking polls with
+    ``fetch_max_wait_ms``: every idle consumer would burn a full core (``streamrec bench consumer_idle``).
+    Non-blocking polls with
     short sleeps cost at most IDLE_POLL_S of latency. Against a real cluster it is the same.
     """
     deadline = time.monotonic() + timeout_ms / 1000
