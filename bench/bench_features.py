@@ -1,19 +1,19 @@
-"""Online features: assembly speed, store memory, the job's cost of publishing its state,
+"""Online features: assembly speed, memory, the job's cost of publishing its state,
 and event -> feature visible at the serving node.
 
-1. Assembly (in process, no Kafka): the serving node's :class:`OnlineFeatureStore` holding a
+1. Assembly (in process, no Kafka): the serving node's :class:`OnlineFeatures` holding a
    user with a full history, 100 items and 40 categories with a realistic 600 s of event
    times (hot categories ~50 events/s), fed the very messages the job writes; the time of
    ``assemble`` for that user and 100 candidates, p50/p99. Baseline, same state: plain
    Python counting each entity's times with a loop (what a first version of such code does).
-2. Memory: the store's resident growth for ``--users`` users with a typical state (a few
+2. Memory: the online features' resident growth for ``--users`` users with a typical state (a few
    impressions and clicks in the window, a full history), per million users.
 3. Job throughput: the Flink job (embedded mini-cluster, ``--bounded``) over one backlog,
    with and without the feature output (``flink.feature_state``), round-robin
    ``--repeat`` times; medians and the ratio (bench_pipeline.py's measurement).
-4. Freshness: the live job at ``--live-rate`` events/s and a store in this process reading
-   its features topic (the serving node's code). An event at time ts is visible when the
-   store's ``features_as_of`` passes ts (every message before a stage's watermark precedes
+4. Freshness: the live job at ``--live-rate`` events/s and :class:`OnlineFeatures` in this process
+   reading its features topic (the serving node's code). An event at time ts is visible when
+   their ``features_as_of`` passes ts (every message before a stage's watermark precedes
    it in each partition); latency = that wall time - ts, over every 100 ms of the run's
    event time after its first 5 s. Repeated with ``--checkpoint-intervals`` (exactly-once:
    the state becomes readable at each checkpoint).
@@ -45,7 +45,7 @@ from output import write_result  # noqa: E402
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
 from streamrec.contracts.feature_state import Candidate  # noqa: E402
 from streamrec.pipelines.flink_rest import FlinkRest  # noqa: E402
-from streamrec.serving.online_features import OnlineFeatureStore  # noqa: E402
+from streamrec.serving.online_features import OnlineFeatures  # noqa: E402
 from streamrec.plumbing.bus.topics import delete_topics, list_topics  # noqa: E402
 
 SPEC = FeatureSpec()
@@ -75,7 +75,7 @@ def _times(now: int, rate: float, rng: random.Random, window_ms: int = 600_000) 
 
 def assembly(reps: int) -> dict:
     rng, now = random.Random(1), int(time.time() * 1000)
-    store = OnlineFeatureStore("unused:0", "unused", SPEC, 4096, f"/tmp/bench-features-{uuid.uuid4().hex[:6]}")
+    features = OnlineFeatures("unused:0", "unused", SPEC, 4096, f"/tmp/bench-features-{uuid.uuid4().hex[:6]}")
     raw: dict[str, list[int]] = {}
     messages = [_history_message(1, now, SPEC.history_len)]
     raw["user/1"] = _times(now, 0.2, rng)
@@ -86,12 +86,12 @@ def assembly(reps: int) -> dict:
     for cat in range(40):
         raw[f"category/{cat}"] = _times(now, 50 / (cat + 1) ** 0.5, rng)
         messages += _bucket_messages("category", cat, raw[f"category/{cat}"])
-    store._apply_records(messages)
+    features._apply_records(messages)
     candidates = [Candidate(item, item % 40, 7, 1 + item % 4) for item in range(100)]
     ours = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        store.assemble(1, now, "ios", 3, candidates)
+        features.assemble(1, now, "ios", 3, candidates)
         ours.append(time.perf_counter() - t0)
     windows = [w * 1000 for w in SPEC.windows_s]
 
@@ -110,7 +110,7 @@ def assembly(reps: int) -> dict:
         t0 = time.perf_counter()
         naive()
         base.append(time.perf_counter() - t0)
-    store.close()
+    features.close()
     ours_ms, base_ms = np.array(ours) * 1000, np.array(base) * 1000
     out = {"candidates": 100, "history": SPEC.history_len, "reps": reps,
            "event_times_held": sum(len(t) for t in raw.values()),
@@ -121,14 +121,14 @@ def assembly(reps: int) -> dict:
 
 
 def memory(users: int) -> dict:
-    """Memory a store holds for ``users`` users with ~20 impressions and a click in the window
-    and a full 50-click history each: live Python allocations (tracemalloc: what the store
-    keeps) and the process's resident growth (also the allocator's arenas that the transient
+    """Memory the online features hold for ``users`` users with ~20 impressions and a click in the window
+    and a full 50-click history each: live Python allocations (tracemalloc: what they
+    keep) and the process's resident growth (also the allocator's arenas that the transient
     message objects left behind)."""
     import tracemalloc
 
     rng, now = random.Random(2), int(time.time() * 1000)
-    store = OnlineFeatureStore("unused:0", "unused", SPEC, 1 << 20, f"/tmp/bench-features-{uuid.uuid4().hex[:6]}")
+    features = OnlineFeatures("unused:0", "unused", SPEC, 1 << 20, f"/tmp/bench-features-{uuid.uuid4().hex[:6]}")
     gc.collect()
     before = _rss_mb()
     tracemalloc.start()
@@ -137,14 +137,14 @@ def memory(users: int) -> dict:
         for u in range(start, min(users, start + 2_000)):
             messages.append(_history_message(u, now, SPEC.history_len))
             messages += _bucket_messages("user", u, _times(now, 20 / 600, rng))
-        store._apply_records(messages)
+        features._apply_records(messages)
         del messages
     gc.collect()
     live = tracemalloc.get_traced_memory()[0] / 2**20
     tracemalloc.stop()
     grown = _rss_mb() - before
-    estimate = store.status()["memory_bytes"] / 2**20
-    store.close()
+    estimate = features.status()["memory_bytes"] / 2**20
+    features.close()
     return {"users": users, "live_mb": round(live, 1), "rss_growth_mb": round(grown, 1), "store_estimate_mb": round(estimate, 1),
             "mb_per_million_users": round(live * 1e6 / users), "rss_mb_per_million_users": round(grown * 1e6 / users),
             "note": "20 event times and a 50-click history per user"}
@@ -186,16 +186,16 @@ def freshness(args, tmp: Path, checkpoint_s: float) -> dict:
     env = {**_env(args, name, tmp, "rocksdb"), "STREAMREC_TOPICS__FEATURES": f"{name}.features",
            "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": str(checkpoint_s)}
     job = _cli(env, "pipeline", "submit", "--fresh", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    store = None
+    features = None
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
-        store = OnlineFeatureStore(args.bootstrap, f"{name}.features", SPEC, 1024, tmp / f"{name}-store").start()
+        features = OnlineFeatures(args.bootstrap, f"{name}.features", SPEC, 1024, tmp / f"{name}-features").start()
         readings: list[tuple[float, int]] = []
         stop = threading.Event()
 
         def watch() -> None:
             while not stop.wait(0.01):
-                as_of = store.as_of()
+                as_of = features.as_of()
                 if as_of is not None:
                     readings.append((time.time() * 1000, as_of))
 
@@ -208,10 +208,10 @@ def freshness(args, tmp: Path, checkpoint_s: float) -> dict:
         time.sleep(args.drain_seconds)
         stop.set()
         watcher.join(5)
-        status = store.status()
+        status = features.status()
     finally:
-        if store is not None:
-            store.close()
+        if features is not None:
+            features.close()
         os.killpg(job.pid, 15)
         job.wait(60)
     walls = np.array([w for w, _ in readings])
@@ -234,7 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bootstrap", default="127.0.0.1:9092")
     parser.add_argument("--reps", type=int, default=3000, help="assembly: timed requests")
-    parser.add_argument("--users", type=int, default=200_000, help="memory: users in the store")
+    parser.add_argument("--users", type=int, default=200_000, help="memory: users in the online features")
     parser.add_argument("--seconds", type=float, default=60, help="throughput: simulated seconds of backlog")
     parser.add_argument("--rate", type=float, default=2000, help="throughput: events/s of the backlog")
     parser.add_argument("--repeat", type=int, default=2, help="throughput: runs with and without, round-robin (0: skip)")
@@ -251,7 +251,7 @@ def main() -> None:
     print(f"assembly, 100 candidates, full history: p50 {a['ours_ms']['p50']} ms, p99 {a['ours_ms']['p99']} ms "
           f"(plain Python loop: p50 {a['plain_python_loop_ms']['p50']} ms, {a['speedup_p50']}x)", flush=True)
     result["memory"] = m = memory(args.users)
-    print(f"memory: {m['mb_per_million_users']:,} MB per million users held by the store ({m['users']:,} users: "
+    print(f"memory: {m['mb_per_million_users']:,} MB per million users held by the online features ({m['users']:,} users: "
           f"{m['live_mb']} MB live, {m['rss_growth_mb']} MB resident growth)", flush=True)
     broker = _embedded_broker()
     args.broker_pids = [broker.status().pid] if broker else []

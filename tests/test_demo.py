@@ -36,7 +36,7 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     t = result["throughput"]
     assert t["events"] > 60 * 300 * 0.8 and t["samples"] > 0.5 * t["events"] and t["dlq"] > 0  # samples flow
     # valid events behind the watermark are lost to training: a few at most (an overloaded
-    # machine - e.g. Kafka consumers spinning - lost 20-30% here, docs/demo.md)
+    # machine, e.g. with Kafka consumers spinning, loses far more: docs/demo.md)
     assert t["dlq_reasons"].get("late_event", 0) < 0.05 * t["events"], t["dlq_reasons"]
     assert result["versions"]["published"] >= 4 and result["versions"]["applied"] >= 4  # >= 3 deltas over the first
     assert result["rollback"]["ok"], result["rollback"]
@@ -49,10 +49,8 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     assert skew["mismatched_impressions_by_reason"]["unexplained"] <= 0.01 * skew["impressions"], skew
     # freshness, bounded by the run's cadence: P = publish interval (8 s here); checkpoints every
     # 1 s; the server applies a version when its announcement arrives (or polls LATEST every
-    # 0.5 s). A server polling every 12 s, deaf to announcements, failed here. Seen on the 2-core
-    # box (bench/results/demo-*.json, P 8-10 s): event -> sample p99 3-8 s, sample -> trained
-    # p99 P + ~1 s, trained -> published < 1 s, published -> applied p99 0.6-2.2 s; end to
-    # end p50 8-11 s, p99 13-17 s.
+    # 0.5 s), so a server deaf to announcements fails here. Each bound leaves room for a loaded
+    # 2-core machine.
     P = result["publish_interval_s"] * 1000
     f = result["freshness"]
     fresh, stages = f["event_to_servable_ms"], f["stages_ms"]
@@ -74,13 +72,10 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     # Online learning pays, on the same samples, against the same model frozen after warm-up:
     # by logloss (a proper score: ranking and calibration) over the run and its second half,
     # and by AUC over the second half. Not by AUC over the whole run: its first half is scored
-    # by versions that had seen little more than the warm-up, and a 60 s run has ~400 clicks,
-    # so that AUC gap is within its noise (0.548 vs 0.5705 in one CI run, logloss 0.25 vs 0.82).
-    # By the second half the online model has had the first half's versions and the frozen
-    # one has drifted: 0.635 vs 0.551 in a CI run (~200 clicks; an AUC s.e. of ~0.02-0.03).
-    # The margins tell learning from none: a trainer whose learning rates were ~0 (online =
-    # frozen) gave 0.4766 vs 0.4768 AUC and 1.4031 vs 1.4032 logloss, which a bare < or >
-    # passes half the time. Learning runs were 22-70% lower in logloss.
+    # by versions that had seen little more than the warm-up, and a short run has few clicks,
+    # so that AUC gap is within its noise. By the second half the online model has had the
+    # first half's versions and the frozen one has drifted. The margins tell learning from
+    # none: a trainer that does not learn (online = frozen) passes a bare < or > half the time.
     assert q["online"]["logloss"] < 0.95 * q["frozen"]["logloss"], q
     assert late["positives"] > 100 and {"online", "frozen"} <= set(late["overall"]), late
     assert late["overall"]["online"]["logloss"] < 0.95 * late["overall"]["frozen"]["logloss"], late

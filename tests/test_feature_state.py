@@ -4,7 +4,7 @@ never fatal, and a bucket's updates keep the semantics the job's state has."""
 from types import SimpleNamespace
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.online_features import OnlineFeatureStore
+from streamrec.serving.online_features import OnlineFeatures
 
 
 def record(key, value, offset=0):
@@ -12,7 +12,7 @@ def record(key, value, offset=0):
 
 
 def test_corrupt_records_are_counted_and_skipped(tmp_path):
-    store = OnlineFeatureStore("unused:0", "t", FeatureSpec(), 16, tmp_path / "spill")
+    store = OnlineFeatures("unused:0", "t", FeatureSpec(), 16, tmp_path / "spill")
     bad = [record(None, b"{}"), record(b"\xff\xfe", b"{}"), record(b"c/user/1/0", b"not json"),
            record(b"c/user/x/0", b'{"i":[],"c":[]}'), record(b"c/user/1/0", b'{"i":[5,3],"c":[]}'),
            record(b"c/user/1/0", b'{"i":[-1],"c":[]}'), record(b"h/user/1", b'{"h":[[1,2]]}'),
@@ -32,8 +32,8 @@ def test_corrupt_records_are_counted_and_skipped(tmp_path):
 
 def test_an_expired_prefix_is_kept_until_the_readers_horizon(tmp_path):
     """The job drops a bucket's oldest times when they leave its largest window; a request in
-    the past still counts them (serving.feature_store.REPLAY_HORIZON_MS)."""
-    store = OnlineFeatureStore("unused:0", "t", FeatureSpec(), 16, tmp_path / "spill")
+    the past still counts them (serving.online_features.REPLAY_HORIZON_MS)."""
+    store = OnlineFeatures("unused:0", "t", FeatureSpec(), 16, tmp_path / "spill")
     store._apply_records([record(b"c/item/5/0", b'{"i":[1,2,3],"c":[]}'), record(b"c/item/5/0", b'{"i":[3,4],"c":[]}'),
                           record(b"c/item/5/0", None)])  # then a tombstone: the reader keeps the times
     c = SimpleNamespace(item_id=5, category_id=6, advertiser_id=7, position=1)

@@ -1,7 +1,7 @@
-"""The online feature store against the real Flink job: the features it assembles for an
+"""The online features against the real Flink job: the features they assemble for an
 impression equal the job's sample for it (generated traffic and hand-built edge cases), a
-restart rebuilds it from the topic without loss (spilling to RocksDB on the way), and
-predict by ids works over real HTTP against a store fed by the live job."""
+restart rebuilds them from the topic without loss (spilling to RocksDB on the way), and
+predict by ids works over real HTTP against online features fed by the live job."""
 
 import os
 import signal
@@ -19,7 +19,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import Candidate, differing_features, entity_partition
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.pipelines.flink_rest import FlinkRest
-from streamrec.serving.online_features import OnlineFeatureStore
+from streamrec.serving.online_features import OnlineFeatures
 from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
@@ -40,26 +40,26 @@ def _env(broker, tmp_path, name):
     }
 
 
-def materialise(broker, topic, memory_mb=256, spill_dir=None, spec=SPEC) -> OnlineFeatureStore:
-    store = OnlineFeatureStore(broker, topic, spec, memory_mb, spill_dir or f"/tmp/streamrec-fs-{uuid.uuid4().hex[:8]}").start()
-    assert store.wait_ready(120), store.status()
-    return store
+def materialise(broker, topic, memory_mb=256, spill_dir=None, spec=SPEC) -> OnlineFeatures:
+    features = OnlineFeatures(broker, topic, spec, memory_mb, spill_dir or f"/tmp/streamrec-fs-{uuid.uuid4().hex[:8]}").start()
+    assert features.wait_ready(120), features.status()
+    return features
 
 
-def assembled(store, row) -> dict:
+def assembled(features, row) -> dict:
     c = Candidate(row["item_id"], row["category_id"], row["advertiser_id"], row["position"])
-    return store.assemble(row["user_id"], row["ts"], row["device"], row["local_hour"], [c], with_features=True).features[0]
+    return features.assemble(row["user_id"], row["ts"], row["device"], row["local_hour"], [c], with_features=True).features[0]
 
 
-def mismatches(store, rows, clicks, spec=SPEC) -> list:
+def mismatches(features, rows, clicks, spec=SPEC) -> list:
     """(event_id, feature, served, sample) for every differing value. A sample's history is
     compared unless its user has more than history_len clicks in all and clicked after it:
     the job keeps the last history_len, so a request in the past may find fewer than the
-    sample had (the store merges the lists it saw; a bounded run coalesces many clicks into
+    sample had (the online features merge the lists they saw; a bounded run coalesces many clicks into
     one list). docs/features.md says so."""
     out = []
     for row in rows:
-        served = assembled(store, row)
+        served = assembled(features, row)
         names = differing_features(spec, served, row)
         total, after = clicks(row)
         if total > spec.history_len and after > 0:
@@ -129,20 +129,20 @@ def _clicks(rows):
     return lambda row: (len(clicks.get(row["user_id"], ())), sum(1 for t in clicks.get(row["user_id"], ()) if t >= row["ts"]))
 
 
-def test_store_features_equal_the_samples(broker, bounded_run):
+def test_online_features_equal_the_samples(broker, bounded_run):
     rows = bounded_run.rows
     by_id = {r["event_id"]: r for r in rows}
     assert len(rows) > 20_000 and {"h-i1", "h-i4", "h-e2", "h-e3", "h-olast"} <= set(by_id)
-    store = materialise(broker, f"{bounded_run.name}.features")
+    features = materialise(broker, f"{bounded_run.name}.features")
     try:
-        status = store.status()
+        status = features.status()
         assert status["corrupt"] == 0 and status["entities"]["user"] > 1000 and status["features_as_of"] is not None
         # an entity's keys share its partition; each watermark record is on the partition it names
         for r in read_topic(broker, f"{bounded_run.name}.features"):
             kind, *rest = r.key.decode().split("/")
-            want = int(rest[2]) if kind == "w" else entity_partition(rest[0], int(rest[1]), store.partitions)
+            want = int(rest[2]) if kind == "w" else entity_partition(rest[0], int(rest[1]), features.partitions)
             assert r.partition == want, (r.key, r.partition)
-        assert mismatches(store, rows, _clicks(rows)) == []
+        assert mismatches(features, rows, _clicks(rows)) == []
         # the hand-built cases say what they test
         assert by_id["h-i2"]["user_clicks_60s"] == 0 and by_id["h-i2"]["user_imps_60s"] == 1  # c1 at its ms: invisible
         assert by_id["h-i4"]["user_imps_60s"] == 3 and by_id["h-i4"]["user_clicks_60s"] == 2
@@ -151,23 +151,23 @@ def test_store_features_equal_the_samples(broker, bounded_run):
         assert by_id["h-e3"]["user_imps_600s"] == 2
         assert len(by_id["h-olast"]["hist_item_ids"]) == HISTORY and by_id["h-olast"]["hist_item_ids"][0] == 901054
         # cold start: unknown user and item get zero counters and no history
-        cold = assembled(store, {**by_id["h-i1"], "user_id": 123456789, "item_id": 987654321, "category_id": 55555})
+        cold = assembled(features, {**by_id["h-i1"], "user_id": 123456789, "item_id": 987654321, "category_id": 55555})
         assert cold["hist_item_ids"] == [] and all(cold[c] == 0 for c in SPEC.counter_columns())
     finally:
-        store.close()
+        features.close()
 
 
-def test_a_restart_rebuilds_the_store_from_the_topic_spilling_past_its_budget(broker, bounded_run, tmp_path):
-    """A second store (a restarted node) with a 1 MiB budget: most entities go to RocksDB and
+def test_a_restart_rebuilds_the_online_features_from_the_topic_spilling_past_its_budget(broker, bounded_run, tmp_path):
+    """A second OnlineFeatures (a restarted node) with a 1 MiB budget: most entities go to RocksDB and
     come back on use; every sample's features are still identical."""
     rows = bounded_run.rows
-    store = materialise(broker, f"{bounded_run.name}.features", memory_mb=1, spill_dir=tmp_path / "spill")
+    features = materialise(broker, f"{bounded_run.name}.features", memory_mb=1, spill_dir=tmp_path / "spill")
     try:
-        assert store.status()["spilled"] > 1000 and store.status()["memory_bytes"] <= 2**20
-        assert mismatches(store, rows[::7], _clicks(rows)) == []
-        assert store.status()["reloads"] > 0
+        assert features.status()["spilled"] > 1000 and features.status()["memory_bytes"] <= 2**20
+        assert mismatches(features, rows[::7], _clicks(rows)) == []
+        assert features.status()["reloads"] > 0
     finally:
-        store.close()
+        features.close()
     assert not (tmp_path / "spill").exists()  # scratch: removed at close
 
 

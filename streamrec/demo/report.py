@@ -158,7 +158,7 @@ def _skew(k: dict) -> str:
     rows = [(name, pct, (replayed.get("per_feature_identical_pct") or {}).get(name, "")) for name, pct in k["per_feature_identical_pct"].items()]
     r, lag, a = k["mismatched_impressions_by_reason"], k.get("features_behind_request_ms") or {}, k.get("auc") or {}
     return (f"<p>An ad-server probe scored each request's impressions <b>by ids</b> when they happened; the serving node "
-            f"assembled the features from its online feature store. Compared with the Flink job's sample of the same "
+            f"assembled the features from its online features. Compared with the Flink job's sample of the same "
             f"impression: <b>{k['identical_pct']}%</b> of feature values identical over {k['impressions']:,} impressions "
             f"({k['impressions_all_identical_pct']}% of impressions identical in every feature). Mismatched impressions: "
             f"{r['in_flight']:,} whose request came before the node's state was complete to its time (events still in flight: "

@@ -1,8 +1,8 @@
 """CPU and memory of the demo's processes, read from Linux /proc (no extra dependency).
 
 Why: on a small machine every stage shares the same cores, so "is the job slow or starved?"
-needs each process's CPU next to its throughput (a spinning consumer and an oversized
-broker store were found this way; docs/demo.md). ``bench/bench_pipeline.py`` uses the
+needs each process's CPU next to its throughput (a spinning consumer or a broker busy
+re-saving its data shows up here; docs/demo.md). ``bench/bench_pipeline.py`` uses the
 same readers for the Flink JVM's CPU.
 """
 

@@ -1,6 +1,6 @@
 """``streamrec demo``: the whole loop on one machine, measured.
 
-broker → generator → Flink job → samples → trainer (publishes every ~10 s) → model store
+broker → generator → Flink job → samples → trainer (publishes every --publish-interval) → model store
 → serving node (hot-swaps each version) ← prediction traffic (the probe). Every part runs
 as its own ``streamrec`` process, exactly as a user would start it, on topics, a model
 store and a Flink job of this run only (``demo-<run id>``), so runs never mix. After the
@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.pipelines.flink_rest import FlinkRest
@@ -100,89 +101,50 @@ class DemoRun:
         return env
 
 
+@dataclasses.dataclass
+class Observers:
+    """What watches the run from this process: the serving probes (by instances and by ids),
+    the version timeline and the processes' CPU and memory."""
+
+    client: ServingClient
+    probe: ServingProbe
+    ad_server: AdServerProbe
+    timeline: VersionTimeline
+    monitor: ResourceMonitor
+
+
 def run_demo(args: argparse.Namespace, cfg: Config) -> int:
+    """Run the loop, write the report; 0 when versions were applied, every request answered
+    and every process stopped, 1 otherwise."""
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
-    started_broker = False
+    started_broker, run = False, None
     processes: dict[str, ManagedProcess] = {}
-    probe = ad_server = timeline = run = monitor = None
+    started: list = []  # what watches the run, stopped in the order started
     try:
-        if k.embedded:
-            state, started_broker = broker.up(k.connect_timeout_s)
-            print(f"[1/6] embedded Kafka broker {'started' if started_broker else 'already running'} at {state.bootstrap}", flush=True)
-        else:
-            print(f"[1/6] using external Kafka at {k.bootstrap_servers}", flush=True)
+        broker_pid, started_broker = _start_broker(broker, cfg)
         run = DemoRun(cfg, args)
-        # the features topic is the job's to create (compacted: pipelines/pipeline_service.py)
-        ensure_topics(k.bootstrap_servers, [t for name, t in run.topics.items() if name != "features"], k.partitions,
-                      k.replication_factor, k.connect_timeout_s)
-        print(f"[2/6] run {run.run_id}: topics {run.prefix}.*, work dir {run.work_dir}, logs {run.log_dir}", flush=True)
-
-        env = run.env()
-        start = lambda name, *argv: processes.setdefault(name, ManagedProcess(name, list(argv), env, run.log_dir, REPO))  # noqa: E731
-        start("pipeline", "pipeline", "submit", "--fresh")
-        start("trainer", "train")
-        start("serving", "serve", "--host", "127.0.0.1")
-        print("[3/6] starting the Flink job (embedded mini-cluster), the trainer and the serving node ...", flush=True)
-        wait_until(lambda: _healthy(run.serve_address), 120, "the serving node", list(processes.values()))
-        FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
-
-        broker_pid = state.pid if k.embedded else None
-        monitor = ResourceMonitor(lambda: {**({"broker": broker_pid} if broker_pid else {}),
-                                           **{name: p.pid for name, p in processes.items() if p.alive()},
-                                           "demo (probe)": [os.getpid()]}).start()
-        store = ModelStore(str(run.work_dir / "models"), cfg.model.name)
-        client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
-        probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
-                             args.warmup_samples).start()
-        ad_server = AdServerProbe(k.bootstrap_servers, run.topics["events"], run.topics["samples"],
-                                  ServingClient(run.serve_address, cfg.model.name), run.feature_spec()).start()
-        timeline = VersionTimeline(ServingClient(run.serve_address, cfg.model.name), store).start()
+        _create_topics(cfg, run)
+        start = _starter(run, processes)
+        _start_services(run, start, processes)
+        watch = _start_observers(cfg, args, run, broker_pid, processes, started)
         start_ms = int(time.time() * 1000)
         start("generator", "generate", "--duration", str(args.duration), "--rate", str(args.rate),
               "--bad-fraction", str(args.bad_fraction), "--start-ms", str(start_ms))
         print(f"[4/6] live traffic: {args.duration:g} s at ~{args.rate:g} events/s; trainer publishes every "
               f"{args.publish_interval:g} s; the probe scores every sample at the serving node", flush=True)
-        rollback = _drive(args, run, processes, probe, ad_server, timeline, client, start_ms)
+        rollback = _drive(args, processes, watch, start_ms)
 
         print("[5/6] traffic done; stopping every process", flush=True)
-        monitor.stop()
-        probe.stop()
-        ad_server.stop()
-        timeline.stop()
-        stopped = _stop_all(processes)
-        snapshot = probe.snapshot()
-        skew = feature_skew(ad_server.snapshot(), run.feature_spec(), probe.scores_by_event())
-        result = {
-            "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
-            "publish_interval_s": args.publish_interval, "topics": run.topics,
-            "quality": quality(snapshot, start_ms, timeline.manifests, steady_from_ms=start_ms + int(args.duration * 500)),
-            "freshness": freshness(snapshot["positives"], timeline.manifests, timeline.applied,
-                                   steady_from_ms=start_ms + int(args.duration * 500)),
-            "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
-                         "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
-            "rollback": rollback,
-            "feature_skew": skew,
-            "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
-                        "failed_requests_by_ids": ad_server.failed_requests},
-            "throughput": _throughput(k.bootstrap_servers, run, args.duration, snapshot),
-            "resources": monitor.report(),
-            "processes": stopped,
-        }
+        for observer in started:
+            observer.stop()
+        result = _result(args, run, watch, k.bootstrap_servers, start_ms, rollback, _stop_all(processes))
         paths = write_report(run.report_dir, result)
         _print_summary(result, paths)
-        ok = (result["versions"]["applied"] >= 1 and not snapshot["failed_requests"] and not ad_server.failed_requests
-              and all(s["left"] == 0 for s in stopped.values()))
-        return 0 if ok else 1
+        return 0 if _succeeded(result) else 1
     finally:
-        if monitor is not None:
-            monitor.stop()
-        if probe is not None:
-            probe.stop()
-        if ad_server is not None:
-            ad_server.stop()
-        if timeline is not None:
-            timeline.stop()
+        for observer in started:
+            observer.stop()
         _stop_all(processes)
         if run is not None and not args.keep_topics:
             _delete_run_topics(k.bootstrap_servers, run)
@@ -191,9 +153,102 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
             print("embedded broker stopped (use --keep-broker to leave it running)", flush=True)
 
 
+def _start_broker(broker: EmbeddedBroker, cfg: Config) -> tuple[int | None, bool]:
+    """[1/6]: the embedded broker up (unless the run uses an external cluster); its pid and
+    whether this run started it."""
+    k = cfg.kafka
+    if not k.embedded:
+        print(f"[1/6] using external Kafka at {k.bootstrap_servers}", flush=True)
+        return None, False
+    state, started_broker = broker.up(k.connect_timeout_s)
+    print(f"[1/6] embedded Kafka broker {'started' if started_broker else 'already running'} at {state.bootstrap}", flush=True)
+    return state.pid, started_broker
+
+
+def _create_topics(cfg: Config, run: DemoRun) -> None:
+    """[2/6]: the run's topics."""
+    k = cfg.kafka
+    # the features topic is the job's to create (compacted: pipelines/pipeline_service.py)
+    ensure_topics(k.bootstrap_servers, [t for name, t in run.topics.items() if name != "features"], k.partitions,
+                  k.replication_factor, k.connect_timeout_s)
+    print(f"[2/6] run {run.run_id}: topics {run.prefix}.*, work dir {run.work_dir}, logs {run.log_dir}", flush=True)
+
+
+def _starter(run: DemoRun, processes: dict[str, ManagedProcess]) -> Callable[..., ManagedProcess]:
+    """``start(name, *argv)``: run ``streamrec <argv>`` as the run's process ``name``, with the
+    run's environment and a log file of its own."""
+    env = run.env()
+
+    def start(name: str, *argv: str) -> ManagedProcess:
+        return processes.setdefault(name, ManagedProcess(name, list(argv), env, run.log_dir, REPO))
+
+    return start
+
+
+def _start_services(run: DemoRun, start: Callable[..., ManagedProcess], processes: dict[str, ManagedProcess]) -> None:
+    """[3/6]: the Flink job, the trainer and the serving node, until the node answers and
+    every task of the job runs."""
+    start("pipeline", "pipeline", "submit", "--fresh")
+    start("trainer", "train")
+    start("serving", "serve", "--host", "127.0.0.1")
+    print("[3/6] starting the Flink job (embedded mini-cluster), the trainer and the serving node ...", flush=True)
+    wait_until(lambda: _healthy(run.serve_address), 120, "the serving node", list(processes.values()))
+    FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
+
+
+def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker_pid: int | None,
+                     processes: dict[str, ManagedProcess], started: list) -> Observers:
+    """Start what watches the run; each is added to ``started`` as soon as it runs."""
+    k = cfg.kafka
+    monitor = ResourceMonitor(lambda: {**({"broker": broker_pid} if broker_pid else {}),
+                                       **{name: p.pid for name, p in processes.items() if p.alive()},
+                                       "demo (probe)": [os.getpid()]}).start()
+    started.append(monitor)
+    store = ModelStore(str(run.work_dir / "models"), cfg.model.name)
+    client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
+    probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
+                         args.warmup_samples).start()
+    started.append(probe)
+    ad_server = AdServerProbe(k.bootstrap_servers, run.topics["events"], run.topics["samples"],
+                              ServingClient(run.serve_address, cfg.model.name), run.feature_spec()).start()
+    started.append(ad_server)
+    timeline = VersionTimeline(ServingClient(run.serve_address, cfg.model.name), store).start()
+    started.append(timeline)
+    return Observers(client, probe, ad_server, timeline, monitor)
+
+
+def _result(args: argparse.Namespace, run: DemoRun, watch: Observers, bootstrap: str, start_ms: int, rollback: dict,
+            stopped: dict) -> dict:
+    """[5/6]: everything the report shows (run.json), from what the observers saw."""
+    snapshot, timeline = watch.probe.snapshot(), watch.timeline
+    steady_from_ms = start_ms + int(args.duration * 500)
+    return {
+        "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
+        "publish_interval_s": args.publish_interval, "topics": run.topics,
+        "quality": quality(snapshot, start_ms, timeline.manifests, steady_from_ms=steady_from_ms),
+        "freshness": freshness(snapshot["positives"], timeline.manifests, timeline.applied, steady_from_ms=steady_from_ms),
+        "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
+                     "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
+        "rollback": rollback,
+        "feature_skew": feature_skew(watch.ad_server.snapshot(), run.feature_spec(), watch.probe.scores_by_event()),
+        "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
+                    "failed_requests_by_ids": watch.ad_server.failed_requests},
+        "throughput": _throughput(bootstrap, run, args.duration, snapshot),
+        "resources": watch.monitor.report(),
+        "processes": stopped,
+    }
+
+
+def _succeeded(result: dict) -> bool:
+    """Versions were applied, every request answered, and no process left anything running."""
+    serving = result["serving"]
+    return (result["versions"]["applied"] >= 1 and not serving["failed_requests"] and not serving["failed_requests_by_ids"]
+            and all(s["left"] == 0 for s in result["processes"].values()))
+
+
 def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
     """The embedded broker re-saves all it holds on every change (docs/kafka.md): a run's
-    ~100 MB left behind would slow every later run."""
+    topics left behind would slow every later run."""
     try:
         deleted = delete_topics(bootstrap, list(run.topics.values()))
         print(f"deleted the run's {len(deleted)} topics (use --keep-topics to keep them)", flush=True)
@@ -202,11 +257,10 @@ def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
               f"delete them with `streamrec kafka prune`", flush=True)
 
 
-def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: ServingProbe, ad_server: AdServerProbe,
-           timeline: VersionTimeline,
-           client: ServingClient, start_ms: int) -> dict:
+def _drive(args: argparse.Namespace, processes: dict[str, ManagedProcess], watch: Observers, start_ms: int) -> dict:
     """Progress lines while the traffic runs; one rollback (and release) mid-run; then
     a drain so the last clicks reach a served version."""
+    probe, ad_server, timeline = watch.probe, watch.ad_server, watch.timeline
     rollback: dict = {"done": False}
     t0 = time.monotonic()
     end_of_traffic = None
@@ -225,7 +279,7 @@ def _drive(args, run: DemoRun, processes: dict[str, ManagedProcess], probe: Serv
                 gen.check_alive()
             end_of_traffic = now
         if not rollback["done"] and now > args.duration * 0.6 and len(timeline.applied) >= 2:
-            rollback = _rollback_and_release(client)
+            rollback = _rollback_and_release(watch.client)
         if now - last_print >= args.progress_interval:
             last_print = now
             print(_progress_line(now, args.duration, probe, timeline, start_ms), flush=True)
@@ -238,8 +292,8 @@ def _rollback_and_release(client: ServingClient) -> dict:
     """:rollback to the previous version (pins it), then :reload to follow LATEST again.
 
     From and to come from the rollback's own answer: a status read before it could be one
-    version behind (the watcher applies new versions meanwhile; a demo once "rolled back"
-    from v4 to v4 that way)."""
+    version behind (the watcher applies new versions meanwhile), and the rollback would then
+    seem to go from a version to itself."""
     t = time.perf_counter()
     status, body = client.rollback()
     rollback_ms = (time.perf_counter() - t) * 1000

@@ -21,7 +21,7 @@ from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import RequestBatcher, Shed
 from streamrec.serving.errors import ApiError, not_loaded, unknown_model
-from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatureStore
+from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.pauses import GcPauses
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
@@ -31,7 +31,7 @@ from streamrec.plumbing.config import ServingConfig
 
 class ServingEngine:
     def __init__(self, served: ServedModel, settings: ServingConfig, gc_pauses: GcPauses | None = None,
-                 features: OnlineFeatureStore | None = None) -> None:
+                 features: OnlineFeatures | None = None) -> None:
         self.served, self.settings, self.gc_pauses, self.features = served, settings, gc_pauses, features
         self.ids_decoder = ByIdsDecoder(settings.max_instances, MAX_FUTURE_SKEW_MS)
         self._started_at = time.monotonic()
@@ -72,7 +72,7 @@ class ServingEngine:
 
     async def predict(self, model: str, body: bytes, timeout_s: float | None = None) -> bytes:
         """A predict body (size already checked by the reader) -> the JSON answer: by ids
-        (features from the online store) or with every feature in ``instances``."""
+        (features from the node's online features) or with every feature in ``instances``."""
         self.check_model(model)
         current = self.served.current
         if current is None:
@@ -86,20 +86,20 @@ class ServingEngine:
     async def predict_by_ids(self, body: bytes, timeout_s: float | None = None) -> bytes:
         """``{"user_id", "context", "candidates", "ts"?}`` -> scores in candidate order, with
         the time the features are complete to (``features_as_of``)."""
-        store = self.features
-        if store is None:
+        features = self.features
+        if features is None:
             raise ApiError(400, "this node has no online feature store (serving.feature_store = false): "
                                 'send {"instances": [...]} with every feature')
         now = int(time.time() * 1000)
         request = self.ids_decoder.decode(body, now)
         ts = now if request.ts is None else request.ts
-        as_of = store.as_of()
+        as_of = features.as_of()
         if as_of is not None and ts < as_of - REPLAY_HORIZON_MS:
             raise ApiError(400, f"'ts' {ts} is {as_of - ts:,} ms before the feature store's state ({as_of}); "
                                 f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
         t0 = time.perf_counter()
-        assembled = store.assemble(request.user_id, ts, request.context.device, request.context.local_hour,
-                                   request.candidates, request.return_features)
+        assembled = features.assemble(request.user_id, ts, request.context.device, request.context.local_hour,
+                                      request.candidates, request.return_features)
         self.metrics.assembly.observe(time.perf_counter() - t0)
         version, scores = await self.score(assembled.columns, timeout_s)
         answer = {"model_version": version, "features_as_of": assembled.as_of, "ts": ts, "scores": scores.tolist()}
@@ -108,14 +108,14 @@ class ServingEngine:
         return orjson.dumps(answer)
 
     def ready(self) -> str | None:
-        """Why the node is not ready (None: ready): no model yet, or the feature store is still
-        catching up with its topic (for at most serving.feature_store_ready_timeout_s)."""
+        """Why the node is not ready (None: ready): no model yet, or the online features are
+        still catching up with their topic (for at most serving.feature_store_ready_timeout_s)."""
         if self.served.version is None:
             return "no model version loaded yet"
-        store = self.features
-        if store is not None and not store.caught_up.is_set():
+        features = self.features
+        if features is not None and not features.caught_up.is_set():
             if time.monotonic() - self._started_at < self.settings.feature_store_ready_timeout_s:
-                return f"the online feature store is catching up with {store.topic} ({store.lag_records():,} records behind)"
+                return f"the online feature store is catching up with {features.topic} ({features.lag_records():,} records behind)"
         return None
 
     def refuse_if_full(self) -> None:
@@ -262,7 +262,7 @@ class ServingEngine:
         await self.batcher.stop()
 
     def close(self) -> None:
-        """Release the served model and the feature store (after :meth:`stop`)."""
+        """Release the served model and the online features (after :meth:`stop`)."""
         self.served.close()
         if self.features is not None:
             self.features.close()

@@ -17,7 +17,7 @@ class ApiError(Exception):
         return orjson.dumps({"error": {"code": self.status, "message": self.message}})
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """JSON; a 429 (queue full) or 503 (deadline passed, no version yet, store unreachable)
+        """JSON; a 429 (queue full) or 503 (deadline passed, no version yet, model store unreachable)
         also says when to retry."""
         if self.status in (429, 503):
             return [(b"content-type", b"application/json"), (b"retry-after", b"1")]

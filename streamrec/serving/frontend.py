@@ -106,7 +106,7 @@ class EngineClient:
                 raise not_loaded()
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        if is_by_ids(body):  # the features are in the engine's store: it decodes these itself
+        if is_by_ids(body):  # the features are the engine's online features: it decodes these itself
             self._writer.write(frame(("predict_body", request_id, timeout_s, model, body)))
         else:
             try:

@@ -9,15 +9,15 @@ and a pickle (protocol 5: numpy arrays travel as raw buffers). Messages:
   ``("ok", id, version, float32 scores as bytes)`` or ``("error", id, http status, message)``;
   answers come in completion order, matched by id.
 - front-end -> engine ``("predict_body", id, timeout, model, body)`` (predict by ids: the features
-  live in the engine's online feature store); engine -> ``("body", id, JSON answer)`` or an
+  live in the engine's online features); engine -> ``("body", id, JSON answer)`` or an
   ``"error"`` as above.
 
 ``timeout`` is the client's queueing deadline in seconds (header ``x-request-timeout-ms``) or None.
 
 A request's feature columns travel as one int64 buffer (:func:`pack_columns`): the engine
-rebuilds it in ~6 us, a pickled dataclass of a dozen numpy arrays in ~23 us
-(`streamrec bench serving_decode`) — py-spy on the H100 host had that rebuild as the
-engine's largest per-request cost.
+rebuilds columns from one buffer faster than it unpickles a dataclass of a dozen numpy
+arrays, and that rebuild is a large part of its per-request cost (bench/RESULTS.md,
+serving_decode).
 
 Only the engine's own front-ends connect (the socket lives in a private 0700 directory).
 """

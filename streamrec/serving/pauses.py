@@ -1,5 +1,5 @@
 """Garbage-collector pauses of a serving process: a full (generation 2) collection walks
-every object in the heap (torch, Triton and the model's Python objects: ~10^6) and stops the
+every object in the heap (torch's, Triton's and the model's Python objects) and stops the
 event loop meanwhile, which shows up as p99 latency. The server freezes what it holds after
 loading (``gc.freeze``: later collections skip those objects) and counts the pauses that are
 left, reported in ``GET /v1/models/<model>`` under ``gc``."""

@@ -5,13 +5,13 @@ its label (docs/samples.md). msgspec decodes and type-checks the whole body in o
 against a struct derived from the served version's :class:`FeatureSpec`: an int field
 refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
 Only a body that fails is decoded again instance by instance, so the error names every
-bad instance and field. Why not ``pipelines.sample_wire.decode_samples`` (the Kafka
-path): re-encoding each instance for pyarrow's JSON reader cost several ms per batch
-whatever its size, more than the model itself (`streamrec bench serving_decode`).
+bad instance and field. Why not ``contracts.sample_wire.decode_samples`` (the Kafka
+path): re-encoding each instance for pyarrow's JSON reader costs more per batch than the
+model itself (bench/RESULTS.md, serving_decode).
 
 Checks that need more than one field (reserved ids, history lengths, ``sample_version``)
 run in numpy over a whole batch in :meth:`InstanceDecoder.columns`; the rules are those
-of ``pipelines.sample_wire.check_samples``, and ``tests/test_serving_request.py`` checks
+of ``contracts.sample_wire.check_samples``, and ``tests/test_serving_request.py`` checks
 that both give the same verdicts and the same features.
 """
 
@@ -207,7 +207,7 @@ class CandidateAd(msgspec.Struct, forbid_unknown_fields=True):
 
 class ByIdsRequest(msgspec.Struct, forbid_unknown_fields=True):
     """``{"user_id", "context", "candidates", "ts"?, "return_features"?}``: what an ad
-    server has; the features come from the node's online feature store."""
+    server has; the features come from the node's online features."""
 
     user_id: INT64
     context: Context

@@ -17,7 +17,7 @@ from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.serving.app import create_app
 from streamrec.serving.engine import ServingEngine
-from streamrec.serving.online_features import OnlineFeatureStore
+from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.frontend import FrontendPlan
 from streamrec.serving.guard import HttpLimits, throttle_logs
 from streamrec.serving.pauses import GcPauses, freeze_heap
@@ -68,9 +68,9 @@ def serve(cfg: Config) -> None:
                         s.max_instances, limits, s.switch_interval_us) if private else None
     features = None
     if s.feature_store:
-        features = OnlineFeatureStore(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
-                                      s.feature_store_dir, cfg.kafka.connect_timeout_s).start()
-        log.info("online feature store: materialising %s (ready once caught up)", cfg.topics.features)
+        features = OnlineFeatures(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
+                                  s.feature_store_dir, cfg.kafka.connect_timeout_s).start()
+        log.info("online features: materialising %s (ready once caught up)", cfg.topics.features)
     engine = ServingEngine(served, s, GcPauses().install(), features)
     app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
     if plan is not None:

@@ -15,8 +15,8 @@ class PredictShortcut:
     and hands every other request (and the lifespan) to ``app``.
 
     Why: FastAPI's middleware, routing and parameter handling cost more per request than
-    decoding and scoring a request's share of a batch (a profile under load: ~20% of the
-    server's CPU on the 2-core box), and predict is the one route whose throughput matters.
+    decoding and scoring a request's share of a batch (bench/RESULTS.md, serving), and
+    predict is the one route whose throughput matters.
     In the engine process ``predict_body`` is :meth:`ServingEngine.predict`, which the FastAPI
     route calls too (same answers, same errors); in a front-end process it sends the request
     to the engine."""

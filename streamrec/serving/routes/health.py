@@ -1,0 +1,36 @@
+"""``GET /healthz`` (the process answers), ``GET /readyz`` (a model is loaded, the online
+features have caught up, every front-end is connected) and ``GET /metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from streamrec.serving.engine import ServingEngine
+from streamrec.serving.errors import ApiError
+from streamrec.serving.ipc import EngineLink
+from streamrec.serving.routes.errors import error_response
+
+
+def add_health_routes(app: FastAPI, engine: ServingEngine, link: EngineLink | None = None, frontends: int = 0) -> None:
+    """Liveness, readiness and metrics; with a front-end ``link``, readiness also waits for
+    ``frontends`` front-end processes to connect."""
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        why = engine.ready()
+        if why is not None:
+            return error_response(ApiError(503, why))
+        if link is not None and link.connected < frontends:
+            return error_response(ApiError(503, f"{link.connected} of {frontends} HTTP front-ends connected"))
+        return JSONResponse({"status": "ready", "model_version": engine.served.version})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(engine.observe_metrics().registry), media_type=CONTENT_TYPE_LATEST)
+
