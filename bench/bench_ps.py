@@ -1,9 +1,9 @@
-"""Embedding store throughput: lookup and lookup+update of Zipf-distributed ids.
+"""Embedding table throughput: lookup and lookup+update of Zipf-distributed ids.
 
-Ours: "lookup" is ``EmbeddingTable.lookup`` (serving reads: one embedding per id; on CUDA
+Ours: "lookup" is ``EmbeddingTable.find`` (serving reads: one embedding per id; on CUDA
 a fused Triton probe+gather when all ids hit the GPU cache, else the general path);
-"+update" is the training step: ``pull`` (unique ids, hash-index lookup, tier
-management, gather), the per-id gather, and ``push`` (fused row-wise Adagrad).
+"+update" is the training step: ``find_or_insert`` (unique ids, hash-index lookup, tier
+management, gather), the per-id gather, and ``apply_gradients`` (fused row-wise Adagrad).
 
 Baseline, same run, same ids: a plain pre-sized ``torch.nn.Embedding`` whose ids were
 mapped to 0..N-1 beforehand (no dynamic ids, no tiers): ``index_select`` for lookup, and
@@ -89,14 +89,14 @@ def bench_one(n_rows: int, dim: int, batch: int, alpha: float, cache_ratio: floa
 
     def ours_lookup():
         clock[0] += 1
-        return table.lookup(id_batches[clock[0] % 8], now_ms=clock[0])
+        return table.find(id_batches[clock[0] % 8], now_ms=clock[0])
 
     def ours_update():
         clock[0] += 1
-        pulled = table.pull(id_batches[clock[0] % 8], now_ms=clock[0])
+        pulled = table.find_or_insert(id_batches[clock[0] % 8], now_ms=clock[0])
         out = pulled.embeddings()
         grad = torch.zeros_like(pulled.rows).index_add_(0, pulled.inverse, torch.ones_like(out) * 1e-3)
-        table.push(pulled, grad)
+        table.apply_gradients(pulled, grad)
 
     for _ in range(8):  # one pass over every batch: steady state (and a warm allocator)
         ours_update()
@@ -120,19 +120,19 @@ def bench_one(n_rows: int, dim: int, batch: int, alpha: float, cache_ratio: floa
 
 
 def bench_snapshot(n_touched: int, dim: int, device: torch.device) -> dict:
-    """How long ``EmbeddingStore.snapshot("delta")`` (the part of a publish that stalls
+    """How long ``EmbeddingCollection.snapshot("delta")`` (the part of a publish that stalls
     training) takes for ``n_touched`` touched rows. Baseline: copying the same number of
     rows out of a dense tensor with one ``index_select`` (the least any snapshot must do)."""
-    from streamrec.embedding.collection import EmbeddingStore
+    from streamrec.embedding.collection import EmbeddingCollection
 
     gen = torch.Generator().manual_seed(1)
     keys = torch.randint(1, 2**62, (n_touched,), generator=gen)
     cache_rows = n_touched if device.type == "cuda" else 0
-    store = EmbeddingStore([TableConfig("t", dim, gpu_cache_rows=cache_rows)], device)
+    store = EmbeddingCollection([TableConfig("t", dim, gpu_cache_rows=cache_rows)], device)
     table = store["t"]
     for lo in range(0, n_touched, 262144):  # touch every row through the training path
-        pulled = table.pull(keys[lo : lo + 262144].to(device), now_ms=1)
-        table.push(pulled, torch.zeros_like(pulled.rows))
+        pulled = table.find_or_insert(keys[lo : lo + 262144].to(device), now_ms=1)
+        table.apply_gradients(pulled, torch.zeros_like(pulled.rows))
     sync(device)
     t0 = time.perf_counter()
     snap = store.snapshot("delta")

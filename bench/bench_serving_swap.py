@@ -71,9 +71,9 @@ def main() -> None:
         cache_rows = args.full_rows + args.delta_rows + 10_000
         served = ServedModel(store, args.device, gpu_cache_rows=cache_rows)
         served.load(full)
-        for table in served.current.store.tables.values():  # compile the GPU kernels first (a server does at its first batch)
-            table.read(torch.arange(1, 100))
-            table.lookup(torch.arange(1, 100), 0)
+        for table in served.current.embeddings.tables.values():  # compile the GPU kernels first (a server does at its first batch)
+            table.export(torch.arange(1, 100))
+            table.find(torch.arange(1, 100), 0)
         t0 = time.perf_counter()
         report = served.load(delta)
         apply_s = time.perf_counter() - t0

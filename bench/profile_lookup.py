@@ -14,8 +14,8 @@ keys = torch.randint(1, 2**62, (N,), generator=g)
 table = EmbeddingTable(TableConfig("b", 64, gpu_cache_rows=N), "cuda")
 table.load_rows(keys, torch.randn(N, 64))
 ids = keys[zipf_ranks(N, B, 1.05, g)].cuda()
-table.lookup(ids, 1)
-table.lookup(ids, 2)
+table.find(ids, 1)
+table.find(ids, 2)
 
 
 def t(name, fn, r=50):
@@ -28,20 +28,20 @@ def t(name, fn, r=50):
     print(f"{name:28s} {(time.perf_counter() - t0) / r * 1e6:9.1f} us")
 
 
-idx = table.cache.index
-print("fused hits so far", table.stats["fused_hits"], "cache rows", len(table.cache), "index slots", idx.slots)
-t("lookup()", lambda: table.lookup(ids, 3))
+idx = table.tiers.cache.index
+print("fused hits so far", table.stats["fused_hits"], "cache rows", len(table.tiers.cache), "index slots", idx.slots)
+t("lookup()", lambda: table.find(ids, 3))
 for clock in (False, True):
     for count in (False, True):
         t(f"kernel clock={clock:d} count={count:d}",
-          lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, clock, count))
-slots_only = kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, False)[1]
-t("kernel + index_fill_ clock", lambda: (kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, True),
-                                         table.cache.last_seen.index_fill_(0, slots_only, 4)))
-t("kernel + misses.item()", lambda: kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4, False, True)[2].item())
-_, slots, _ = kernels.probe_gather(ids, idx, table.cache.weights, table.cache.last_seen, 4)
+          lambda: kernels.probe_gather(ids, idx, table.tiers.cache.weights, table.tiers.cache.last_seen, 4, clock, count))
+slots_only = kernels.probe_gather(ids, idx, table.tiers.cache.weights, table.tiers.cache.last_seen, 4, False, False)[1]
+t("kernel + index_fill_ clock", lambda: (kernels.probe_gather(ids, idx, table.tiers.cache.weights, table.tiers.cache.last_seen, 4, False, True),
+                                         table.tiers.cache.last_seen.index_fill_(0, slots_only, 4)))
+t("kernel + misses.item()", lambda: kernels.probe_gather(ids, idx, table.tiers.cache.weights, table.tiers.cache.last_seen, 4, False, True)[2].item())
+_, slots, _ = kernels.probe_gather(ids, idx, table.tiers.cache.weights, table.tiers.cache.last_seen, 4)
 print("slots<0:", int((slots < 0).sum()), "slots==-2:", int((slots == -2).sum()))
-t("index_select same slots", lambda: table.cache.weights.index_select(0, slots.clamp(min=0)))
+t("index_select same slots", lambda: table.tiers.cache.weights.index_select(0, slots.clamp(min=0)))
 t("torch hash lookup", lambda: idx.lookup(ids))
 t("unique", lambda: torch.unique(ids, return_inverse=True, return_counts=True))
 
@@ -52,6 +52,6 @@ batches = [keys[zipf_ranks(N, B, 1.05, g)].cuda() for _ in range(8)]
 for rnd in range(3):
     for i, b in enumerate(batches):
         before = table2.stats["fused_hits"]
-        table2.lookup(b, rnd * 8 + i)
-        _, sl, _ = kernels.probe_gather(b, table2.cache.index, table2.cache.weights, table2.cache.last_seen, rnd * 8 + i)
-        print(f"round {rnd} batch {i}: fused={table2.stats['fused_hits'] > before} missing_after={int((sl < 0).sum())} cache_rows={len(table2.cache)}")
+        table2.find(b, rnd * 8 + i)
+        _, sl, _ = kernels.probe_gather(b, table2.tiers.cache.index, table2.tiers.cache.weights, table2.tiers.cache.last_seen, rnd * 8 + i)
+        print(f"round {rnd} batch {i}: fused={table2.stats['fused_hits'] > before} missing_after={int((sl < 0).sum())} cache_rows={len(table2.tiers.cache)}")

@@ -1,6 +1,6 @@
 """Where the time of a training step goes when the GPU cache holds a quarter of the rows
-(a diagnostic for bench_ps.py's miss-heavy case): cProfile over pull + push, or over
-serving-style lookups with ``lookup`` as the second argument.
+(a diagnostic for bench_ps.py's miss-heavy case): cProfile over find_or_insert +
+apply_gradients, or over serving-style ``find``s with ``lookup`` as the second argument.
 
 Usage: python bench/profile_miss.py [THREADS] [update|lookup]"""
 
@@ -27,10 +27,10 @@ batches = [keys[zipf_ranks(N, B, 1.05, g)].cuda() for _ in range(16)]  # their u
 
 def step(i: int) -> None:
     if mode == "lookup":
-        table.lookup(batches[i % 16], now_ms=i)
+        table.find(batches[i % 16], now_ms=i)
         return
-    pulled = table.pull(batches[i % 16], now_ms=i)
-    table.push(pulled, torch.ones_like(pulled.rows) * 1e-3)
+    pulled = table.find_or_insert(batches[i % 16], now_ms=i)
+    table.apply_gradients(pulled, torch.ones_like(pulled.rows) * 1e-3)
 
 
 for i in range(16):

@@ -1,11 +1,11 @@
 """The SSD tier at scale (``bench/bench_ps.py --ssd``): a table far bigger than its DRAM budget.
 
 Ours: an ``EmbeddingTable`` (dim 16, row-wise Adagrad) with a DRAM budget of ``--dram-gib``
-and the rest in RocksDB, inside an ``EmbeddingStore`` (for the checkpoint). Measured:
+and the rest in RocksDB, inside an ``EmbeddingCollection`` (for the checkpoint). Measured:
 - load: ``load_rows(new=True)`` (the restore path) of every row in chunks of ``--chunk``,
   coldest ranks first (each chunk a later clock), so the hottest rows end in DRAM and the
   rest spill to SSD as they come;
-- lookups: ``EmbeddingTable.lookup`` of Zipf ids (``zipf_ranks``), the serving read:
+- lookups: ``EmbeddingTable.find`` of Zipf ids (``zipf_ranks``), the serving read:
   DRAM hits, SSD misses brought up, DRAM spilling to make room;
 - restart: reopening the table over its SSD directory (the row count is read, not
   counted), and the full restart path: checkpoint (streamed tier by tier) + restore;
@@ -38,7 +38,7 @@ import torch
 from rocksdict import Options, Rdict, WriteBatch
 
 from streamrec.embedding.budget import rows_for_bytes, tier_bytes
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 KEY_MULTIPLIER = -2950933219127396973  # 0xD70A3B1E9C2F8A93: odd, so rank -> key is one-to-one
@@ -80,7 +80,7 @@ def bench_ssd(rows: int, dim: int, dram_gib: float, batch: int, batches: int, al
                  "rss_at_start_mb": start["VmRSS"] / 1024}
 
     # ---- ours: load
-    store = EmbeddingStore([cfg], "cpu", work_dir=work / "a")
+    store = EmbeddingCollection([cfg], "cpu", work_dir=work / "a")
     table = store["emb"]
     init = torch.Generator().manual_seed(1)
     t0 = time.perf_counter()
@@ -91,29 +91,29 @@ def bench_ssd(rows: int, dim: int, dram_gib: float, batch: int, batches: int, al
     load_s = time.perf_counter() - t0
     phases = {"load": memory_kb()}
     assert len(table) == rows, (len(table), rows)
-    out["ours"] = {"load_s": load_s, "load_rows_per_s": rows / load_s, "dram_rows": len(table.dram), "ssd_rows": table.ssd.count,
+    out["ours"] = {"load_s": load_s, "load_rows_per_s": rows / load_s, "dram_rows": len(table.tiers.dram), "ssd_rows": table.tiers.ssd.count,
                    "spilled": table.stats["spilled"]}
 
     # ---- ours: lookups (serving reads; misses come up from SSD, DRAM spills)
     clock = rows // chunk + 10
     for ids in warmup:
         clock += 1
-        table.lookup(ids, now_ms=clock)
+        table.find(ids, now_ms=clock)
     before = dict(table.stats)
     t0 = time.perf_counter()
     for ids in lookups:
         clock += 1
-        table.lookup(ids, now_ms=clock)
+        table.find(ids, now_ms=clock)
     lookup_s = time.perf_counter() - t0
     phases["lookup"] = memory_kb()
     ssd_reads = table.stats["ssd_reads"] - before["ssd_reads"]
     unique = table.stats["lookups"] - before["lookups"]
     out["ours"].update(lookup_s=lookup_s, lookup_ids_per_s=batch * batches / lookup_s, unique_ids_per_batch=unique / batches,
                        ssd_reads_per_batch=ssd_reads / batches, dram_hit_rate=1 - ssd_reads / max(1, unique),
-                       spill_slots_examined_per_row=table.spill_clock.examined / max(1, table.stats["spilled"]))
+                       spill_slots_examined_per_row=table.placement.spill_clock.examined / max(1, table.stats["spilled"]))
 
     # ---- ours: restart: checkpoint; reopen a table over the SSD directory; restore
-    ssd_rows = table.ssd.count
+    ssd_rows = table.tiers.ssd.count
     t0 = time.perf_counter()
     store.checkpoint(work / "ckpt")
     out["ours"]["checkpoint_s"] = time.perf_counter() - t0
@@ -125,12 +125,12 @@ def bench_ssd(rows: int, dim: int, dram_gib: float, batch: int, batches: int, al
     gc.collect()
     reopened = EmbeddingTable(cfg, "cpu", ssd_dir=work / "a" / "ssd")  # its SSD rows, counted without a scan
     out["ours"]["reopen_ssd_s"] = time.perf_counter() - t0
-    assert len(reopened) == reopened.ssd.count == ssd_rows
+    assert len(reopened) == reopened.tiers.ssd.count == ssd_rows
     reopened.close()
     del reopened
     if restore:
         t0 = time.perf_counter()
-        store, _ = EmbeddingStore.restore(work / "ckpt", "cpu", work_dir=work / "b")
+        store, _ = EmbeddingCollection.restore(work / "ckpt", "cpu", work_dir=work / "b")
         out["ours"]["restore_s"] = time.perf_counter() - t0
         phases["restore"] = memory_kb()
         assert len(store["emb"]) == rows

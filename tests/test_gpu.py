@@ -102,29 +102,29 @@ def test_a_pinned_batch_holds_the_same_tensors_in_page_locked_memory():
 
 
 def test_a_snapshot_reads_cached_rows_in_one_launch_and_the_rest_through_the_tiers(tmp_path):
-    """EmbeddingTable.read_cached answers only when the cache holds every key (the publish's
-    common case); a delta whose keys partly live in DRAM goes through read() and still
-    holds every row's current value."""
-    from streamrec.embedding.collection import EmbeddingStore
+    """Tiers.read_cached (``export(try_cache=True)``'s first try) answers only when the cache
+    holds every key (the publish's common case); a delta whose keys partly live in DRAM is
+    read through every tier and still holds every row's current value."""
+    from streamrec.embedding.collection import EmbeddingCollection
     from streamrec.embedding.table import TableConfig
 
-    store = EmbeddingStore([TableConfig("t", 8, lr=0.1, gpu_cache_rows=1_000)], "cuda", work_dir=tmp_path)
+    store = EmbeddingCollection([TableConfig("t", 8, lr=0.1, gpu_cache_rows=1_000)], "cuda", work_dir=tmp_path)
     table = store["t"]
     g = torch.Generator().manual_seed(2)
     for step in range(6):  # 6 x 400 distinct keys through a 1,000-row cache: early rows are evicted to DRAM
         keys = torch.arange(step * 400, step * 400 + 400) + 1
-        pulled = table.pull(keys.cuda(), now_ms=step)
-        table.push(pulled, torch.randn(len(pulled.keys), 8, generator=g).cuda())
+        pulled = table.find_or_insert(keys.cuda(), now_ms=step)
+        table.apply_gradients(pulled, torch.randn(len(pulled.keys), 8, generator=g).cuda())
     cached = torch.arange(2000, 2400) + 1
-    values = table.read_cached(cached.cuda())
+    values = table.tiers.read_cached(cached.cuda())
     assert values is not None
-    found, expected = table.read(cached, device="cuda")
-    assert bool(found.all()) and torch.equal(values, expected)
-    assert table.read_cached((torch.arange(0, 2400) + 1).cuda()) is None  # rows 1..~1400 live in DRAM only
+    _, expected, absent = table.export(cached, device="cuda")
+    assert len(absent) == 0 and torch.equal(values, expected)
+    assert table.tiers.read_cached((torch.arange(0, 2400) + 1).cuda()) is None  # rows 1..~1400 live in DRAM only
     snap = store.snapshot("delta")["t"]
     assert sorted(snap.keys.tolist()) == list(range(1, 2401)) and len(snap.deleted) == 0
-    found, current = table.read(snap.keys)
-    assert bool(found.all()) and torch.equal(snap.values, current)
+    _, current, absent = table.export(snap.keys)
+    assert len(absent) == 0 and torch.equal(snap.values, current)
     store.close()
 
 
@@ -174,20 +174,21 @@ def test_the_mapped_dram_tier_keeps_its_budget_when_evictions_give_rows_a_home(t
 
     # batches of 1,500 rows fit the budget's headroom (an eighth of 16,000) before each spill
     table = EmbeddingTable(TableConfig("t", 8, dram_rows=16_000, gpu_cache_rows=3_000), "cuda", ssd_dir=tmp_path)
-    assert table.dram.mapped
-    capacity, g = table.dram.capacity, torch.Generator().manual_seed(4)
+    dram = table.tiers.dram
+    assert dram.mapped
+    capacity, g = dram.capacity, torch.Generator().manual_seed(4)
     batches = [torch.arange(i * 1_500, (i + 1) * 1_500) + 1 for i in range(12)]
     for step, keys in enumerate(batches + batches[::-1] + batches):
-        pulled = table.pull(keys.cuda(), now_ms=step)
-        table.push(pulled, torch.randn(len(pulled.keys), 8, generator=g).cuda())
-        assert len(table.dram) <= 16_000 + 1_500 and table.dram.capacity == capacity, (step, len(table.dram))
+        pulled = table.find_or_insert(keys.cuda(), now_ms=step)
+        table.apply_gradients(pulled, torch.randn(len(pulled.keys), 8, generator=g).cuda())
+        assert len(dram) <= 16_000 + 1_500 and dram.capacity == capacity, (step, len(dram))
     assert len(table) == 18_000 and table.stats["spilled"] > 0
 
 
 def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
     """A checkpoint's Adam state written by an unfused run (CPU, or an older trainer) comes
     back fused on CUDA, its step counters where the fused kernel wants them, and steps on."""
-    from streamrec.trainer.engine import _fuse_on
+    from streamrec.trainer.session import fuse_adam_on
 
     param = torch.nn.Parameter(torch.ones(4, device="cuda"))
     unfused = torch.optim.Adam([param], lr=0.1)
@@ -195,38 +196,37 @@ def test_a_restored_dense_optimizer_is_fused_on_cuda_whatever_run_wrote_it():
     unfused.step()
     restored = torch.optim.Adam([param], lr=0.1, fused=True)
     restored.load_state_dict(unfused.state_dict())
-    _fuse_on(restored, torch.device("cuda"))
+    fuse_adam_on(restored, torch.device("cuda"))
     assert restored.param_groups[0]["fused"] and restored.state[param]["step"].is_cuda
     restored.step()
     assert float(restored.state[param]["step"]) == 2.0
 
 
-def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(monkeypatch):
-    """SparseFeatures pulls every table with one find-or-insert launch and pushes with one
-    optimizer launch (ps/grouped.py) while every table creates its rows on the device; a
-    table whose cache has less free room than the batch has ids sends the step table by
-    table. Both give the same model inputs, and the same rows after the update, on
-    identical stores."""
-    from streamrec.model.sparse import GroupedRows, SparseFeatures
-    from streamrec.embedding.collection import EmbeddingStore
+def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull():
+    """The collection's find_or_insert covers every table with one find-or-insert launch and
+    apply_gradients with one optimizer launch (embedding/grouped.py) while every table
+    inserts its rows on the device; a table whose cache has less free room than the batch
+    has ids sends the step table by table. Both give the same model inputs, and the same
+    rows after the update, on identical collections."""
+    from streamrec.model.sparse import SparseFeatures
+    from streamrec.embedding.collection import EmbeddingCollection
     from streamrec.embedding.table import TableConfig
 
     rng = np.random.default_rng(5)
     batch = batch_from_table(_instances(2000, rng), SPEC, MODEL.history_len, with_labels=False).to("cuda")
     roomy = [TableConfig(n, 16, lr=0.1, gpu_cache_rows=200_000) for n in TABLES]
-    grouped_store, per_table_store = EmbeddingStore(roomy, "cuda"), EmbeddingStore(roomy, "cuda")
+    grouped_store, per_table_store = EmbeddingCollection(roomy, "cuda"), EmbeddingCollection(roomy, "cuda")
+    per_table_store.table_batched = False  # the reference takes the per-table path
     grouped, per_table = SparseFeatures(grouped_store), SparseFeatures(per_table_store)
     for step in range(3):
         inputs, handles = grouped.pull(batch, now_ms=step)
-        assert isinstance(handles, GroupedRows)
-        if step == 0:  # new rows are drawn on the device: give the per-table store the same ones
-            pulled = per_table_store.pull(SparseFeatures.table_ids(batch), now_ms=step)
-            for name, p in handles.pulled.pulled.items():
-                per_table_store[name].cache.weights[pulled[name].slots] = p.rows
-        with monkeypatch.context() as patched:  # the reference takes the per-table path
-            patched.setattr("streamrec.model.sparse.pull_grouped", lambda *_, **__: None)
-            reference, ref_handles = per_table.pull(batch, now_ms=step)
-            assert not isinstance(ref_handles, GroupedRows)
+        assert handles.grouped is not None
+        if step == 0:  # new rows are drawn on the device: give the per-table collection the same ones
+            pulled = per_table_store.find_or_insert_each(SparseFeatures.table_ids(batch), now_ms=step)
+            for name, p in handles.grouped.by_table.items():
+                per_table_store[name].tiers.cache.weights[pulled[name].slots] = p.rows
+        reference, ref_handles = per_table.pull(batch, now_ms=step)
+        assert ref_handles.grouped is None
         for got, want in zip(inputs.as_args(), reference.as_args()):  # (backward's atomic sums: not bit-equal)
             assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
         for model_inputs in (inputs, reference):
@@ -235,9 +235,9 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull(m
         per_table.push(ref_handles)
     for name in TABLES:
         keys = torch.unique(SparseFeatures.table_ids(batch)[name]).cpu()
-        assert torch.allclose(grouped_store[name].read(keys)[1], per_table_store[name].read(keys)[1], atol=1e-5, rtol=1e-4)
-    small = EmbeddingStore([TableConfig(n, 16, gpu_cache_rows=200_000 if n != "item" else 4_000, dram_rows=0) for n in TABLES],
+        assert torch.allclose(grouped_store[name].export(keys)[1], per_table_store[name].export(keys)[1], atol=1e-5, rtol=1e-4)
+    small = EmbeddingCollection([TableConfig(n, 16, gpu_cache_rows=200_000 if n != "item" else 4_000, dram_rows=0) for n in TABLES],
                            "cuda")
-    assert not isinstance(SparseFeatures(small).pull(batch, now_ms=1)[1], GroupedRows)
+    assert SparseFeatures(small).pull(batch, now_ms=1)[1].grouped is None
     for store in (grouped_store, per_table_store, small):
         store.close()

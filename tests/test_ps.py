@@ -1,4 +1,4 @@
-"""ps/: the embedding store against a plain dict-of-rows reference, across tiers, and the
+"""The embedding engine against a plain dict-of-rows reference, across tiers, and the
 model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
 CUDA is present (the same tests, on the `cuda` parameter)."""
 
@@ -18,7 +18,7 @@ import pause_points
 from streamrec.embedding.hash_index import HashIndex, ReservedKeyError
 from streamrec.modelstore.store import CorruptVersion, ModelStore
 from streamrec.embedding.optimizers import make_optimizer
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import EmbeddingTable, TableConfig
 
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
@@ -64,11 +64,11 @@ def run_reference_workload(table: EmbeddingTable, optimizer: str, steps: int = 6
     atol = 1e-5 if optimizer == "adam" and table.device.type == "cuda" else 1e-6
     for step in range(steps):
         ids = torch.randint(-400, 400, (96,), generator=g) * 1_000_000_007  # sparse, negative too
-        pulled = table.pull(ids, now_ms=step)
+        pulled = table.find_or_insert(ids, now_ms=step)
         expected = torch.stack([ref.get(k, (torch.zeros(dim), None))[0] for k in pulled.keys.tolist()])
         torch.testing.assert_close(pulled.rows.cpu(), expected, rtol=0, atol=atol)
         grad = torch.randn(len(pulled.keys), dim, generator=g)
-        table.push(pulled, grad.to(pulled.rows.device))
+        table.apply_gradients(pulled, grad.to(pulled.rows.device))
         for k, gr in zip(pulled.keys.tolist(), grad):
             w, s = ref.get(k, (torch.zeros(dim), opt.init_state(1, dim, torch.device("cpu"))[0]))
             nw, ns = opt.step(w.unsqueeze(0), s.unsqueeze(0), gr.unsqueeze(0))
@@ -85,78 +85,76 @@ def test_tiers_match_a_dict_of_rows(tmp_path, device, optimizer, dram_rows):
     table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
     ref = run_reference_workload(table, optimizer)
     keys = torch.tensor(sorted(ref))
-    found, values = table.read(keys)
-    assert bool(found.all()) and len(table) == len(ref)
+    _, values, absent = table.export(keys)
+    assert len(absent) == 0 and len(table) == len(ref)
     torch.testing.assert_close(values, torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-5 if optimizer == "adam" and device == "cuda" else 1e-6)
     if dram_rows:
-        assert table.stats["spilled"] > 0 and table.stats["ssd_reads"] > 0 and table.ssd.count > 0
+        assert table.stats["spilled"] > 0 and table.stats["ssd_reads"] > 0 and table.tiers.ssd.count > 0
 
 
 def test_spilled_rows_keep_optimizer_state(tmp_path):
     table = EmbeddingTable(TableConfig("t", 2, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=2), ssd_dir=tmp_path)
-    first = table.pull(torch.tensor([7]), now_ms=1)
-    table.push(first, torch.tensor([[1.0, -1.0]]))
-    state_before = table.dram.state[table.dram.slots_of(torch.tensor([7]))].clone()
+    first = table.find_or_insert(torch.tensor([7]), now_ms=1)
+    table.apply_gradients(first, torch.tensor([[1.0, -1.0]]))
+    state_before = table.tiers.dram.state[table.tiers.dram.slots_of(torch.tensor([7]))].clone()
     for t, key in enumerate([8, 9, 10], start=2):  # push key 7 out to SSD
-        table.push(table.pull(torch.tensor([key]), now_ms=t), torch.zeros(1, 2))
-    assert table.dram.slots_of(torch.tensor([7])).item() == -1 and table.ssd.count >= 1
-    k, _, state, seen = table.ssd.get(torch.tensor([7]))
+        table.apply_gradients(table.find_or_insert(torch.tensor([key]), now_ms=t), torch.zeros(1, 2))
+    assert table.tiers.dram.slots_of(torch.tensor([7])).item() == -1 and table.tiers.ssd.count >= 1
+    k, _, state, seen = table.tiers.ssd.get(torch.tensor([7]))
     torch.testing.assert_close(state, state_before)
     assert seen.tolist() == [1]
-    table.pull(torch.tensor([7]), now_ms=9)  # comes back up with its state
-    torch.testing.assert_close(table.dram.state[table.dram.slots_of(torch.tensor([7]))], state_before)
+    table.find_or_insert(torch.tensor([7]), now_ms=9)  # comes back up with its state
+    torch.testing.assert_close(table.tiers.dram.state[table.tiers.dram.slots_of(torch.tensor([7]))], state_before)
 
 
 def test_admission_needs_k_sightings_and_serving_never_admits():
     table = EmbeddingTable(TableConfig("t", 3, admit_after=3, init_std=0.1))
-    assert not table.pull(torch.tensor([42, 42]), now_ms=0).admitted.any()  # seen twice
+    assert not table.find_or_insert(torch.tensor([42, 42]), now_ms=0).admitted.any()  # seen twice
     assert len(table) == 0 and table.stats["not_admitted"] == 1
-    served = table.pull(torch.tensor([42]), now_ms=1, train=False)  # serving does not count
-    assert not served.admitted.any() and torch.count_nonzero(served.rows) == 0 and len(table) == 0
-    third = table.pull(torch.tensor([42, 5]), now_ms=2)
+    served = table.find(torch.tensor([42]), now_ms=1)  # serving does not count
+    assert torch.count_nonzero(served) == 0 and len(table) == 0
+    third = table.find_or_insert(torch.tensor([42, 5]), now_ms=2)
     order = third.keys.argsort()  # the pull's key order is the table's business: compare by key
     assert third.keys[order].tolist() == [5, 42] and third.admitted[order].tolist() == [False, True]
-    table.push(third, torch.ones(2, 3))  # the non-admitted row gets no update and no row
+    table.apply_gradients(third, torch.ones(2, 3))  # the non-admitted row gets no update and no row
     assert len(table) == 1
 
 
 def test_expiry_removes_unseen_rows_in_every_tier_and_reports_them(tmp_path):
     table = EmbeddingTable(TableConfig("t", 2, ttl_s=10, dram_rows=3), ssd_dir=tmp_path)
-    table.push(table.pull(torch.arange(1, 7), now_ms=0), torch.zeros(6, 2))  # 3 spill to SSD
+    table.apply_gradients(table.find_or_insert(torch.arange(1, 7), now_ms=0), torch.zeros(6, 2))  # 3 spill to SSD
     _take_delta(table)
-    table.push(table.pull(torch.tensor([1, 2]), now_ms=15_000), torch.zeros(2, 2))
+    table.apply_gradients(table.find_or_insert(torch.tensor([1, 2]), now_ms=15_000), torch.zeros(2, 2))
     assert table.expire(now_ms=15_000) == 4
     assert len(table) == 2
     keys, values, deleted = _take_delta(table)
     assert sorted(keys.tolist()) == [1, 2] and sorted(deleted.tolist()) == [3, 4, 5, 6]
 
 
-def _publish(store: EmbeddingStore, ms: ModelStore, kind: str, dense: dict | None = None, meta: dict | None = None) -> int:
-    """A version of the store as trainer/publisher.py writes one (snapshot, then write)."""
-    return store.write(ms, kind, store.snapshot(kind), dense or {}, meta)
+def _publish(collection: EmbeddingCollection, ms: ModelStore, kind: str, dense: dict | None = None, meta: dict | None = None) -> int:
+    """A version of the collection as trainer/publisher.py writes one (snapshot, then write)."""
+    return collection.write(ms, kind, collection.snapshot(kind), dense or {}, meta)
 
 
 def _take_delta(table: EmbeddingTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys, values, deleted keys) changed since the last call, as a delta snapshot reads them."""
-    candidates = table.begin_delta().cpu()
-    found, values = table.read(candidates)
-    return candidates[found], values, candidates[~found]
+    return table.export(table.tracking.begin_delta().cpu())
 
 
-def _train(store: EmbeddingStore, steps: range, seed: int = 0):
+def _train(collection: EmbeddingCollection, steps: range, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for step in steps:
-        for table in store.tables.values():
-            pulled = table.pull(torch.randint(0, 400, (64,), generator=g), now_ms=step * 1000)
-            table.push(pulled, torch.randn(len(pulled.keys), table.config.dim, generator=g))
+        for table in collection.tables.values():
+            pulled = table.find_or_insert(torch.randint(0, 400, (64,), generator=g), now_ms=step * 1000)
+            table.apply_gradients(pulled, torch.randn(len(pulled.keys), table.config.dim, generator=g))
 
 
 def _rows(table: EmbeddingTable) -> dict[int, np.ndarray]:
-    return {k: v for keys, values in table.iter_rows() for k, v in zip(keys.tolist(), values.numpy())}
+    return {k: v for keys, values in table.export_all() for k, v in zip(keys.tolist(), values.numpy())}
 
 
-def _assert_loaded_equals(loaded, store):
-    for name, table in store.tables.items():
+def _assert_loaded_equals(loaded, collection):
+    for name, table in collection.tables.items():
         keys, values = loaded.tables[name]
         expected = _rows(table)
         assert sorted(keys.tolist()) == sorted(expected)
@@ -166,19 +164,19 @@ def _assert_loaded_equals(loaded, store):
 
 def test_publish_load_round_trip_of_full_and_many_deltas(tmp_path):
     configs = [TableConfig("user", 8, ttl_s=6, dram_rows=150), TableConfig("item", 4, optimizer="adam", lr=0.01)]
-    store = EmbeddingStore(configs, work_dir=tmp_path / "work")
+    collection = EmbeddingCollection(configs, work_dir=tmp_path / "work")
     ms = ModelStore(str(tmp_path / "models"), "ctr")
     for step in range(40):
-        _train(store, range(step, step + 1), seed=step)
+        _train(collection, range(step, step + 1), seed=step)
         if step % 2 == 1:
-            store["user"].expire(step * 1000)
+            collection["user"].expire(step * 1000)
             kind = "full" if step % 10 == 1 else "delta"
-            version = _publish(store, ms, kind, dense={"mlp.w": torch.full((3, 2), float(step))}, meta={"trained_through_ms": step * 1000})
+            version = _publish(collection, ms, kind, dense={"mlp.w": torch.full((3, 2), float(step))}, meta={"trained_through_ms": step * 1000})
     loaded = ms.load()
     # 20 publishes; fulls at versions 1, 6, 11, 16: the newest loads as full 16 + deltas 17..20
     assert loaded.version == version == 20 and loaded.chain == [16, 17, 18, 19, 20]
     assert ms.manifest(version)["trained_through_ms"] == 39_000
-    _assert_loaded_equals(loaded, store)
+    _assert_loaded_equals(loaded, collection)
     torch.testing.assert_close(loaded.dense["mlp.w"], torch.full((3, 2), 39.0))
     # an older version still loads to what it was (a delta chain in the middle)
     assert ms.load(12).chain[0] == 11
@@ -187,27 +185,27 @@ def test_publish_load_round_trip_of_full_and_many_deltas(tmp_path):
 
 
 def test_background_publish_writes_the_snapshot_not_later_updates(tmp_path):
-    store = EmbeddingStore([TableConfig("t", 4)])
+    collection = EmbeddingCollection([TableConfig("t", 4)])
     ms = ModelStore(str(tmp_path), "m")
-    _train(store, range(5))
-    ms_version = _publish(store, ms, "full")
-    _train(store, range(5, 8))
-    expected = _rows(store["t"])
-    snapshot = store.snapshot("delta")  # what the publisher does: snapshot between steps, write on the writer thread
-    future = store.writer.submit(store.write, ms, "delta", snapshot, {}, None)
-    _train(store, range(8, 20))  # keeps training while the delta is written
+    _train(collection, range(5))
+    ms_version = _publish(collection, ms, "full")
+    _train(collection, range(5, 8))
+    expected = _rows(collection["t"])
+    snapshot = collection.snapshot("delta")  # what the publisher does: snapshot between steps, write on the writer thread
+    future = collection.writer.submit(collection.write, ms, "delta", snapshot, {}, None)
+    _train(collection, range(8, 20))  # keeps training while the delta is written
     assert future.result(timeout=30) == ms_version + 1
     loaded = ms.load()
     assert {k: v.tolist() for k, v in zip(*loaded.tables["t"])} == {k: v.tolist() for k, v in expected.items()}
 
 
 def test_corrupt_or_incomplete_versions_are_refused(tmp_path):
-    store = EmbeddingStore([TableConfig("t", 4)])
+    collection = EmbeddingCollection([TableConfig("t", 4)])
     ms = ModelStore(str(tmp_path), "m")
-    _train(store, range(3))
-    _publish(store, ms, "full")
-    _train(store, range(3, 5))
-    v2 = _publish(store, ms, "delta")
+    _train(collection, range(3))
+    _publish(collection, ms, "full")
+    _train(collection, range(3, 5))
+    v2 = _publish(collection, ms, "delta")
     sparse = tmp_path / "m" / "versions" / f"{v2:012d}" / "sparse" / "t.arrow"
     data = bytearray(sparse.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -285,17 +283,17 @@ def test_killed_publisher_never_leaves_a_readable_torn_version(tmp_path):
 def test_checkpoint_restore_resumes_identically(tmp_path, device):
     configs = [TableConfig("u", 4, optimizer="adam", admit_after=2, dram_rows=80,
                            gpu_cache_rows=256 if device == "cuda" else 0)]
-    store = EmbeddingStore(configs, device, work_dir=tmp_path / "a")
-    _train(store, range(10))
-    store.checkpoint(tmp_path / "ckpt", extra={"offsets": {"0": 123}})
-    restored, extra = EmbeddingStore.restore(tmp_path / "ckpt", device, work_dir=tmp_path / "b")
+    collection = EmbeddingCollection(configs, device, work_dir=tmp_path / "a")
+    _train(collection, range(10))
+    collection.checkpoint(tmp_path / "ckpt", extra={"offsets": {"0": 123}})
+    restored, extra = EmbeddingCollection.restore(tmp_path / "ckpt", device, work_dir=tmp_path / "b")
     assert extra == {"offsets": {"0": 123}}
-    _train(store, range(10, 20), seed=7)
+    _train(collection, range(10, 20), seed=7)
     _train(restored, range(10, 20), seed=7)
-    assert _rows(store["u"]).keys() == _rows(restored["u"]).keys()
-    for k, v in _rows(store["u"]).items():
+    assert _rows(collection["u"]).keys() == _rows(restored["u"]).keys()
+    for k, v in _rows(collection["u"]).items():
         np.testing.assert_allclose(_rows(restored["u"])[k], v, rtol=0, atol=1e-6)
-    a, b = _take_delta(store["u"]), _take_delta(restored["u"])
+    a, b = _take_delta(collection["u"]), _take_delta(restored["u"])
     assert sorted(a[0].tolist()) == sorted(b[0].tolist())
 
 
@@ -309,7 +307,7 @@ def test_bad_configurations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="publish a full version first"):
         ModelStore(str(tmp_path), "m").publish("delta", {}, {})
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        EmbeddingStore.restore(tmp_path)
+        EmbeddingCollection.restore(tmp_path)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,36 +316,37 @@ def test_lookup_equals_the_general_path_and_never_creates_rows(tmp_path, device)
     table = EmbeddingTable(TableConfig("t", 24, init_std=0.1, gpu_cache_rows=300 if device == "cuda" else 0), device)
     g = torch.Generator().manual_seed(3)
     for step in range(20):  # 1000 keys through a 300-row cache: plenty of evictions
-        pulled = table.pull(torch.randint(0, 1000, (128,), generator=g) * 7919, now_ms=step)
-        table.push(pulled, torch.randn(len(pulled.keys), 24, generator=g).to(pulled.rows.device))
+        pulled = table.find_or_insert(torch.randint(0, 1000, (128,), generator=g) * 7919, now_ms=step)
+        table.apply_gradients(pulled, torch.randn(len(pulled.keys), 24, generator=g).to(pulled.rows.device))
     rows_before = len(table)
     for step in range(20, 30):
         ids = torch.randint(0, 1100, (256,), generator=g) * 7919  # some never seen
-        got = table.lookup(ids, now_ms=step).cpu()
-        found, values = table.read(ids)
+        got = table.find(ids, now_ms=step).cpu()
+        present, values, _ = table.export(torch.unique(ids))
+        found = torch.isin(ids, present)
         expected = torch.zeros(len(ids), 24)
-        expected[found] = values
+        expected[found] = values[torch.searchsorted(present, ids[found])]
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert len(table) == rows_before
     hot = torch.unique(ids[found])[:100]  # all resident now: the fused path answers alone
     before = table.stats["fused_hits"]
-    torch.testing.assert_close(table.lookup(hot, now_ms=31).cpu(), table.read(hot)[1], rtol=0, atol=0)
+    torch.testing.assert_close(table.find(hot, now_ms=31).cpu(), table.export(hot)[1], rtol=0, atol=0)
     if device == "cuda":
         assert table.stats["fused_hits"] == before + len(hot)
-    top = table.top  # the LRU clock of every row read moved to the lookup's time
+    top = table.tiers.top  # the LRU clock of every row read moved to the lookup's time
     assert top.last_seen[top.slots_of(hot.to(top.device))].eq(31).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_rows", [64, 100_000])
-def test_store_pull_of_many_tables_matches_a_dict_of_rows(tmp_path, device, cache_rows):
-    """EmbeddingStore.pull: one unique over every table, then (on CUDA, while the cache holds
+def test_collection_find_or_insert_of_many_tables_matches_a_dict_of_rows(tmp_path, device, cache_rows):
+    """EmbeddingCollection.find_or_insert_each: one unique over every table, then (on CUDA, while the cache holds
     every row) the find-or-insert kernel, with duplicate ids within and across tables;
     a 64-row cache forces evictions and the general path."""
     dim, opt = 4, make_optimizer("adagrad", lr=0.1)
     configs = [TableConfig(n, dim, lr=0.1, init_std=0.0, gpu_cache_rows=cache_rows if device == "cuda" else 0)
                for n in ("a", "b", "c")]
-    store = EmbeddingStore(configs, device, work_dir=tmp_path)
+    collection = EmbeddingCollection(configs, device, work_dir=tmp_path)
     refs: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {n: {} for n in ("a", "b", "c")}
     g = torch.Generator().manual_seed(5)
     for step in range(40):
@@ -355,7 +354,7 @@ def test_store_pull_of_many_tables_matches_a_dict_of_rows(tmp_path, device, cach
         ids = {"a": torch.cat([shared, shared]),  # every id twice
                "b": torch.randint(-30, 30, (64,), generator=g) * 7,
                "c": shared[:0] if step % 5 == 0 else shared}  # sometimes empty
-        pulled = store.pull(ids, now_ms=step)
+        pulled = collection.find_or_insert_each(ids, now_ms=step)
         for name, p in pulled.items():
             ref = refs[name]
             assert torch.equal(p.keys.cpu(), torch.unique(ids[name]))
@@ -363,23 +362,23 @@ def test_store_pull_of_many_tables_matches_a_dict_of_rows(tmp_path, device, cach
                 else torch.zeros(0, dim)
             torch.testing.assert_close(p.embeddings().cpu(), expected[p.inverse.cpu()], rtol=0, atol=1e-6)
             grad = torch.randn(len(p.keys), dim, generator=g)
-            store[name].push(p, grad.to(p.rows.device))
+            collection[name].apply_gradients(p, grad.to(p.rows.device))
             for k, gr in zip(p.keys.tolist(), grad):
                 w, s = ref.get(k, (torch.zeros(dim), opt.init_state(1, dim, torch.device("cpu"))[0]))
                 nw, ns = opt.step(w.unsqueeze(0), s.unsqueeze(0), gr.unsqueeze(0))
                 ref[k] = (nw[0], ns[0])
     for name, ref in refs.items():
         keys = torch.tensor(sorted(ref))
-        found, values = store[name].read(keys)
-        assert bool(found.all()) and len(store[name]) == len(ref)
+        _, values, absent = collection[name].export(keys)
+        assert len(absent) == 0 and len(collection[name]) == len(ref)
         torch.testing.assert_close(values.cpu(), torch.stack([ref[k][0] for k in keys.tolist()]), rtol=0, atol=1e-6)
     if device == "cuda" and cache_rows > 1000:  # every row was created by the kernel, none evicted
-        assert store["a"].cache_complete and store["a"].stats["created"] == len(refs["a"])
+        assert collection["a"].tiers.cache_complete and collection["a"].stats["created"] == len(refs["a"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sparse_optimizers_follow_torch_optim_on_a_dense_copy(device):
-    """Row-wise semantics, checked against formulas that do not use ps/optimizers.py:
+    """Row-wise semantics, checked against formulas that do not use embedding/optimizers.py:
     - Adam is lazy: a row's moments and step count advance only in batches that contain it,
       i.e. each row behaves as its own torch.optim.Adam stepped only when present;
     - Adagrad keeps one accumulator per row, the running sum of the row's mean squared
@@ -399,9 +398,9 @@ def test_sparse_optimizers_follow_torch_optim_on_a_dense_copy(device):
         for step in range(steps):
             present = torch.nonzero(torch.rand(rows, generator=g) < 0.6).squeeze(1)
             grad = torch.randn(len(present), dim, generator=g)
-            pulled = table.pull(keys[present], now_ms=step)
+            pulled = table.find_or_insert(keys[present], now_ms=step)
             order = torch.searchsorted(keys[present].to(pulled.keys.device), pulled.keys)  # pulled keys are sorted
-            table.push(pulled, grad[order.cpu()].to(pulled.rows.device))
+            table.apply_gradients(pulled, grad[order.cpu()].to(pulled.rows.device))
             for j, r in enumerate(present.tolist()):
                 if name == "adam":
                     params[r].grad = grad[j].clone()
@@ -410,8 +409,8 @@ def test_sparse_optimizers_follow_torch_optim_on_a_dense_copy(device):
                     acc[r] += float((grad[j] ** 2).mean())
                     with torch.no_grad():
                         params[r] -= lr * grad[j] / (acc[r] ** 0.5 + 1e-8)
-        found, values = table.read(keys)
-        assert bool(found.all())
+        _, values, absent = table.export(keys)
+        assert len(absent) == 0
         # float32 against torch.optim (bias corrections in double): 1e-5 is ~1e-4 of one step
         torch.testing.assert_close(values.cpu(), torch.stack([p.detach() for p in params]), rtol=1e-4, atol=1e-5)
 
@@ -438,11 +437,11 @@ def test_lookups_stay_exact_while_another_thread_evicts(device):
                 idx = torch.randint(0, n + 200, (256,), generator=g)  # some ids have no row
                 ids = torch.where(idx < n, idx + 1, idx + 10**6) * 7919
                 with guard.read():
-                    started = table.lookup_start(ids, step)
+                    started = table.find_start(ids, step)
                     got = started[0] if started is not None and int(started[1].item()) == 0 else None
                 if got is None:
                     with guard.write():
-                        got = table.lookup_slow(ids, step)
+                        got = table.find_slow(ids, step)
                 expected = torch.where((idx < n).unsqueeze(1), values[idx.clamp(max=n - 1)], torch.zeros(1, dim))
                 torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
         except Exception as exc:  # noqa: BLE001 - reported by the main thread
@@ -497,11 +496,11 @@ def test_spill_cost_follows_the_rows_spilled_not_the_dram_size(tmp_path):
     table = EmbeddingTable(TableConfig("t", 4, dram_rows=50_000), ssd_dir=tmp_path)
     keys = torch.arange(1, 50_001, dtype=torch.int64) * 104729
     table.load_rows(keys, torch.randn(50_000, 4), last_seen=torch.arange(50_000, dtype=torch.int64))
-    examined = table.spill_clock.examined
+    examined = table.placement.spill_clock.examined
     for step in range(10):  # 100 new rows a batch into a full DRAM tier
-        table.pull(torch.arange(100, dtype=torch.int64) + 10**12 + step * 100, now_ms=10**6 + step)
-    assert table.stats["spilled"] == 1000 and len(table.dram) == 50_000 and table.ssd.count == 1000
-    assert table.spill_clock.examined - examined <= 10 * 2 * max(100 * table.spill_clock.sample, table.spill_clock.min_window)
+        table.find_or_insert(torch.arange(100, dtype=torch.int64) + 10**12 + step * 100, now_ms=10**6 + step)
+    assert table.stats["spilled"] == 1000 and len(table.tiers.dram) == 50_000 and table.tiers.ssd.count == 1000
+    assert table.placement.spill_clock.examined - examined <= 10 * 2 * max(100 * table.placement.spill_clock.sample, table.placement.spill_clock.min_window)
     rows_before = len(table)
     assert rows_before == 51_000  # nothing lost between the tiers
 
@@ -513,20 +512,20 @@ def test_warming_the_cache_keeps_each_rows_clock(device):
     table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1000 if device == "cuda" else 0), device)
     keys = torch.arange(1, 301, dtype=torch.int64) * 7919
     table.load_rows(keys, torch.randn(300, 4), last_seen=torch.arange(1000, 1300, dtype=torch.int64))
-    table.warm(keys)
-    top = table.top
+    table.placement.warm(keys)
+    top = table.tiers.top
     assert top.last_seen[top.slots_of(keys.to(top.device))].cpu().tolist() == list(range(1000, 1300))
     if device == "cuda":
-        assert table.cache_complete and len(table.cache) == 300
+        assert table.tiers.cache_complete and len(table.tiers.cache) == 300
         before = table.stats["fused_hits"]
-        torch.testing.assert_close(table.lookup(keys, now_ms=2000).cpu(), table.read(keys)[1], rtol=0, atol=0)
+        torch.testing.assert_close(table.find(keys, now_ms=2000).cpu(), table.export(keys)[1], rtol=0, atol=0)
         assert table.stats["fused_hits"] == before + 300
 
 
 def _rows_with_state(table: EmbeddingTable) -> dict[int, tuple[list, list, int]]:
-    """key -> (weights, state, last_seen) over every tier (iter_rows lists each key once)."""
+    """key -> (weights, state, last_seen) over every tier (export_all lists each key once)."""
     out = {}
-    for keys, w, s, t in table.iter_rows(with_state=True, chunk=37):  # small chunks: many per tier
+    for keys, w, s, t in table.export_all(with_state=True, chunk=37):  # small chunks: many per tier
         for k, wi, si, ti in zip(keys.tolist(), w.tolist(), s.tolist(), t.tolist()):
             assert k not in out, f"key {k} listed twice"
             out[k] = (wi, si, ti)
@@ -540,12 +539,12 @@ def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_
     cfg = TableConfig("t", 4, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=40,
                       gpu_cache_rows=128 if device == "cuda" else 0)
     table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
-    index_slots = [tier.index.slots for tier in (table.dram, table.cache) if tier is not None]
+    index_slots = [tier.index.slots for tier in (table.tiers.dram, table.tiers.cache) if tier is not None]
     ref = run_reference_workload(table, "adam", steps=80)
     assert table.stats["spilled"] > 2000 and table.stats["ssd_reads"] > 1000
     # the budgeted tiers' indexes were rebuilt in place through the churn, never grown
-    assert [tier.index.slots for tier in (table.dram, table.cache) if tier is not None] == index_slots
-    assert len(table) == len(ref) == len(table.dram) + table.ssd.count + table._cache_only()
+    assert [tier.index.slots for tier in (table.tiers.dram, table.tiers.cache) if tier is not None] == index_slots
+    assert len(table) == len(ref) == len(table.tiers.dram) + table.tiers.ssd.count + table.tiers.cache_only()
     rows = _rows_with_state(table)
     assert sorted(rows) == sorted(ref)
     for k, (w, s) in ref.items():
@@ -553,7 +552,7 @@ def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_
         torch.testing.assert_close(torch.tensor(rows[k][0]), w, rtol=0, atol=tol)
         torch.testing.assert_close(torch.tensor(rows[k][1]), s, rtol=0, atol=tol)
     # each spill read a bounded number of slots per row spilled, never all of DRAM
-    clock = table.spill_clock
+    clock = table.placement.spill_clock
     assert clock.examined <= table.stats["spilled"] * clock.sample + 80 * 2 * clock.min_window
 
 
@@ -563,23 +562,23 @@ def test_incremental_expiry_deletes_exactly_the_stale_rows_of_dram_and_ssd(tmp_p
     seen: dict[int, int] = {}
     for step in range(40):  # 400 keys, 24 per batch, clock 1 s a step: most rows end on SSD
         now = step * 1000
-        pulled = table.pull(torch.randint(0, 400, (24,), generator=g) * 7919 + 1, now_ms=now)
-        table.push(pulled, torch.randn(len(pulled.keys), 2, generator=g))
+        pulled = table.find_or_insert(torch.randint(0, 400, (24,), generator=g) * 7919 + 1, now_ms=now)
+        table.apply_gradients(pulled, torch.randn(len(pulled.keys), 2, generator=g))
         seen.update({k: now for k in pulled.keys.tolist()})
     _take_delta(table)
-    assert table.ssd.count > 200
+    assert table.tiers.ssd.count > 200
     now = 48_000  # cutoff 38 s: rows last seen at steps 0..37 expire (DRAM holds the last ~5 steps)
     stale = {k for k, t in seen.items() if t < now - 10_000}
-    on_ssd = stale & set(table.ssd.get(torch.tensor(sorted(stale)))[0].tolist())
+    on_ssd = stale & set(table.tiers.ssd.get(torch.tensor(sorted(stale)))[0].tolist())
     assert on_ssd and stale - on_ssd  # both tiers have rows to expire
     assert table.expire(now) == len(stale)
-    assert len(table) == len(seen) - len(stale) == len(table.dram) + table.ssd.count
-    found, _ = table.read(torch.tensor(sorted(seen)))
-    assert {k for k, f in zip(sorted(seen), found.tolist()) if not f} == stale
+    assert len(table) == len(seen) - len(stale) == len(table.tiers.dram) + table.tiers.ssd.count
+    _, _, absent = table.export(torch.tensor(sorted(seen)))
+    assert set(absent.tolist()) == stale
     keys, _, deleted = _take_delta(table)
     assert set(deleted.tolist()) == stale and len(keys) == 0
     assert table.expire(now) == 0  # nothing older is left: the next expiry finds nothing
-    assert sorted(table.ssd.expire(now).tolist()) == []
+    assert sorted(table.tiers.ssd.expire(now).tolist()) == []
 
 
 def test_checkpoint_of_a_table_across_dram_and_ssd_restores_every_row_exactly(tmp_path):
@@ -587,17 +586,17 @@ def test_checkpoint_of_a_table_across_dram_and_ssd_restores_every_row_exactly(tm
     Every row comes back with its weights, optimizer state and clock."""
     import pyarrow.ipc as ipc
 
-    store = EmbeddingStore([TableConfig("u", 4, optimizer="adam", dram_rows=50, ttl_s=1000)], work_dir=tmp_path / "a")
-    _train(store, range(30))
-    table = store["u"]
-    assert table.ssd.count > 100 and len(table.dram) > 0
+    collection = EmbeddingCollection([TableConfig("u", 4, optimizer="adam", dram_rows=50, ttl_s=1000)], work_dir=tmp_path / "a")
+    _train(collection, range(30))
+    table = collection["u"]
+    assert table.tiers.ssd.count > 100 and len(table.tiers.dram) > 0
     expected = _rows_with_state(table)
-    store.checkpoint(tmp_path / "ckpt")
+    collection.checkpoint(tmp_path / "ckpt")
     assert ipc.open_file(str(tmp_path / "ckpt" / "u.arrow")).num_record_batches >= 2  # one per tier at least
-    restored, _ = EmbeddingStore.restore(tmp_path / "ckpt", work_dir=tmp_path / "b")
-    assert restored["u"].ssd.count > 0  # the restored table spans both tiers again
+    restored, _ = EmbeddingCollection.restore(tmp_path / "ckpt", work_dir=tmp_path / "b")
+    assert restored["u"].tiers.ssd.count > 0  # the restored table spans both tiers again
     assert _rows_with_state(restored["u"]) == expected
-    store.close()
+    collection.close()
     restored.close()
 
 
@@ -610,13 +609,13 @@ def test_a_reopened_ssd_tier_counts_its_rows_without_a_scan(tmp_path):
     table = EmbeddingTable(TableConfig("t", 3, dram_rows=20), ssd_dir=tmp_path)
     table.load_rows(torch.arange(1, 201) * 31, torch.randn(200, 3))
     table.load_rows(torch.arange(1, 51) * 31, torch.ones(50, 3))  # overwrite rows that live on SSD
-    table.remove(torch.arange(151, 171) * 31)
-    on_ssd = table.ssd.count
-    assert on_ssd == 180 - len(table.dram)
+    table.erase(torch.arange(151, 171) * 31)
+    on_ssd = table.tiers.ssd.count
+    assert on_ssd == 180 - len(table.tiers.dram)
     table.close()
     reopened = EmbeddingTable(TableConfig("t", 3, dram_rows=20), ssd_dir=tmp_path)
-    assert reopened.ssd.count == len(reopened) == on_ssd
-    assert sum(len(chunk[0]) for chunk in reopened.ssd.items()) == on_ssd
+    assert reopened.tiers.ssd.count == len(reopened) == on_ssd
+    assert sum(len(chunk[0]) for chunk in reopened.tiers.ssd.items()) == on_ssd
     reopened.close()
     with pytest.raises(ValueError, match="without a time index"):  # the tier of a table without expiry
         SsdTier(tmp_path / "t", dim=3, state_dim=1, by_time=True)
@@ -626,14 +625,14 @@ def test_a_reopened_ssd_tier_counts_its_rows_without_a_scan(tmp_path):
 def test_removing_a_key_twice_in_one_call_frees_its_row_once(tmp_path, device):
     """A slot freed twice would be handed to two new keys: both would then read one row."""
     table = EmbeddingTable(TableConfig("t", 2, dram_rows=100, gpu_cache_rows=64 if device == "cuda" else 0), device, ssd_dir=tmp_path)
-    table.pull(torch.arange(1, 41, device=device), now_ms=1)
-    table.remove(torch.tensor([3, 3, 5, 5, 5, 7]))
+    table.find_or_insert(torch.arange(1, 41, device=device), now_ms=1)
+    table.erase(torch.tensor([3, 3, 5, 5, 5, 7]))
     assert len(table) == 37
     fresh = torch.arange(1000, 1010, device=device)
-    pulled = table.pull(fresh, now_ms=2)
-    table.push(pulled, torch.arange(20, dtype=torch.float32).reshape(10, 2).to(device))
-    found, rows = table.read(fresh.cpu())
-    assert bool(found.all()) and len({tuple(r) for r in rows.tolist()}) == 10  # ten distinct rows, not shared slots
+    pulled = table.find_or_insert(fresh, now_ms=2)
+    table.apply_gradients(pulled, torch.arange(20, dtype=torch.float32).reshape(10, 2).to(device))
+    _, rows, absent = table.export(fresh.cpu())
+    assert len(absent) == 0 and len({tuple(r) for r in rows.tolist()}) == 10  # ten distinct rows, not shared slots
     assert len(table) == 47
 
 
@@ -643,34 +642,34 @@ def test_reserved_keys_are_refused_on_the_device_path():
     from streamrec.embedding.hash_layout import EMPTY, TOMBSTONE
 
     table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1024), "cuda")
-    assert table.cache_complete
+    assert table.tiers.cache_complete
     for key in (EMPTY, TOMBSTONE):
         with pytest.raises(ReservedKeyError):
-            table.pull(torch.tensor([5, key], device="cuda"), now_ms=1)
+            table.find_or_insert(torch.tensor([5, key], device="cuda"), now_ms=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
-    """Three tables in one find-or-insert and one optimizer launch (ps/grouped.py): ids
+    """Three tables in one find-or-insert and one optimizer launch (embedding/grouped.py): ids
     repeated within a batch and shared between tables, rows created once per table, hits
     read what the table holds, and the update follows the formula written here (row-wise
     Adagrad: the accumulator adds the mean squared gradient; lazy Adam: per-row step count)."""
-    from streamrec.embedding.grouped import pull_grouped, push_grouped
+    from streamrec.embedding.grouped import find_or_insert_grouped, apply_gradients_grouped
 
     names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
-    monkeypatch.setattr(EmbeddingTable, "push", lambda *_: pytest.fail("the grouped push went table by table"))
-    store = EmbeddingStore([TableConfig(n, 16, optimizer=optimizer, lr=lr, gpu_cache_rows=60_000) for n in names], "cuda")
+    monkeypatch.setattr(EmbeddingTable, "apply_gradients", lambda *_: pytest.fail("the grouped push went table by table"))
+    collection = EmbeddingCollection([TableConfig(n, 16, optimizer=optimizer, lr=lr, gpu_cache_rows=60_000) for n in names], "cuda")
     ref: dict[tuple[str, int], list] = {}  # (table, key) -> [weights, state...]
     g = torch.Generator().manual_seed(0)
     for step in range(6):
         ids = {n: torch.randint(0, 3000 * (i + 1), (4000 + 1500 * i,), generator=g) for i, n in enumerate(names)}
-        grouped = pull_grouped(store.tables, {n: t.cuda() for n, t in ids.items()}, now_ms=step)
+        grouped = find_or_insert_grouped(collection.tables, {n: t.cuda() for n, t in ids.items()}, now_ms=step)
         assert grouped is not None
         embeddings = grouped.rows.index_select(0, grouped.inverse).split(grouped.id_counts)
         for name, emb in zip(names, embeddings):
-            pulled = grouped.pulled[name]
+            pulled = grouped.by_table[name]
             assert torch.equal(pulled.keys.cpu(), torch.unique(ids[name]))
             for key, row in zip(pulled.keys.tolist(), pulled.rows.cpu()):
                 if (name, key) in ref:
@@ -680,12 +679,12 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
                     ref[(name, key)] = [row.clone(), torch.zeros(1), torch.zeros(16), torch.zeros(16), 0]
             rows_by_key = {k: r for k, r in zip(pulled.keys.tolist(), pulled.rows.cpu())}
             assert all(torch.equal(e, rows_by_key[k]) for k, e in zip(ids[name][:50].tolist(), emb[:50].cpu()))
-            assert len(store.tables[name]) == len({k for t, k in ref if t == name})
+            assert len(collection.tables[name]) == len({k for t, k in ref if t == name})
         grad = torch.randn(len(grouped.rows), 16, generator=g)
-        push_grouped(grouped, grad.cuda())
+        apply_gradients_grouped(grouped, grad.cuda())
         first = 0
         for name, n in zip(names, grouped.key_counts):
-            for key, gr in zip(grouped.pulled[name].keys.tolist(), grad[first:first + n]):
+            for key, gr in zip(grouped.by_table[name].keys.tolist(), grad[first:first + n]):
                 w, acc, m, v, t = ref[(name, key)]
                 if optimizer == "adagrad":
                     acc = acc + gr.pow(2).mean()
@@ -698,8 +697,8 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
             first += n
     for name in names:
         keys = [k for t, k in ref if t == name]
-        found, rows = store.tables[name].read(torch.tensor(keys))
-        assert bool(found.all())
+        _, rows, absent = collection.tables[name].export(torch.tensor(keys))
+        assert len(absent) == 0
         assert torch.allclose(rows, torch.stack([ref[(name, k)][0] for k in keys]), atol=1e-5, rtol=1e-4)
 
 

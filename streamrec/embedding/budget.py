@@ -1,7 +1,7 @@
 """Tier budgets in bytes -> rows per table.
 
 Operators size memory in bytes ("4GiB of HBM for embeddings"), not in rows whose cost
-depends on the dim and the optimizer. A tier of ``rows`` rows (ps/storage.py RowStorage)
+depends on the dim and the optimizer. A tier of ``rows`` rows (tier_rows.py RowStorage)
 costs its row arrays plus its hash index:
 
     rows x (weights dim*4 + optimizer state state_dim*4 + last_seen 8 + key 8 + below 8
@@ -10,8 +10,8 @@ costs its row arrays plus its hash index:
 
 The index is a power of two of slots, sized once for the most keys the tier holds between
 spills (``tier_keys``: the rows, one eighth more for the batch that arrives before the
-spill, and 1024) at a load of at most 1/2 (ps/hash_layout.py), and never grown past that
-(ps/hash_index.py ``fixed``). Its share per row is thus 32 to 64 bytes, depending on where
+spill, and 1024) at a load of at most 1/2 (hash_layout.py), and never grown past that
+(hash_index.py ``fixed``). Its share per row is thus 32 to 64 bytes, depending on where
 the rows fall between two powers of two; the rows a budget buys are counted with the real
 size.
 
@@ -79,13 +79,13 @@ def tier_usage(table) -> dict[str, dict[str, int]]:
     (row arrays of the rows held, plus the index as allocated; SSD: rows only, its bytes
     are RocksDB's). A cached row also has a DRAM copy once it has been evicted or was
     brought up, so GPU and DRAM rows may overlap."""
-    shape = (table.config.dim, table.state_dim)
+    shape, tiers = (table.config.dim, table.state_dim), table.tiers
     out = {}
-    if table.cache is not None:
-        out["gpu_cache"] = _usage(table.cache, table.cache.capacity, *shape)
-    out["dram"] = _usage(table.dram, table.config.dram_rows, *shape)  # budget 0: unlimited
-    if table.ssd is not None:
-        out["ssd"] = {"rows": table.ssd.count}
+    if tiers.cache is not None:
+        out["gpu_cache"] = _usage(tiers.cache, tiers.cache.capacity, *shape)
+    out["dram"] = _usage(tiers.dram, table.config.dram_rows, *shape)  # budget 0: unlimited
+    if tiers.ssd is not None:
+        out["ssd"] = {"rows": tiers.ssd.count}
     return out
 
 

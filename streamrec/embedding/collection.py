@@ -1,129 +1,72 @@
-"""Many embedding tables as one store: publishing to the model store, checkpoint/restore.
+"""Many embedding tables as one collection: the only entry streamrec.model uses.
 
-Publishing snapshots first (each table's touched rows are copied, which takes
-milliseconds) and writes afterwards, optionally on a background thread, so training
-continues while a version is written. Checkpoints hold everything needed to resume
-exactly: every row in every tier with its optimizer state and clock, the admission
-sketch, and the delta tracking not yet published.
+``EmbeddingCollection`` holds this process's tables and speaks the table verbs for all
+of them at once (``find_or_insert``, ``apply_gradients``, ``find``), with the fewest
+launches and host syncs: table-batched launches (grouped.py) where the tables allow it,
+else table by table with one host sync for all. It also publishes (snapshot.py) and
+checkpoints (checkpoint_files.py). A trainer spread over ranks trains through
+``ShardedCollection`` (sharded.py) instead, which speaks the same training verbs; the
+trainer picks one or the other once, with :func:`training_collection`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 import torch
 
 from streamrec.contracts.delta import SparseDelta
-from streamrec.embedding.table import EmbeddingTable, PendingPull, Pulled, TableConfig
+from streamrec.embedding.checkpoint_files import read_checkpoint, read_configs, write_checkpoint
+from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
+from streamrec.embedding.sharded import ShardedCollection
+from streamrec.embedding.snapshot import SnapshotTask, VersionPublisher, to_host
+from streamrec.embedding.table import BatchRows, EmbeddingTable, PendingInsert, TableConfig, finish_inserts
 from streamrec.embedding.unique import unique_per_group
+from streamrec.plumbing.locks import RWLock
 
-CHECKPOINT_FORMAT = 1
-
-
-class VersionPublisher(Protocol):
-    """The model store's ``publish`` (streamrec.modelstore), which this package does not import."""
-
-    def publish(self, kind: str, tables: dict[str, SparseDelta], dims: dict[str, int], dense: Mapping[str, torch.Tensor] | None,
-                meta: Mapping[str, Any] | None, parent: int | None = None) -> int: ...
+__all__ = ["EmbeddingCollection", "LocalRows", "SnapshotTask", "TrainingCollection", "TrainingRows", "to_host",
+           "training_collection"]
 
 
-def to_host(tables: dict[str, SparseDelta]) -> dict[str, SparseDelta]:
-    """Move snapshot values to host memory without stalling training: on CUDA the copy
-    runs on a side stream into pinned buffers (the caller is the writer thread)."""
-    out = {}
-    for name, delta in tables.items():
-        values = delta.values
-        if values.device.type == "cuda":
-            side = torch.cuda.Stream(device=values.device)
-            side.wait_stream(torch.cuda.current_stream(values.device))  # the snapshot kernels are done first
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            with torch.cuda.stream(side):
-                host.copy_(values, non_blocking=True)
-            side.synchronize()
-            values = host
-        out[name] = SparseDelta(delta.keys.cpu(), values, delta.deleted.cpu())
-    return out
+class TrainingRows(Protocol):
+    """What ``find_or_insert`` hands the model: one embedding per input id of each table
+    (float32 [ids, dim], on the collection's device), in the autograd graph of rows that
+    ``apply_gradients`` later updates with the gradients backward left on them."""
+
+    embeddings: dict[str, torch.Tensor]
 
 
-class SnapshotTask:
-    """A snapshot read in chunks, so training can run between chunks.
+class TrainingCollection(Protocol):
+    """The verbs a trainer's step uses, over every table at once (local or sharded)."""
 
-    The key set is fixed when the task begins (touched + deleted keys for a delta, every
-    key for a full). Each key's value is read when its chunk is stepped, so it is at
-    least as new as the moment the task began; a key changed in between is also tracked
-    for the next delta, so nothing is ever lost. A key without a row when read is
-    published as deleted (delta) or left out (full).
-    """
+    def find_or_insert(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> TrainingRows:
+        """Rows for ``ids`` (table -> int64 [n] ids, repeats allowed), created/admitted as needed."""
 
-    def __init__(self, store: "EmbeddingStore", kind: str) -> None:
-        self.kind = kind
-        self.rows_total = 0
-        self._queue: list[tuple[str, torch.Tensor]] = []
-        self._parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        self._tables = store.tables
-        for name, table in store.tables.items():
-            if kind == "full":
-                table.begin_delta()  # a full version supersedes the pending delta
-                keys = table.all_keys()
-            else:
-                keys = table.begin_delta()
-            self._queue.append((name, keys))
-            self._parts[name] = []
-            self.rows_total += len(keys)
-        self.rows_done = 0
+    def apply_gradients(self, rows: TrainingRows) -> None:
+        """The fused optimizers over the rows of ``rows``, with the gradients backward left there."""
 
-    @property
-    def done(self) -> bool:
-        return not self._queue
-
-    def step(self, max_rows: int) -> bool:
-        """Read up to ``max_rows`` more rows; True when the snapshot is complete."""
-        budget = max(1, max_rows)
-        while self._queue and budget > 0:
-            name, keys = self._queue[0]
-            chunk, rest = keys[:budget], keys[budget:]
-            table = self._tables[name]
-            values = table.read_cached(chunk)
-            if values is None:
-                found, values = table.read(chunk, device=table.top.device)  # keys and values stay on the device
-                self._parts[name].append((chunk[found], values, chunk[~found]))
-            else:
-                self._parts[name].append((chunk, values, chunk[:0]))
-            budget -= len(chunk)
-            self.rows_done += len(chunk)
-            if len(rest):
-                self._queue[0] = (name, rest)
-            else:
-                self._queue.pop(0)
-        return self.done
-
-    def result(self) -> dict[str, SparseDelta]:
-        """The snapshot; values may still be on the GPU (see :func:`to_host`)."""
-        if not self.done:
-            raise RuntimeError("snapshot not complete: step() it until it returns True")
-        out = {}
-        for name, parts in self._parts.items():
-            table = self._tables[name]
-            dim = table.config.dim
-            device = table.top.device
-            keys = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, dtype=torch.int64, device=device)
-            values = torch.cat([p[1] for p in parts]) if parts else torch.empty(0, dim, device=device)
-            deleted = torch.cat([p[2] for p in parts]) if parts and self.kind == "delta" else torch.empty(0, dtype=torch.int64)
-            out[name] = SparseDelta(keys, values, deleted)
-        return out
+    def find(self, ids: Mapping[str, torch.Tensor], now_ms: int, guard: RWLock | None = None) -> dict[str, torch.Tensor]:
+        """One embedding per id (float32 [n, dim]; zeros without a row); never creates rows."""
 
 
-class EmbeddingStore:
+@dataclass
+class LocalRows:
+    """``EmbeddingCollection.find_or_insert``'s rows: table-batched (``grouped``) or table by table (``by_table``)."""
+
+    embeddings: dict[str, torch.Tensor]  # one row per input id, [ids, dim]
+    leaves: list[torch.Tensor]  # the unique rows that require grad (one grouped tensor, or one per table)
+    grouped: GroupedRows | None = None
+    by_table: dict[str, BatchRows] = field(default_factory=dict)
+
+
+class EmbeddingCollection:
+    table_batched = True  # False: every training step table by table (benchmarks compare the two)
+
     def __init__(self, configs: list[TableConfig], device: torch.device | str = "cpu", work_dir: Path | None = None, seed: int = 0) -> None:
         names = [c.name for c in configs]
         if len(set(names)) != len(names):
@@ -138,37 +81,101 @@ class EmbeddingStore:
     def __getitem__(self, name: str) -> EmbeddingTable:
         return self.tables[name]
 
-    def pull(self, ids: Mapping[str, torch.Tensor], now_ms: int, train: bool = True) -> dict[str, Pulled]:
-        """``EmbeddingTable.pull`` for several tables at once. On CUDA: one sort-based unique
-        over every table's ids and one find-or-insert launch per table, with one host sync
-        for the unique counts and one for what the kernels created (not two per table)."""
+    # ------------------------------------------------------------------ training
+    def find_or_insert(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> LocalRows:
+        """``EmbeddingTable.find_or_insert`` of every table in ``ids`` (table -> int64 [n]),
+        ready for autograd: one find-or-insert launch and one optimizer launch for all tables
+        where ``grouped.groupable`` allows (decided each step: it depends on the caches'
+        room), else table by table (``find_or_insert_each``). Rows live in the top tier
+        (HBM on CUDA); the embeddings are views of grad-requiring copies of them."""
+        grouped = find_or_insert_grouped(self.tables, ids, now_ms) if self.table_batched else None
+        if grouped is not None:
+            leaf = grouped.rows.detach().requires_grad_(True)
+            per_table = leaf.index_select(0, grouped.inverse).split(grouped.id_counts)
+            return LocalRows(dict(zip(ids, per_table)), [leaf], grouped=grouped)
+        embeddings, leaves, by_table = {}, [], self.find_or_insert_each(ids, now_ms)
+        for name, rows in by_table.items():
+            leaf = rows.rows.detach().requires_grad_(True)
+            embeddings[name] = rows.embeddings(leaf)
+            leaves.append(leaf)
+        return LocalRows(embeddings, leaves, by_table=by_table)
+
+    def find_or_insert_each(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> dict[str, BatchRows]:
+        """``EmbeddingTable.find_or_insert`` for several tables, table by table. On CUDA: one
+        sort-based unique over every table's ids and one find-or-insert launch per table,
+        with one host sync for the unique counts and one for what the kernels created (not
+        two per table)."""
         names = list(ids)
-        flat = [ids[n].to(self.tables[n].top.device, torch.int64).reshape(-1) for n in names]
+        flat = [ids[n].to(self.tables[n].tiers.top.device, torch.int64).reshape(-1) for n in names]
         if self.device.type == "cuda":
             uniques = unique_per_group(flat)
         else:  # no host syncs to save; torch.unique per table is the cheaper sort on CPU
             uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in flat]
-        started: dict[str, Pulled | PendingPull] = {}
+        started: dict[str, BatchRows | PendingInsert] = {}
         try:
             for n, (k, inv, c) in zip(names, uniques):
-                started[n] = self.tables[n].pull_start(k, inv, c, now_ms, train)
+                started[n] = self.tables[n].find_or_insert_start(k, inv, c, now_ms)
         finally:  # a launched kernel has claimed index slots: finish it even if a later table failed
-            pending = {n: p for n, p in started.items() if isinstance(p, PendingPull)}
+            pending = {n: p for n, p in started.items() if isinstance(p, PendingInsert)}
             if pending:
-                counters = torch.stack([p.counters for p in pending.values()]).tolist()  # the one sync
-                for (n, p), c in zip(pending.items(), counters):
-                    started[n] = self.tables[n].pull_finish(p, c)
+                counters = torch.stack([p.counters for p in pending.values()])
+                finished = finish_inserts([self.tables[n] for n in pending], list(pending.values()), counters)
+                started.update(zip(pending, finished))
         return started
 
-    def begin_snapshot(self, kind: str) -> "SnapshotTask":
+    def apply_gradients(self, rows: LocalRows) -> None:
+        """The optimizers over ``rows`` (from ``find_or_insert``), with the gradients on its leaves."""
+        if rows.grouped is not None:
+            grad = rows.leaves[0].grad
+            if grad is not None:
+                apply_gradients_grouped(rows.grouped, grad)
+            return
+        for (name, batch_rows), leaf in zip(rows.by_table.items(), rows.leaves):
+            if leaf.grad is not None:
+                self.tables[name].apply_gradients(batch_rows, leaf.grad)
+
+    # ------------------------------------------------------------------ serving reads
+    def find(self, ids: Mapping[str, torch.Tensor], now_ms: int, guard: RWLock | None = None) -> dict[str, torch.Tensor]:
+        """``EmbeddingTable.find`` of every table in ``ids``: one embedding per id, zeros for
+        ids without a row; never creates rows.
+
+        On CUDA every table's fused probe is launched first and their pending counts come
+        back in one host sync (not one per table). Tables that need the general path
+        (rows below the GPU cache) change their cache: with a ``guard`` (concurrent
+        serving workers) that part runs under its exclusive side, the probes under the
+        shared one, so no probe reads a cache that is being changed."""
+        embeddings: dict[str, torch.Tensor] = {}
+        with guard.read() if guard is not None else nullcontext():
+            started = {name: self.tables[name].find_start(t, now_ms) for name, t in ids.items()}
+            slow = [name for name, s in started.items() if s is None]
+            fused = {name: s for name, s in started.items() if s is not None}
+            if fused:
+                pending = torch.cat([s[1] for s in fused.values()]).tolist()  # the one host sync
+                for (name, (rows, _)), p in zip(fused.items(), pending):
+                    if p:
+                        slow.append(name)
+                    else:
+                        embeddings[name] = self.tables[name].find_hit(rows)
+            cpu_only = [name for name in slow if self.tables[name].tiers.cache is None]
+            for name in cpu_only:  # no cache to change: shared side is enough
+                embeddings[name] = self.tables[name].find_slow(ids[name], now_ms)
+        cached = [name for name in slow if name not in embeddings]
+        if cached:
+            with guard.write() if guard is not None else nullcontext():
+                for name in cached:
+                    embeddings[name] = self.tables[name].find_slow(ids[name], now_ms)
+        return embeddings
+
+    # ------------------------------------------------------------------ publishing
+    def begin_snapshot(self, kind: str) -> SnapshotTask:
         """Start a snapshot of what a version of ``kind`` needs; resets delta tracking.
         Advance it with ``step`` between training steps to bound each pause."""
         if kind not in ("full", "delta"):
             raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
-        return SnapshotTask(self, kind)
+        return SnapshotTask(self.tables, kind)
 
     def snapshot(self, kind: str) -> dict[str, SparseDelta]:
-        """The whole snapshot in one call (no I/O)."""
+        """The whole snapshot in one call (no I/O), in host memory."""
         t0 = time.perf_counter()
         task = self.begin_snapshot(kind)
         while not task.step(1 << 62):
@@ -185,48 +192,16 @@ class EmbeddingStore:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, path: Path, extra: Mapping[str, Any] | None = None) -> Path:
-        """Write a complete checkpoint directory atomically (temp dir + rename)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name, table in self.tables.items():
-            _write_rows(tmp / f"{name}.arrow", table)
-            touched, deleted = table.tracked()
-            tracking = {"touched": touched.numpy(), "deleted": deleted.numpy()}
-            tracking["init_rng"] = table.generator.get_state().numpy()  # new rows resume the same init stream
-            if table.sketch is not None:
-                tracking["sketch"] = table.sketch.counts.cpu().numpy()
-            np.savez(tmp / f"{name}.tracking.npz", **tracking)
-        meta = {"format": CHECKPOINT_FORMAT, "tables": [asdict(t.config) for t in self.tables.values()], "extra": dict(extra or {})}
-        (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-        return path
+        """Write a complete checkpoint directory atomically (checkpoint_files.py)."""
+        return write_checkpoint(self.tables, path, extra)
 
     @classmethod
-    def restore(cls, path: Path, device: torch.device | str = "cpu", work_dir: Path | None = None) -> tuple["EmbeddingStore", dict]:
-        path = Path(path)
-        try:
-            meta = json.loads((path / "checkpoint.json").read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no checkpoint.json)") from None
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported")
-        store = cls([TableConfig(**c) for c in meta["tables"]], device, work_dir)
-        for name, table in store.tables.items():
-            _read_rows(path / f"{name}.arrow", table)
-            tracking = np.load(path / f"{name}.tracking.npz")
-            table.set_tracked(torch.from_numpy(tracking["touched"]), torch.from_numpy(tracking["deleted"]))
-            table.generator.set_state(torch.from_numpy(tracking["init_rng"]))
-            if table.sketch is not None and "sketch" in tracking:
-                table.sketch.counts.copy_(torch.from_numpy(tracking["sketch"]))
-        return store, meta["extra"]
+    def restore(cls, path: Path, device: torch.device | str = "cpu", work_dir: Path | None = None) -> tuple["EmbeddingCollection", dict]:
+        """The collection a ``checkpoint`` wrote, and its ``extra``."""
+        configs, extra = read_configs(path)
+        collection = cls(configs, device, work_dir)
+        read_checkpoint(collection.tables, path)
+        return collection, extra
 
     def close(self) -> None:
         self.writer.shutdown(wait=True)
@@ -234,37 +209,8 @@ class EmbeddingStore:
             table.close()
 
 
-def _row_schema(table: EmbeddingTable) -> pa.Schema:
-    return pa.schema([("key", pa.int64()), ("weight", pa.list_(pa.float32(), table.config.dim)),
-                      ("state", pa.list_(pa.float32(), table.state_dim)), ("last_seen", pa.int64())])
-
-
-def _write_rows(path: Path, table: EmbeddingTable) -> None:
-    """Every row of ``table`` as Arrow IPC, one record batch per chunk of ``iter_rows``:
-    memory holds one chunk, not the table."""
-    schema = _row_schema(table)
-    with ipc.new_file(str(path), schema) as writer:
-        for k, w, s, t in table.iter_rows(with_state=True):
-            writer.write_batch(pa.record_batch([
-                pa.array(k.numpy()),
-                pa.FixedSizeListArray.from_arrays(pa.array(w.float().reshape(-1).numpy()), table.config.dim),
-                pa.FixedSizeListArray.from_arrays(pa.array(s.float().reshape(-1).numpy()), table.state_dim),
-                pa.array(t.numpy()),
-            ], schema=schema))
-
-
-def _read_rows(path: Path, table: EmbeddingTable) -> None:
-    """Load the rows of a ``_write_rows`` file into a fresh ``table`` one record batch at a
-    time: each ``get_batch`` reads that batch from the file, so memory holds one batch.
-    A checkpoint lists each key once, so every row is new to the table."""
-    with pa.OSFile(str(path)) as source:
-        reader = ipc.open_file(source)
-        for i in range(reader.num_record_batches):
-            batch = reader.get_batch(i)
-            n = batch.num_rows
-            if n == 0:
-                continue
-            w = batch.column("weight").flatten().to_numpy().reshape(n, table.config.dim)
-            s = batch.column("state").flatten().to_numpy().reshape(n, table.state_dim)
-            table.load_rows(torch.from_numpy(batch.column("key").to_numpy().copy()), torch.from_numpy(w.copy()),
-                            torch.from_numpy(s.copy()), torch.from_numpy(batch.column("last_seen").to_numpy().copy()), new=True)
+def training_collection(local: EmbeddingCollection, sharded: bool, group=None) -> TrainingCollection:
+    """What a trainer trains through, chosen once at start: ``local`` itself, or, when the
+    tables are sharded over ranks, ``local`` as this rank's shard of a ``ShardedCollection``
+    over ``group`` (torch.distributed's default group when None)."""
+    return ShardedCollection(local, group) if sharded else local

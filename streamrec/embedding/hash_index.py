@@ -1,7 +1,7 @@
 """A vectorised open-addressing hash index: int64 keys -> int64 row slots, in torch.
 
-Why hand-written: torch has no hash map, and a per-key Python dict costs ~100 ns a key
-(< 10M lookups/s at best, never on a GPU). This index probes a whole batch at once with
+Why hand-written: torch has no hash map, and a per-key Python dict pays the interpreter
+for every key and never runs on a GPU. This index probes a whole batch at once with
 tensor ops, so the same code serves the DRAM tier (CPU) and the GPU cache (CUDA), and
 collisions are impossible by construction: the index stores full keys (Monolith's point,
 versus hashing ids into a fixed table).
@@ -32,7 +32,7 @@ class HashIndex:
         tier with a budget; a rebuild drops tombstones in place instead of growing, so its
         memory stays what the budget counted (it grows only if more than ``capacity`` keys
         are live at once). ``mapped``: a host index whose slot arrays GPU kernels probe in
-        place (ps/host_memory.py; the DRAM tier under a GPU cache)."""
+        place (host_memory.py; the DRAM tier under a GPU cache)."""
         self.device = torch.device(device)
         self.fixed = fixed
         self.mapped = mapped

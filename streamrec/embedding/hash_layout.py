@@ -1,6 +1,6 @@
-"""The hash index's slot layout, shared by the torch index (ps/hash_index.py), the GPU
-kernels that probe it themselves (ps/kernels.py) and the byte budgets that pay for it
-(ps/budget.py): marker keys, the hash, the load limit and slot count. Free of torch: the
+"""The hash index's slot layout, shared by the torch index (hash_index.py), the GPU
+kernels that probe it themselves (kernels.py) and the byte budgets that pay for it
+(budget.py): marker keys, the hash, the load limit and slot count. Free of torch: the
 config (and so the serving front-ends) imports the budgets."""
 
 from __future__ import annotations

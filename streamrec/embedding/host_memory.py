@@ -8,7 +8,7 @@ a torch probe of the index on the CPU, gathers into a staging buffer, a copy up)
 
 Rules for callers: pass kernels the tensor this module returns (a view of it is not
 registered once that tensor is freed), and let every kernel that touches the arrays finish
-before host code changes or replaces them (ps/table.py waits after each such launch).
+before host code changes or replaces them (placement.py waits after each such launch).
 
 Why not ``torch.empty(..., pin_memory=True)``: torch's pinned allocator rounds every
 allocation up to a power of two, so a 5 GiB tier would lock 8 GiB. These arrays are plain

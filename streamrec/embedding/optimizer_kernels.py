@@ -3,12 +3,12 @@
 Each program takes a block of rows; every row's gradient, weights and optimizer state
 are read once and written once, in place, at the row's slot in the tier, and the row is
 marked dirty (it now differs from its copy below the GPU cache). The torch path in
-ps/optimizers.py (index_select, step, index_copy_) moves every row three times and
+optimizers.py (index_select, step, index_copy_) moves every row three times and
 launches about ten kernels; bench/bench_ps.py measures the difference.
 
 Row-wise Adagrad keeps one accumulator per row (mean of the row's squared gradient);
 Adam keeps m, v and a per-row step count (lazy: only rows in the batch advance).
-Used only on CUDA with Triton; the formulas are the ones in ps/optimizers.py.
+Used only on CUDA with Triton; the formulas are the ones in optimizers.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ rows, so autograd's index backward sums them). State lives next to each row in t
 tier that holds it, so it moves with the row between GPU, DRAM and SSD.
 
 ``update_`` is what tables call: on CUDA one fused Triton launch per table
-(ps/optimizer_kernels.py), elsewhere the vectorised torch ``step`` (the formula).
+(optimizer_kernels.py), elsewhere the vectorised torch ``step`` (the formula).
 Both mark the updated rows dirty.
 """
 

@@ -1,13 +1,13 @@
 """Embedding tables sharded row-wise across the ranks of a torch.distributed group.
 
 Each key has one owner rank (``owner_of``: a hash of the key, so Zipf-skewed ids still
-spread evenly), and only its owner stores the row, in the owner's own ``EmbeddingStore``
-with its own HBM/DRAM/SSD tiers, admission and expiry. A training step, for all tables
-at once::
+spread evenly), and only its owner stores the row, in the owner's own
+``EmbeddingCollection`` with its own HBM/DRAM/SSD tiers, admission and expiry. A training
+step, for all tables at once::
 
     requester: every id of every table, grouped by (owner, table)
     all_to_all  counts (owner x table), then ids            -> owners
-    owner:      EmbeddingStore.pull of what it received: one de-duplication of the ids
+    owner:      find_or_insert_each of what it received: one de-duplication of the ids
                 of all ranks, rows created/admitted there, one row per id received
     all_to_all  rows                                         -> requesters
     ... forward, backward on the requester ...
@@ -18,19 +18,24 @@ at once::
 The requester sends its ids as they are, not de-duplicated: the owner has to de-duplicate
 what several ranks sent anyway, and one de-duplication means one host sync less per step
 and admission sees every sighting, as on one rank. Four collectives and three host syncs
-per step (the split sizes, and the owner's pull), whatever the number of tables. Tables
-must share one dim (the rows travel as one tensor).
+per step (the split sizes, and the owner's find_or_insert), whatever the number of tables.
+Tables must share one dim (the rows travel as one tensor). ``find`` reads the same way,
+with the owner's ``EmbeddingCollection.find`` (no rows created).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.distributed as dist
 
-from streamrec.embedding.collection import EmbeddingStore
-from streamrec.embedding.table import Pulled
+from streamrec.embedding.table import BatchRows
+from streamrec.plumbing.locks import RWLock
+
+if TYPE_CHECKING:
+    from streamrec.embedding.collection import EmbeddingCollection
 
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
 
@@ -43,33 +48,70 @@ def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
 
 
 @dataclass
-class ShardedPull:
-    """One step's exchange: what the requester got, and what the owner must update."""
+class Route:
+    """Where one step's ids went: the requester's side, and the owner's."""
 
     names: list[str]
-    rows: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]
+    sizes: list[int]  # requester: input ids per table
     order: torch.Tensor  # requester: the ids of all tables in send order (by owner, then table)
     send_splits: list[int]  # rows sent to / received back from each rank
     recv_splits: list[int]  # rows received from / sent back to each rank
     by_table: torch.Tensor  # owner: received rows in table order
     table_sizes: list[int]  # owner: rows received per table
-    owned: dict[str, Pulled]  # owner: the local pulls, handed to push
 
 
-class ShardedEmbeddings:
-    """The tables of ``store`` (this rank's shard) as one logical set of tables over
-    ``group`` (the default group when None)."""
+@dataclass
+class ShardedRows:
+    """``ShardedCollection.find_or_insert``'s rows: what the requester got, and what the owner must update."""
 
-    def __init__(self, store: EmbeddingStore, group: dist.ProcessGroup | None = None) -> None:
-        dims = {t.config.dim for t in store.tables.values()}
+    embeddings: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]; requires grad
+    route: Route
+    owned: dict[str, BatchRows]  # owner: its find_or_insert of what it received
+
+
+class ShardedCollection:
+    """The tables of ``local`` (this rank's shard) as one logical collection over ``group``
+    (the default group when None). Every verb is collective: every rank calls it every step."""
+
+    def __init__(self, local: "EmbeddingCollection", group: dist.ProcessGroup | None = None) -> None:
+        dims = {t.config.dim for t in local.tables.values()}
         if len(dims) != 1:
             raise ValueError(f"sharded tables must share one dim, got {sorted(dims)}")
-        self.store, self.group = store, group
+        self.local, self.group = local, group
         self.dim = dims.pop()
         self.world = dist.get_world_size(group)
-        self.device = store.device
+        self.device = local.device
 
-    def pull(self, ids: dict[str, torch.Tensor], now_ms: int, train: bool = True) -> ShardedPull:
+    def find_or_insert(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> ShardedRows:
+        """Rows for ``ids`` (table -> int64 [n]) from their owners, created/admitted there;
+        one row per input id (float32 [n, dim], on this rank's device)."""
+        route, wanted = self._send_ids(ids)
+        # the owner's unique counts and created rows: the other two host syncs on CUDA
+        owned = self.local.find_or_insert_each(wanted, now_ms)
+        rows = self._send_rows(route, [owned[n].embeddings() for n in route.names])
+        return ShardedRows({name: r.detach().requires_grad_(True) for name, r in rows.items()}, route, owned)
+
+    def apply_gradients(self, rows: ShardedRows) -> None:
+        """Send each table's gradient of each input id's row (zeros where backward left none)
+        to the owners, which apply the optimizers."""
+        route = rows.route
+        parts = [r.grad if r.grad is not None else torch.zeros_like(r) for r in rows.embeddings.values()]
+        sent = torch.cat(parts).index_select(0, route.order) if parts else torch.empty(0, self.dim, device=self.device)
+        received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
+        dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
+        for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
+            owned = rows.owned[name]
+            summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
+            self.local[name].apply_gradients(owned, summed.div_(self.world))
+
+    def find(self, ids: Mapping[str, torch.Tensor], now_ms: int, guard: RWLock | None = None) -> dict[str, torch.Tensor]:
+        """One embedding per id (zeros without a row) from the owners' ``find``; never creates rows."""
+        route, wanted = self._send_ids(ids)
+        found = self.local.find(wanted, now_ms, guard)
+        return self._send_rows(route, [found[n] for n in route.names])
+
+    def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
+        """Every id to its owner: (the route, what this rank owns of every rank's ids, by table)."""
         names, world, device = list(ids), self.world, self.device
         n_tables = len(names)
         flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
@@ -92,24 +134,15 @@ class ShardedEmbeddings:
         by_table = torch.argsort(recv_table, stable=True)
         table_sizes = counts[1].sum(0).tolist()
         wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
-        owned = self.store.pull(wanted, now_ms, train)  # its unique counts and created rows: the other two host syncs on CUDA
-        served = torch.empty(len(received), self.dim, device=device)
-        served[by_table] = torch.cat([owned[n].embeddings() for n in names])
-        back = torch.empty(len(keys), self.dim, device=device)
-        dist.all_to_all_single(back, served, send_splits, recv_splits, group=self.group)
-        rows = torch.empty_like(back)
-        rows[order] = back
-        return ShardedPull(names, dict(zip(names, torch.split(rows, sizes))), order, send_splits, recv_splits, by_table,
-                           table_sizes, owned)
+        return Route(names, sizes, order, send_splits, recv_splits, by_table, table_sizes), wanted
 
-    def push(self, pulled: ShardedPull, grads: dict[str, torch.Tensor | None]) -> None:
-        """Send each table's gradient of each input id's row (None: no gradient) to the
-        owners, which apply the optimizers. Collective: every rank calls it every step."""
-        parts = [grads.get(n) if grads.get(n) is not None else torch.zeros_like(pulled.rows[n]) for n in pulled.names]
-        sent = torch.cat(parts).index_select(0, pulled.order) if parts else torch.empty(0, self.dim, device=self.device)
-        received = torch.empty(sum(pulled.recv_splits), self.dim, device=self.device)
-        dist.all_to_all_single(received, sent.contiguous(), pulled.recv_splits, pulled.send_splits, group=self.group)
-        for name, grad in zip(pulled.names, torch.split(received.index_select(0, pulled.by_table), pulled.table_sizes)):
-            owned = pulled.owned[name]
-            summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
-            self.store[name].push(owned, summed.div_(self.world))
+    def _send_rows(self, route: Route, served: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The owner's rows for what it received (``served``: one tensor per table, in
+        ``route.names`` order) back to the requesters: one row per input id of each table."""
+        rows_by_table = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
+        rows_by_table[route.by_table] = torch.cat(served)
+        back = torch.empty(sum(route.sizes), self.dim, device=self.device)
+        dist.all_to_all_single(back, rows_by_table, route.send_splits, route.recv_splits, group=self.group)
+        rows = torch.empty_like(back)
+        rows[route.order] = back
+        return dict(zip(route.names, torch.split(rows, route.sizes)))

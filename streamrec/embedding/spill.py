@@ -3,7 +3,7 @@
 An exact LRU spill (top-k over every row's clock) costs O(DRAM rows) per spill however
 few rows go, and spills happen every batch once DRAM is full. Instead a clock hand walks
 the slots in order: a spill of ``n`` rows reads the slots past the hand until it holds
-``sample * n`` candidates (live, not pinned) and spills the ``n`` least recently seen of
+``sample * n`` candidates (live, not held) and spills the ``n`` least recently seen of
 them (Redis evicts the oldest of a few sampled keys the same way). A victim is thus among
 the oldest of its sample, not necessarily the oldest row; in exchange a spill reads
 O(sample * n) slots, whatever the size of DRAM. Freed slots are refilled by new rows
@@ -26,8 +26,8 @@ class SpillClock:
         self.hand = 0
         self.examined = 0  # slots read by all spills so far (tests check it follows rows spilled)
 
-    def victims(self, tier: RowStorage, n: int, pinned: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Slots of up to ``n`` live rows of ``tier`` to spill, never one that ``pinned``
+    def victims(self, tier: RowStorage, n: int, held: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Slots of up to ``n`` live rows of ``tier`` to spill, never one that ``held``
         (slots -> bool mask) marks. Fewer than ``n`` only when a full turn of the hand finds
         fewer candidates."""
         end = tier.high_water
@@ -38,7 +38,7 @@ class SpillClock:
             hi = min(end, lo + max(want - found, self.min_window), lo + end - read)
             slots = torch.arange(lo, hi)[tier.live[lo:hi]]
             if len(slots):
-                slots = slots[~pinned(slots)]
+                slots = slots[~held(slots)]
             pool.append(slots)
             found += len(slots)
             read += hi - lo

@@ -6,7 +6,7 @@ one on CUDA. Rows live at a slot; the index maps key -> slot; freed slots are re
 A growable tier's row arrays past the slots in use are left uninitialised (nothing reads
 a slot past ``high_water``), so its capacity costs memory only as rows are written: a
 DRAM budget can be reserved up front without being paid for until it fills, and without
-copies as it fills. A *mapped* tier (the DRAM tier under a GPU cache, ps/host_memory.py) is
+copies as it fills. A *mapped* tier (the DRAM tier under a GPU cache, host_memory.py) is
 the exception: its arrays are locked in RAM when allocated. Its index starts small and
 grows with the rows.
 """
@@ -28,7 +28,7 @@ class RowStorage:
     def __init__(self, dim: int, state_dim: int, device: torch.device | str, capacity: int, growable: bool,
                  index_keys: int | None = None, mapped: bool = False) -> None:
         """``index_keys``: the most keys the tier holds (a budgeted tier): its index is sized
-        for them once and never grows (ps/budget.py counts it so); None: it grows with the rows.
+        for them once and never grows (budget.py counts it so); None: it grows with the rows.
         ``mapped``: a host tier whose index, weights, state and clocks GPU kernels read and
         write in place (the DRAM tier under a GPU cache: misses never round-trip the host)."""
         self.dim, self.state_dim = dim, state_dim

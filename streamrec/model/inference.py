@@ -1,4 +1,4 @@
-"""A published version as a runnable model: dense module + inference ps/ store.
+"""A published version as a runnable model: dense module + its embedding tables.
 
 Used by the trainer's frozen baseline and by serving; both must score exactly what the
 trainer would (same features, same lookups; ids without a row read as zeros).
@@ -19,7 +19,7 @@ from streamrec.model.sparse import ModelInputs, SparseFeatures
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.plumbing.locks import RWLock
 from streamrec.modelstore.store import CorruptVersion, ModelStore
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 
 
@@ -39,7 +39,7 @@ class InferenceModel:
     version: int
     manifest: dict
     model: CTRModel
-    store: EmbeddingStore
+    embeddings: EmbeddingCollection  # the version's tables, read with ``find``
     feature_spec: FeatureSpec
     lookup_guard: RWLock = field(default_factory=RWLock)  # concurrent lookups vs. GPU-cache changes
 
@@ -54,19 +54,18 @@ class InferenceModel:
         device = torch.device(device)
         configs = [TableConfig(name, info["dim"], gpu_cache_rows=gpu_cache_rows if device.type == "cuda" else 0)
                    for name, info in manifest["tables"].items()]
-        store = EmbeddingStore(configs, device)
+        embeddings = EmbeddingCollection(configs, device)
         for name, (keys, values) in loaded.tables.items():
-            if len(keys):
-                store[name].load_rows(torch.from_numpy(keys), torch.from_numpy(values))
-                store[name].warm(torch.from_numpy(keys))  # into the GPU cache as far as it fits
+            # into DRAM, and up into the GPU cache as far as it fits
+            embeddings[name].upsert(torch.from_numpy(keys), torch.from_numpy(values), fresh=True)
         model = CTRModel(spec).to(device)
         model.load_state_dict({k: v.to(device) for k, v in loaded.dense.items()})
         model.eval()
-        return cls(loaded.version, manifest, model, store, feature_spec)
+        return cls(loaded.version, manifest, model, embeddings, feature_spec)
 
     def lookup(self, batch: SampleBatch, now_ms: int, concurrent: bool = False) -> ModelInputs:
         """The model's inputs for ``batch`` (``concurrent``: other threads look up at the same time)."""
-        return SparseFeatures(self.store).lookup(batch, now_ms, self.lookup_guard if concurrent else None)
+        return SparseFeatures(self.embeddings).lookup(batch, now_ms, self.lookup_guard if concurrent else None)
 
     @torch.no_grad()
     def predict(self, batch: SampleBatch, now_ms: int | None = None) -> np.ndarray:
@@ -75,4 +74,4 @@ class InferenceModel:
         return torch.sigmoid(self.model(*inputs.as_args())).float().cpu().numpy()
 
     def close(self) -> None:
-        self.store.close()
+        self.embeddings.close()

@@ -2,10 +2,10 @@
 
 Applying a version:
 - a **delta** whose parent is the version being served is applied in place: its sparse
-  rows are upserted/removed in the inference store, its dense tensors are copied into the
-  existing parameters (so anything holding them, e.g. captured CUDA graphs, sees the new
-  values). The rows it overwrites or removes, and the old dense tensors, are kept as an
-  undo record (the last ``undo_depth`` ones);
+  rows through the embedding tables' ``upsert`` and ``erase`` (undone the same way), its
+  dense tensors copied into the existing parameters (so anything holding them, e.g.
+  captured CUDA graphs, sees the new values). The rows it overwrites or removes, and the
+  old dense tensors, are kept as an undo record (the last ``undo_depth`` ones);
 - anything else (a full version, a gap in the chain, a version older than the current
   one) is loaded as a fresh model and swapped in; the previous model object is the undo.
 
@@ -286,7 +286,7 @@ class ServedModel:
             keys, deleted, values = sparse_arrays(table, manifest["tables"][name]["dim"])
             decoded[name] = (torch.from_numpy(keys[~deleted]), torch.from_numpy(values[~deleted]), torch.from_numpy(keys[deleted]))
         model = self.current
-        unknown = set(decoded) - set(model.store.tables)
+        unknown = set(decoded) - set(model.embeddings.tables)
         if unknown:
             raise CorruptVersion(f"version {version} has tables {sorted(unknown)} the served model does not")
         params = dict(model.network.state_dict())
@@ -299,9 +299,8 @@ class ServedModel:
         record = UndoRecord(model.version, model.manifest)
         with model.inference.lookup_guard.read():
             for name, (keys, values, deleted) in decoded.items():
-                touched = torch.cat([keys, deleted])
-                found, old = model.store[name].read(touched)
-                record.sparse[name] = _SparseUndo(touched[found], old, touched[~found])
+                existed, old, absent = model.embeddings[name].export(torch.cat([keys, deleted]))
+                record.sparse[name] = _SparseUndo(existed, old, absent)
         with torch.no_grad():
             for name, tensor in dense.items():
                 record.dense[name] = params[name].detach().clone()
@@ -310,16 +309,10 @@ class ServedModel:
         rows = 0
         with self.lock.write():
             for name, (keys, values, deleted) in decoded.items():
-                table = model.store[name]
-                complete = table.cache_complete
-                if len(keys):
-                    fresh = ~table.overwrite(keys, values)  # existing rows: written in place
-                    if bool(fresh.any()):
-                        new_keys = keys[fresh]
-                        table.load_rows(new_keys, values[fresh])
-                        table.warm(new_keys, complete_before=complete)  # load_rows puts rows in DRAM; serve them from the GPU cache
+                table = model.embeddings[name]
+                table.upsert(keys, values)
                 if len(deleted):
-                    table.remove(deleted)
+                    table.erase(deleted)
                 rows += len(keys) + len(deleted)
             with torch.no_grad():
                 for name, tensor in dense.items():
@@ -341,7 +334,7 @@ class ServedModel:
             self.current = fresh
             if previous is not None:
                 self._push_undo(UndoRecord(previous.version, previous.manifest, replaced=previous))
-        rows = sum(len(t) for t in fresh.store.tables.values())
+        rows = sum(len(t) for t in fresh.embeddings.tables.values())
         return self._applied(ApplyReport(version, previous.version if previous else -1, "swap", rows, prepared - t0,
                                          time.perf_counter() - prepared))
 
@@ -376,11 +369,10 @@ class ServedModel:
             return
         model = self.current
         for name, undo in record.sparse.items():
-            table = model.store[name]
+            table = model.embeddings[name]
             if len(undo.remove_keys):
-                table.remove(undo.remove_keys)
-            if len(undo.restore_keys):
-                table.load_rows(undo.restore_keys, undo.restore_values)
+                table.erase(undo.remove_keys)
+            table.upsert(undo.restore_keys, undo.restore_values)
         params = dict(model.network.state_dict())
         with torch.no_grad():
             for name, tensor in record.dense.items():

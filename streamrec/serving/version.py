@@ -13,7 +13,7 @@ from streamrec.model.inference import InferenceModel
 from streamrec.model.network import CTRModel
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.serving.runner import ModelRunner, RuntimeConfig
 
 
@@ -42,8 +42,8 @@ class ServedVersion:
         return self.inference.feature_spec
 
     @property
-    def store(self) -> EmbeddingStore:
-        return self.inference.store
+    def embeddings(self) -> EmbeddingCollection:
+        return self.inference.embeddings
 
     @property
     def network(self) -> CTRModel:
