@@ -3,8 +3,8 @@
 An idle consumer (nothing to read) should cost next to nothing. Against the embedded
 broker, kafka-python 3's blocking ``poll(timeout_ms)`` re-sends a fetch as soon as one
 comes back empty and the broker answers empty fetches at once, so the loop spins.
-Baseline, same run, same topic: the plain ``consumer.poll(timeout_ms=500)`` loop every
-long-lived consumer used before; vs ``streamrec.plumbing.bus.clients.poll_records`` (non-blocking
+Baseline, same run, same topic: the plain ``consumer.poll(timeout_ms=500)`` loop a
+long-lived consumer would run; vs ``streamrec.plumbing.bus.clients.poll_records`` (non-blocking
 polls, 50 ms sleeps while nothing is buffered). Reports process CPU (%) of each loop,
 read_committed and read_uncommitted, and the ratio.
 

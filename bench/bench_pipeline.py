@@ -2,9 +2,9 @@
 
 1. Backlog throughput: the generator writes N events to a fresh topic; the job (embedded
    mini-cluster, ``--bounded``) turns them into samples. Progress = the samples topic's end
-   offsets, read 4x a second (Flink's REST metrics lag by seconds: sessions 8-9 timed from
-   their first non-zero reading, when a third of the backlog was already done, which
-   inflated every figure). Events in a window = the samples written in it x the run's
+   offsets, read 4x a second (Flink's REST metrics lag by seconds: timing from their first
+   non-zero reading would start when a third of the backlog is already done and inflate
+   every figure). Events in a window = the samples written in it x the run's
    events per sample. Whole run: from the first sample to the end (JVM and job start-up
    not counted); steady: from 25% to 90% of the samples, after the warm-up and before the
    end of input's final flush. Per core = events/s / the machine's cores; per CPU-second =

@@ -2,8 +2,8 @@
 
 - ours: ``serving.request.InstanceDecoder`` (msgspec typed decode per request, columns and
   cross-field checks per batch) + ``model.batch.batch_from_columns``;
-- baseline (the path until session 7): parse each body with orjson, re-encode each instance,
-  ``pipelines.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
+- baseline: the training path applied to requests: parse each body with orjson, re-encode each
+  instance, ``contracts.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
   ``batch_from_table``, per batch;
 - the front-end link: one request's columns as the one int64 buffer of ``serving.ipc`` vs the
   pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the engine).

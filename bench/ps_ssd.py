@@ -11,7 +11,7 @@ and the rest in RocksDB, inside an ``EmbeddingCollection`` (for the checkpoint).
   counted), and the full restart path: checkpoint (streamed tier by tier) + restore;
 - peak RSS (``VmHWM``) of all of it, against the DRAM budget.
 
-The budget in rows comes from ``ps.budget.rows_for_bytes`` (what ``[ps] dram_bytes`` uses):
+The budget in rows comes from ``streamrec.embedding.budget.rows_for_bytes`` (what ``[ps] dram_bytes`` uses):
 the most rows whose row arrays (94 bytes a row at dim 16 with row-wise Adagrad) and hash
 index (a power of two of 16-byte slots, sized once for the budget) fit in it: 7.46 M rows
 per GiB. RocksDB's memtables, block cache and the Python objects of a batch come on top;
@@ -21,7 +21,7 @@ Baseline, same run, same rows and ids: plain RocksDB (rocksdict, raw mode, defau
 options), every row under its key with the same record layout, no DRAM tier — rows
 written with one WriteBatch per chunk, a lookup batch read with one multi-get of its
 unique keys (decoded to a tensor), a restart as close + reopen + counting the keys (what
-the SSD tier had to do before it stored its row count). It runs after ours, with the
+a store without a stored row count has to do). It runs after ours, with the
 peak RSS counter reset, so each side's peak is its own.
 """
 

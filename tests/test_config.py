@@ -127,7 +127,7 @@ def test_tier_budgets_are_sizes_in_bytes_split_across_the_tables(tmp_path):
     # what a table allocates for its DRAM budget fits the share: row arrays (as many rows as the
     # budget) plus the index it actually built; measured on the objects, not on the formula
     table = EmbeddingTable(tables[0], ssd_dir=tmp_path)
-    dram = table.dram
+    dram = table.tiers.dram
     per_row = sum(t[0].numel() * t.element_size() for t in (dram.weights, dram.state, dram.last_seen, dram.keys, dram.live, dram.dirty))
     per_row += 8  # the GPU cache's pointer below (budgets are one formula for both tiers)
     assert per_row == array_bytes(dim, 1)

@@ -51,7 +51,7 @@ def _copy_tree(root: Path) -> Path:
 
 def test_no_module_imports_itself_through_others():
     """No import cycles between our modules (each would make the import order matter)."""
-    graph = grimp.build_graph("streamrec")
+    graph = grimp.build_graph("streamrec", exclude_type_checking_imports=True)  # those never run
     cycles = sorted((a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
                     if graph.chain_exists(importer=b, imported=a))
     assert cycles == []

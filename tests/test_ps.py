@@ -56,7 +56,7 @@ def test_reserved_keys_are_refused():
 
 def run_reference_workload(table: EmbeddingTable, optimizer: str, steps: int = 60, seed: int = 1, dim: int = 4):
     """Train ``table`` and a dict-of-rows with the same optimizer on the same random batches;
-    check every pulled row against the reference before each update."""
+    check every row find_or_insert returns against the reference before each update."""
     opt = make_optimizer(optimizer, lr=0.1)
     ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     g = torch.Generator().manual_seed(seed)
@@ -114,7 +114,7 @@ def test_admission_needs_k_sightings_and_serving_never_admits():
     served = table.find(torch.tensor([42]), now_ms=1)  # serving does not count
     assert torch.count_nonzero(served) == 0 and len(table) == 0
     third = table.find_or_insert(torch.tensor([42, 5]), now_ms=2)
-    order = third.keys.argsort()  # the pull's key order is the table's business: compare by key
+    order = third.keys.argsort()  # find_or_insert's key order is the table's business: compare by key
     assert third.keys[order].tolist() == [5, 42] and third.admitted[order].tolist() == [False, True]
     table.apply_gradients(third, torch.ones(2, 3))  # the non-admitted row gets no update and no row
     assert len(table) == 1
@@ -535,7 +535,7 @@ def _rows_with_state(table: EmbeddingTable) -> dict[int, tuple[list, list, int]]
 @pytest.mark.parametrize("device", DEVICES)
 def test_clock_spill_keeps_a_dict_of_rows_exact_with_dram_far_below_the_working_set(tmp_path, device):
     """801 keys through 40 DRAM rows: rows spill every batch, come back from SSD with their
-    optimizer state, and weights and state equal a dict-of-rows reference at every pull."""
+    optimizer state, and weights and state equal a dict-of-rows reference at every find_or_insert."""
     cfg = TableConfig("t", 4, optimizer="adam", lr=0.1, init_std=0.0, dram_rows=40,
                       gpu_cache_rows=128 if device == "cuda" else 0)
     table = EmbeddingTable(cfg, device, ssd_dir=tmp_path)
@@ -659,7 +659,7 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
     from streamrec.embedding.grouped import find_or_insert_grouped, apply_gradients_grouped
 
     names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
-    monkeypatch.setattr(EmbeddingTable, "apply_gradients", lambda *_: pytest.fail("the grouped push went table by table"))
+    monkeypatch.setattr(EmbeddingTable, "apply_gradients", lambda *_: pytest.fail("the grouped apply_gradients went table by table"))
     collection = EmbeddingCollection([TableConfig(n, 16, optimizer=optimizer, lr=lr, gpu_cache_rows=60_000) for n in names], "cuda")
     ref: dict[tuple[str, int], list] = {}  # (table, key) -> [weights, state...]
     g = torch.Generator().manual_seed(0)

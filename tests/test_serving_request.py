@@ -1,5 +1,5 @@
 """Predict bodies decoded by serving/request.py give the same features as the training path
-(pipelines.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
+(contracts.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
 the sample checks refuse, each with its reason."""
 
 import orjson

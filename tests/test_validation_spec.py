@@ -1,5 +1,5 @@
 """The job's validator (the EventParser Java class its source readers run, driven by the spec
-generated from pipelines/events.py) agrees with the Python contract on every event kind the
+generated from contracts/events.py) agrees with the Python contract on every event kind the
 generator can produce and on hand-made edge cases, run in PyFlink's JVM."""
 
 from dataclasses import replace

@@ -7,7 +7,7 @@ windows, the behaviour-history length and the attribution window. Every other fo
 sample is derived from it here:
 
 - the Arrow schema (:meth:`FeatureSpec.schema`; the reference builder, sample files);
-- the Kafka wire decoder's required fields and checks (``pipelines/sample_wire.py``);
+- the Kafka wire decoder's required fields and checks (``sample_wire.py``);
 - the trainer's and serving's feature columns (``model/columns.py``);
 - serving's typed request decoder (``serving/request.py``);
 - the Flink job's field table (:meth:`FeatureSpec.job_properties`, interpreted by

@@ -2,7 +2,7 @@
 consumer applies before trusting a sample.
 
 Encoding (schema version 1): one JSON object per Kafka message, keys = the column names
-of :meth:`pipelines.feature_spec.FeatureSpec.schema`, lists as JSON arrays, a null ``click_ts``
+of :meth:`feature_spec.FeatureSpec.schema`, lists as JSON arrays, a null ``click_ts``
 for negatives. The streaming job's encoder (``SampleJson.java``) writes the same objects,
 so the job and the offline tools produce samples that decode to identical rows.
 
@@ -27,7 +27,7 @@ import pyarrow.json as pj
 
 from streamrec.contracts.feature_spec import ID_COLUMNS, INSTANCE_FIELDS, REQUIRED_SAMPLE_FIELDS, SAMPLE_VERSION, FeatureSpec
 
-RESERVED_IDS = (-(2**63), -(2**63) + 1)  # ps/'s hash-index markers: cannot be keys
+RESERVED_IDS = (-(2**63), -(2**63) + 1)  # the embedding hash index's markers: cannot be keys
 
 
 def encode_samples(table: pa.Table) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""The raw-event contract as the Flink job checks it, generated from ``pipelines/events.py``.
+"""The raw-event contract as the Flink job checks it, generated from ``events.py``.
 
 The job validates events in the JVM, in its source readers (pipelines/java/.../EventParser),
 parsing each event once. Its rules are not written in Java: the field list is this module's

@@ -1,7 +1,7 @@
 """Sparse optimizers over the unique rows of a batch, updated in place in their tier.
 
-Gradients of duplicate keys are summed before they get here (the table pulls unique
-rows, so autograd's index backward sums them). State lives next to each row in the
+Gradients of duplicate keys are summed before they get here (``find_or_insert`` hands out
+unique rows, so autograd's index backward sums them). State lives next to each row in the
 tier that holds it, so it moves with the row between GPU, DRAM and SSD.
 
 ``update_`` is what tables call: on CUDA one fused Triton launch per table

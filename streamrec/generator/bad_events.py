@@ -2,7 +2,7 @@
 
 Bad events come *in addition to* the good stream (never instead of it), so the truth of
 the good stream is unchanged and a consumer can check that it lost nothing. Each one
-is recorded with the reason a correct validator gives for it (see pipelines/events.py).
+is recorded with the reason a correct validator gives for it (see contracts/events.py).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.n
 
 
 def batch_from_table(table: pa.Table, spec: FeatureSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
-    """Tensors of a table of checked samples (see pipelines.sample_wire.check_samples)."""
+    """Tensors of a table of checked samples (see contracts.sample_wire.check_samples)."""
     return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
 
 

@@ -59,7 +59,7 @@ def device_hashes(device: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
 
 
 def columns_from_table(table: pa.Table, spec: FeatureSpec, with_labels: bool = True) -> FeatureColumns:
-    """The columns of a table of checked samples (see pipelines.sample_wire.check_samples)."""
+    """The columns of a table of checked samples (see contracts.sample_wire.check_samples)."""
     n = table.num_rows
     items, categories = HISTORY_COLUMNS
     counters = (np.stack([table[c].to_numpy() for c in spec.counter_columns()], axis=1) if n

@@ -1,7 +1,7 @@
 """The CTR model: DIN-style target attention over the behaviour sequence, a DCN-v2 cross
 network and a deep MLP over the field embeddings and dense features.
 
-Only the dense part is an ``nn.Module``; sparse rows live in ps/ tables and arrive as
+Only the dense part is an ``nn.Module``; sparse rows live in embedding tables and arrive as
 tensors (model/sparse.py looks them up). ``CTRModel.forward`` takes plain tensors of
 static shape and has no train/eval difference (no batch norm, no dropout: the
 online scores and the served scores of the same parameters agree), so serving can capture it in CUDA graphs or compile it per shape bucket.
@@ -49,8 +49,8 @@ class ModelSpec:
 
 
 def table_configs(model_cfg, ps_cfg) -> list[TableConfig]:
-    """The ps/ tables of the model, from the [model] and [ps] config sections (the byte
-    budgets become rows per table, ps/budget.py)."""
+    """The embedding tables of the model, from the [model] and [ps] config sections (the
+    byte budgets become rows per table, embedding/budget.py)."""
     dim, state_dim = model_cfg.embedding_dim, make_optimizer(model_cfg.sparse_optimizer).state_dim(model_cfg.embedding_dim)
     shapes = {name: (dim, state_dim) for name in TABLES}
     hbm = rows_per_table(ps_cfg.hbm_bytes, shapes, "ps.hbm_bytes")

@@ -12,7 +12,7 @@ Layout (docs/architecture.md; the files' schemas in streamrec/contracts/delta.py
                                                                  version): its chain, compacted
     <root>/<model>/LATEST                                        the newest complete version, as text
     <root>/<model>/PIN                                           an operator's pin (rollback): JSON
-    <root>/<model>/leases/<token:012d>.json                      the writer lease (ps/store_lease.py)
+    <root>/<model>/leases/<token:012d>.json                      the writer lease (lease.py)
 
 Compaction: a trainer publishing every few seconds writes small deltas and rarely a full
 version, so chains grow long. ``compact(v)`` merges ``v``'s chain into ``compacted/<v>``; a
@@ -54,7 +54,7 @@ from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, SparseDelta, den
 
 
 class Lease(Protocol):
-    """What a commit needs from a writer lease (ps/store_lease.py): raise if it was lost."""
+    """What a commit needs from a writer lease (lease.py): raise if it was lost."""
 
     def check(self) -> None: ...
 

@@ -3,7 +3,7 @@
 One sample per impression: the impression's ids and context, point-in-time features
 computed only from events *strictly before* the impression's event time, and the label
 (1 if a click for the same (request_id, item_id) has event time within the attribution
-window, else 0). The fields are declared in ``pipelines/feature_spec.py``; docs/samples.md
+window, else 0). The fields are declared in ``contracts/feature_spec.py``; docs/samples.md
 documents each one.
 
 :class:`SampleBuilder` is the executable spec: an exact, in-process implementation in
