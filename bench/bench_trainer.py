@@ -60,15 +60,15 @@ from torch import nn
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.engine import Trainer, TrainOptions
 from streamrec.model.batch import TABLES, SampleBatch, batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
-from streamrec.trainer.publisher import Publisher
-import streamrec.trainer.engine as trainer_engine
+from streamrec.trainer.publisher import Publisher, PublishSettings
+import streamrec.trainer.loop as trainer_loop
 from streamrec.trainer.prefetch import END, Prefetcher
 from streamrec.trainer.sources import FileSampleSource, sample_files
 from streamrec.model.sparse import ModelInputs, SparseFeatures
@@ -119,7 +119,7 @@ def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval
     trainer = Trainer(cfg, TrainOptions(files=[samples], loop_files=True, max_samples=batch * steps, sync_timings=sync_timings,
                                         fresh=True, progress=False))
     front_end = partial(PredecodedPrefetcher, batches=steps + 2) if predecoded else Prefetcher
-    with mock.patch.object(trainer_engine, "Prefetcher", front_end):
+    with mock.patch.object(trainer_loop, "Prefetcher", front_end):
         summary = trainer.run()
     return {k: summary[k] for k in ("samples_this_run", "elapsed_s", "samples_per_s", "ms_per_step", "auc_online",
                                     "publish_stall_ms_per_million_rows", "table_rows")} | {"versions": len(summary["published"])}
@@ -228,14 +228,14 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
 def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int, work: Path) -> dict:
     """Training-thread pause to publish ``rows`` touched rows, vs a bare device->host copy."""
     configs = [TableConfig("t", dim, gpu_cache_rows=rows + 1024 if device.type == "cuda" else 0)]
-    store = EmbeddingStore(configs, device)
+    store = EmbeddingCollection(configs, device)
     table = store["t"]
     keys = torch.randperm(rows * 4)[:rows] + 1
     for lo in range(0, rows, 262144):
-        pulled = table.pull(keys[lo: lo + 262144].to(device), now_ms=1)
-        table.push(pulled, torch.ones_like(pulled.rows))
+        pulled = table.find_or_insert(keys[lo: lo + 262144].to(device), now_ms=1)
+        table.apply_gradients(pulled, torch.ones_like(pulled.rows))
     sync(device)
-    pub = Publisher(store, ModelStore(str(work / "stall"), "m"), 1.0, 10, rows_per_step)
+    pub = Publisher(store, ModelStore(str(work / "stall"), "m"), PublishSettings(interval_s=1.0, full_every=10, rows_per_step=rows_per_step))
     pauses = []
     t0 = time.perf_counter()
     pub.begin({"w": torch.zeros(10)}, {}, kind="full")  # every row: the touched-rows case at its largest
@@ -246,7 +246,7 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
         sync(device)
         pauses.append(time.perf_counter() - t0)
     pub.flush()
-    weights = table.top.weights
+    weights = table.tiers.top.weights
     sync(device)
     t0 = time.perf_counter()
     weights[:rows].to("cpu", copy=True)
@@ -335,9 +335,7 @@ def main() -> None:
     if args.per_table and args.nproc_per_node:
         parser.error("--per-table applies to the in-process run, not to --nproc-per-node's ranks")
     if args.per_table:
-        import streamrec.model.sparse
-
-        model.sparse.pull_grouped = lambda *_, **__: None  # SparseFeatures then takes the per-table path
+        EmbeddingCollection.table_batched = False  # every step then takes the per-table path
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
     if args.nproc_per_node:

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.plumbing.config import load_config
 from streamrec.model.batch import batch_from_table
 from streamrec.model.network import table_configs
@@ -29,11 +29,11 @@ def main() -> None:
     device = torch.device(args.device)
     table = pq.read_table(sample_files([args.samples])[0])
     batches = [batch_from_table(table.slice(i * args.batch, args.batch), FeatureSpec(), 50).to(device) for i in range(args.steps)]
-    warm = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)  # Triton compiles happen here
+    warm = EmbeddingCollection(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)  # Triton compiles happen here
     for b in batches[:3]:
         for name, ids in SparseFeatures.table_ids(b).items():
-            warm[name].push(warm[name].pull(ids, 1), torch.zeros(1, 16, device=device).expand(len(torch.unique(ids)), 16).contiguous())
-    store = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
+            warm[name].apply_gradients(warm[name].find_or_insert(ids, 1), torch.zeros(1, 16, device=device).expand(len(torch.unique(ids)), 16).contiguous())
+    store = EmbeddingCollection(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sparse = SparseFeatures(store)
     for label in ("first pass (misses: rows created)", "second pass (hits)"):
@@ -41,7 +41,7 @@ def main() -> None:
         for b in batches:
             sync()
             t0 = time.perf_counter()
-            pulled = store.pull(SparseFeatures.table_ids(b), 1)  # every table: one unique, one sync for creations
+            pulled = store.find_or_insert_each(SparseFeatures.table_ids(b), 1)  # every table: one unique, one sync for creations
             emb = {name: p.embeddings() for name, p in pulled.items()}
             sync()
             pull_s += time.perf_counter() - t0
@@ -59,6 +59,7 @@ def main() -> None:
     from streamrec.embedding import kernels
     from streamrec.embedding.hash_index import HashIndex
     from streamrec.embedding.tier_rows import RowStorage
+    from streamrec.embedding.placement import Placement
     from streamrec.embedding.table import EmbeddingTable
 
     spent = collections.Counter()
@@ -80,28 +81,28 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     for owner, names in ((HashIndex, ("insert", "lookup", "_find", "remove")), (RowStorage, ("add", "pop", "coldest_slots")),
-                         (EmbeddingTable, ("_bring_up", "_take_from_lower", "_make_room", "_spill_dram", "push"))):
+                         (Placement, ("bring_up", "_take_from_lower", "make_room", "spill_dram")), (EmbeddingTable, ("apply_gradients",))):
         for name in names:
             timed(owner, name)
     if device.type == "cuda":
         timed(kernels, "probe_gather")
-    fresh = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
+    fresh = EmbeddingCollection(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
     for b in batches:
-        pulled = fresh["user"].pull(b.user, 3)
-        fresh["user"].push(pulled, torch.zeros_like(pulled.rows))
+        pulled = fresh["user"].find_or_insert(b.user, 3)
+        fresh["user"].apply_gradients(pulled, torch.zeros_like(pulled.rows))
     spent["total"], calls["total"] = sum(spent.values()), 1
     print("user table, fresh store, all batches: ms per call (calls)",
           {k: f"{1000 * v / calls[k]:.2f} ({calls[k]})" for k, v in spent.most_common()}, "stats", fresh["user"].stats)
     if device.type == "cuda":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             for b in batches[:10]:
-                store.pull(SparseFeatures.table_ids(b), 2)
+                store.find_or_insert_each(SparseFeatures.table_ids(b), 2)
             sync()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-        fresh = EmbeddingStore(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
+        fresh = EmbeddingCollection(table_configs(load_config(environ={}).model, load_config(environ={}).ps), device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for b in batches[:10]:
-                fresh.pull(SparseFeatures.table_ids(b), 2)
+                fresh.find_or_insert_each(SparseFeatures.table_ids(b), 2)
             sync()
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
 

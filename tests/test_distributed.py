@@ -25,8 +25,8 @@ from streamrec.model.batch import batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.model.sparse import SparseFeatures
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.embedding.sharded import ShardedEmbeddings, owner_of
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.sharded import ShardedCollection, owner_of
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.trainer.checkpoint import Checkpointer
 
@@ -53,15 +53,17 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    store = EmbeddingStore([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
-    sharded = ShardedEmbeddings(store)
+    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
+    sharded = ShardedCollection(store)
     pulled_rows = []
     for step, ids in enumerate(_batches(rank)):
         ids = {n: t.to(device) for n, t in ids.items()}
-        pulled = sharded.pull(ids, now_ms=step)
-        pulled_rows.append({n: pulled.rows[n].cpu() for n in ids})
-        sharded.push(pulled, {n: _grad(ids[n], step) for n in ids})  # the gradient of each input id's row
-    rows = {n: {k: v.tolist() for keys, values in store[n].iter_rows() for k, v in zip(keys.tolist(), values)} for n in store.tables}
+        pulled = sharded.find_or_insert(ids, now_ms=step)
+        pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
+        for n in ids:
+            pulled.embeddings[n].grad = _grad(ids[n], step)  # the gradient of each input id's row
+        sharded.apply_gradients(pulled)
+    rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows}, out)
     dist.destroy_process_group()
 
@@ -84,11 +86,11 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
     tol = 1e-6 if backend == "gloo" else 1e-5  # the GPU's fused optimizer kernels round differently from torch on CPU
 
-    ref = EmbeddingStore(TABLES)
+    ref = EmbeddingCollection(TABLES)
     per_rank = [_batches(0), _batches(1)]
     for step in range(6):
         both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in ("a", "b")}
-        pulled = ref.pull(both, now_ms=step)
+        pulled = ref.find_or_insert_each(both, now_ms=step)
         for r in range(2):
             for n in ("a", "b"):
                 lo = 0 if r == 0 else len(per_rank[0][step][n])
@@ -97,9 +99,9 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         for n in ("a", "b"):
             grad = _grad(both[n], step)
             summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, grad)
-            ref[n].push(pulled[n], summed / 2)
+            ref[n].apply_gradients(pulled[n], summed / 2)
     for n in ("a", "b"):
-        keys, values = (torch.cat(parts) for parts in zip(*ref[n].iter_rows()))
+        keys, values = (torch.cat(parts) for parts in zip(*ref[n].export_all()))
         assert len(got[0]["rows"][n]) + len(got[1]["rows"][n]) == len(keys)
         for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
@@ -180,15 +182,15 @@ def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, sample_run
     configs, merged = None, {}
     for rank in range(2):
         ckpt = Checkpointer(root / "two" / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
-        shard, _ = EmbeddingStore.restore(ckpt / "sparse")
+        shard, _ = EmbeddingCollection.restore(ckpt / "sparse")
         configs = configs or [TableConfig(t.config.name, t.config.dim) for t in shard.tables.values()]
         for name, table in shard.tables.items():
-            for keys, values in table.iter_rows():
+            for keys, values in table.export_all():
                 merged.setdefault(name, []).append((keys, values))
         shard.close()
         state = json.loads((ckpt / "state.json").read_text())
         dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["model"]
-    store = EmbeddingStore(configs)
+    store = EmbeddingCollection(configs)
     for name, parts in merged.items():
         store[name].load_rows(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
     model = CTRModel(ModelSpec.from_json(state["model_spec"]))
@@ -276,8 +278,8 @@ def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_en
         states = []
         for base in (root / "two" / "work", work):
             ckpt = Checkpointer(base / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
-            store, _ = EmbeddingStore.restore(ckpt / "sparse")
-            rows = {n: {k: v for keys, values in t.iter_rows() for k, v in zip(keys.tolist(), values)} for n, t in store.tables.items()}
+            store, _ = EmbeddingCollection.restore(ckpt / "sparse")
+            rows = {n: {k: v for keys, values in t.export_all() for k, v in zip(keys.tolist(), values)} for n, t in store.tables.items()}
             store.close()
             states.append((rows, torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["model"],
                            json.loads((ckpt / "state.json").read_text())))

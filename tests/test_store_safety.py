@@ -163,7 +163,7 @@ def test_a_trainer_whose_publishes_keep_failing_stops_with_an_error(sample_run, 
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=60000, progress=False))
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
-    trainer.model_store.versions_dir = str(blocker / "versions")  # the store's disk fails under the running trainer
+    trainer.session.model_store.versions_dir = str(blocker / "versions")  # the store's disk fails under the running trainer
     with pytest.raises(TrainingError, match="(publishes in a row|the last publish) failed.*a trainer that cannot publish"):
         trainer.run()
     assert ModelStore(str(tmp_path / "models"), "ctr").versions() == []

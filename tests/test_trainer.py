@@ -14,7 +14,7 @@ import torch
 from conftest import make_sample_run, run_cli
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
@@ -38,9 +38,9 @@ def test_history_lands_where_the_model_reads_it(table):
     lengths = [len(h) for h in rows["hist_item_ids"].to_pylist()]
     assert sum(0 < n < 8 for n in lengths) > 20 and sum(n > 8 for n in lengths) > 20  # short ones and cut ones
     batch = batch_from_table(rows, SPEC, history_len=8)  # shorter than the samples' 50: keeps the most recent 8
-    store = EmbeddingStore([TableConfig(name, 4) for name in TABLES])
+    store = EmbeddingCollection([TableConfig(name, 4) for name in TABLES])
     inputs, _ = SparseFeatures(store).pull(batch, now_ms=0)
-    item_rows = {int(k): store["item"].read(torch.tensor([k]))[1][0] for k in torch.unique(torch.cat([batch.item, batch.hist_items]))}
+    item_rows = {int(k): store["item"].export(torch.tensor([k]))[1][0] for k in torch.unique(torch.cat([batch.item, batch.hist_items]))}
     for i, row in enumerate(rows.to_pylist()):
         hist = row["hist_item_ids"][:8]
         assert inputs.history_mask[i].tolist() == [j < len(hist) for j in range(8)]
@@ -147,18 +147,18 @@ def test_published_version_equals_the_trainers_parameters(tmp_path, sample_run, 
         assert len(ms.chain(ms.latest())) <= compact_every + 2
     loaded = InferenceModel.load(ms)
     assert loaded.version == ms.latest() == summary["version"]
-    restored, _ = EmbeddingStore.restore(trainer.checkpointer.latest() / "sparse")
+    restored, _ = EmbeddingCollection.restore(trainer.session.checkpointer.latest() / "sparse")
     for name, table_ in restored.tables.items():  # the final checkpoint holds the trainer's final rows
         keys, values = [], []
-        for k, w in table_.iter_rows():
+        for k, w in table_.export_all():
             keys.append(k)
             values.append(w)
         keys, values = torch.cat(keys), torch.cat(values)
-        found, got = loaded.store[name].read(keys)
-        assert found.all(), name
+        _, got, absent = loaded.embeddings[name].export(keys)
+        assert len(absent) == 0, name
         assert torch.equal(got, values), name
-        assert len(loaded.store[name]) == len(keys)
-    state = torch.load(trainer.checkpointer.latest() / "dense.pt", map_location="cpu", weights_only=False)["model"]
+        assert len(loaded.embeddings[name]) == len(keys)
+    state = torch.load(trainer.session.checkpointer.latest() / "dense.pt", map_location="cpu", weights_only=False)["model"]
     for key, value in state.items():
         assert torch.equal(loaded.model.state_dict()[key], value), key
     restored.close()
@@ -227,11 +227,11 @@ def test_a_publish_refuses_non_finite_embeddings_the_loss_never_saw(tmp_path, sa
     good = ms.latest()
     assert good is not None
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=20000, progress=False))
-    table = trainer.store["item"]
+    table = trainer.session.store["item"]
     key = torch.tensor([2**62])  # no sample carries this id: no loss reads the row
     table.load_rows(key, torch.full((1, table.config.dim), float("inf")))
-    touched, deleted = table.tracked()
-    table.set_tracked(torch.cat([touched, key]), deleted)
+    touched, deleted = table.tracking.tracked()
+    table.tracking.set_tracked(torch.cat([touched, key]), deleted)
     with pytest.raises(TrainingError, match="table item holds non-finite embedding values.*last good version") as err:
         trainer.run()
     assert f"the last good version is {good}" in str(err.value)

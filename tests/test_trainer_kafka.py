@@ -69,8 +69,9 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
         proc = _train(broker, tmp_path, env, arm_file=arm_file)
         before = (_state(tmp_path) or {}).get("step", -1)
         deadline = time.monotonic() + 120
-        # a checkpoint of this run with samples in it (a run starts with one of step 0)
-        while (_state(tmp_path) or {}).get("step", -1) <= max(before, 0):
+        # a checkpoint of this run with samples in it (a run starts with one of step 0), and a
+        # version in the store (a checkpoint due at the first batch is taken before any version)
+        while (_state(tmp_path) or {}).get("step", -1) <= max(before, 0) or store.latest() is None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate() if proc.poll() is not None else "no checkpoint"
             time.sleep(0.05)
         pause_points.arm(arm_file, point)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 
 
 class Checkpointer:
@@ -49,7 +49,7 @@ class Checkpointer:
     def at(self, step: int) -> Path:
         return self.dir / f"ckpt-{step:012d}"
 
-    def save(self, step: int, store: EmbeddingStore, dense: dict[str, Any], state: dict[str, Any]) -> Path:
+    def save(self, step: int, store: EmbeddingCollection, dense: dict[str, Any], state: dict[str, Any]) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{step:012d}"
         tmp = self.dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
@@ -79,8 +79,8 @@ class Checkpointer:
         self._prune(keep_name=name)
         return final
 
-    def load(self, path: Path, device: torch.device, work_dir: Path | None) -> tuple[EmbeddingStore, dict, dict]:
-        store, _ = EmbeddingStore.restore(path / "sparse", device, work_dir)
+    def load(self, path: Path, device: torch.device, work_dir: Path | None) -> tuple[EmbeddingCollection, dict, dict]:
+        store, _ = EmbeddingCollection.restore(path / "sparse", device, work_dir)
         dense = torch.load(path / "dense.pt", map_location=device, weights_only=False)
         state = json.loads((path / "state.json").read_text())
         return store, dense, state

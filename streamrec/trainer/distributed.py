@@ -5,7 +5,7 @@ One process per GPU (or per CPU share), started by torch's elastic launcher
 (``streamrec train --nproc-per-node N``, or ``torchrun ... -m streamrec.cli train``
 across nodes). Three process groups:
 
-- ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (ps/sharded.py) and DDP;
+- ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (embedding/sharded.py) and DDP;
 - ``control`` (gloo): the per-step agreement, on the training thread;
 - ``publish`` (gloo): the version writer threads (a group per thread, so their
   collectives never interleave with the training thread's).
@@ -21,13 +21,14 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from enum import IntEnum
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from streamrec.modelstore.store import ModelStore, SparseDelta
-from streamrec.embedding.collection import EmbeddingStore
+from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.modelstore.lease import LeaseLost
 from streamrec.trainer.publisher import PoisonedModel
 
@@ -89,6 +90,14 @@ def rank_device(device: torch.device, ranks_env: Mapping[str, str] = os.environ)
     return torch.device("cuda", local)
 
 
+class Publish(IntEnum):
+    """Rank 0's word on publishing after a step (sent to the other ranks as its number)."""
+
+    NO = 0
+    DUE = 1  # the version the publish interval asks for
+    FULL_FOR_BASELINE = 2  # a full version, loaded as the frozen baseline once written
+
+
 @dataclass
 class Agreed:
     """What every rank decided together for one step."""
@@ -97,14 +106,15 @@ class Agreed:
     ended: bool  # every rank's source is exhausted
     stop: bool  # some rank was asked to stop (signal, limit, idle)
     now_ms: int  # the step's clock: the newest sample time across ranks
-    publish: int  # rank 0's word: 0 no, 1 the due version, 2 a full version
+    publish: Publish  # rank 0's word
     checkpoint: bool  # rank 0's word
 
 
-def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: int = 0, checkpoint: bool = False) -> Agreed:
+def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
+          checkpoint: bool = False) -> Agreed:
     """One small all_gather on the control group: every rank learns the others' state and
     rank 0's decisions, so all take the same branch (and call the same collectives)."""
-    mine = torch.tensor([samples, int(ended), int(stop), now_ms, publish, int(checkpoint)], dtype=torch.int64)
+    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint)], dtype=torch.int64)
     if not ranks.distributed:
         rows = mine.unsqueeze(0)
     else:
@@ -115,7 +125,7 @@ def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publ
             raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
         rows = torch.stack(parts)
     return Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
-                  int(rows[0, 4]), bool(rows[0, 5]))
+                  Publish(int(rows[0, 4])), bool(rows[0, 5]))
 
 
 def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:
@@ -137,7 +147,7 @@ class ShardedVersionWriter:
     shard's files, then renames the version into place and moves LATEST. A rank that
     refuses (non-finite values) or fails makes the version abort on every rank."""
 
-    def __init__(self, ranks: Ranks, store: EmbeddingStore) -> None:
+    def __init__(self, ranks: Ranks, store: EmbeddingCollection) -> None:
         self.ranks, self.store = ranks, store
 
     def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],

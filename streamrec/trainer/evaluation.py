@@ -12,12 +12,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
+from streamrec.model.batch import SampleBatch
+from streamrec.model.inference import InferenceModel
 from streamrec.model.metrics import auc, logloss
+from streamrec.modelstore.store import ModelStore
 
 log = logging.getLogger(__name__)
 SCORERS = ("online", "frozen", "bayes")
@@ -143,3 +149,70 @@ class TruthLookup:
             self._thread.join(timeout=2)
         if self._consumer is not None:
             self._consumer.close()
+
+
+def open_truth(truth: str | None, bootstrap: str, topic: str, timeout_s: float) -> TruthLookup | None:
+    """The Bayes scorer's source: ``truth`` is a generator run (or its truth file), "topic"
+    (the truth topic on ``bootstrap``), or None for none."""
+    if not truth:
+        return None
+    if truth == "topic":
+        return TruthLookup.from_topic(bootstrap, topic, timeout_s)
+    return TruthLookup.from_file(truth)
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A training step's outputs still on the device, scored once brought to the host."""
+
+    step: int
+    loss: torch.Tensor  # the step's mean loss (0-d)
+    scores: torch.Tensor  # [n] the online model's click probabilities
+    labels: torch.Tensor  # [n]
+    event_ids: pa.Array  # [n] the impressions' ids (for the Bayes scorer)
+    frozen: np.ndarray | None  # [n] the frozen baseline's probabilities; None without a baseline
+
+
+class OnlineEvaluation:
+    """Progressive validation of a training run over one window: the online model's scores,
+    the frozen baseline's (a full version of the same run, loaded after warm-up) and, with
+    ``truth``, the Bayes-optimal probabilities."""
+
+    def __init__(self, window: int, truth: TruthLookup | None, model_store: ModelStore, device: torch.device,
+                 cache_rows: int) -> None:
+        self.metrics = WindowMetrics(window)
+        self.truth = truth
+        self.frozen: InferenceModel | None = None
+        self._model_store, self._device, self._cache_rows = model_store, device, cache_rows  # where a baseline loads
+
+    def load_frozen(self, version: int) -> bool:
+        """Make ``version`` the frozen baseline; False (and no baseline) if it cannot be loaded."""
+        try:
+            self.frozen = InferenceModel.load(self._model_store, version, self._device, self._cache_rows)
+        except Exception as exc:
+            log.warning("frozen baseline version %d cannot be loaded (%s); comparing without it", version, exc)
+            self.frozen = None
+            return False
+        log.info("frozen baseline: version %d", version)
+        return True
+
+    def frozen_scores(self, batch: SampleBatch, now_ms: int) -> np.ndarray | None:
+        return self.frozen.predict(batch, now_ms) if self.frozen is not None else None
+
+    def add(self, pending: list[PendingStep]) -> None:
+        """Score the steps' impressions (one host transfer for all of them)."""
+        online = torch.cat([p.scores for p in pending]).float().cpu().numpy()
+        labels = torch.cat([p.labels for p in pending]).cpu().numpy()
+        frozen = np.concatenate([p.frozen for p in pending]) if all(p.frozen is not None for p in pending) else None
+        if self.truth is not None:
+            bayes = self.truth.get([e for p in pending for e in p.event_ids.to_pylist()])
+            known = ~np.isnan(bayes)  # compare all scorers on the same impressions
+            self.metrics.add(labels[known], online=online[known], frozen=None if frozen is None else frozen[known], bayes=bayes[known])
+        else:
+            self.metrics.add(labels, online=online, frozen=frozen)
+
+    def close(self) -> None:
+        if self.truth is not None:
+            self.truth.close()
+        if self.frozen is not None:
+            self.frozen.close()

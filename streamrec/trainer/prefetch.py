@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from streamrec.model.batch import batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.trainer.sources import SampleSource
+from streamrec.trainer.sources import Rejection, SampleSource
 
 END = "end"  # the source is exhausted
 IDLE = "idle"  # nothing to train on right now
@@ -91,7 +91,7 @@ class Prefetcher:
         offs: list[np.ndarray] = []
         buffered = 0
         consumed: dict[int, int] = {}
-        rejects: list[tuple[int, int, str]] = []  # not yet handed to the trainer
+        rejects: list[Rejection] = []  # not yet handed to the trainer
         oldest = None
         try:
             for chunk in self.source.chunks():
@@ -99,8 +99,8 @@ class Prefetcher:
                     return
                 t0 = time.perf_counter()
                 rejects += chunk.rejected
-                for _, _, reason in chunk.rejected:
-                    self.rejected[reason.split(":")[0]] += 1
+                for rejection in chunk.rejected:
+                    self.rejected[rejection.reason.split(":")[0]] += 1
                 for p, o in chunk.consumed.items():
                     consumed[p] = max(consumed.get(p, 0), o)
                 if chunk.table.num_rows:
@@ -137,10 +137,10 @@ class Prefetcher:
             if buffered:
                 table = pa.concat_tables(tables)
                 batch = batch_from_table(table, self.spec, self.history_len)
-                batch.positions, batch.rejected = dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)
+                batch.positions, batch.rejected = dict(consumed), _count_reasons(rejects)
                 self._put(batch.pin_memory() if self.pin_memory else batch)
             elif rejects:
-                self._put(Skipped(dict(consumed), Counter(r.split(":")[0] for _, _, r in rejects)))
+                self._put(Skipped(dict(consumed), _count_reasons(rejects)))
             self._put(END)
         except BaseException as exc:  # hand the failure to the training thread
             self._put(exc)
@@ -153,12 +153,17 @@ class Prefetcher:
         return positions
 
     @staticmethod
-    def _settle(rejects: list[tuple[int, int, str]], positions: dict[int, int]) -> tuple[Counter, list[tuple[int, int, str]]]:
+    def _settle(rejects: list[Rejection], positions: dict[int, int]) -> tuple[Counter, list[Rejection]]:
         """Rejected rows before ``positions`` belong to this hand-over; the rest wait."""
         done, later = Counter(), []
         for r in rejects:
-            if r[1] < positions.get(r[0], 0):
-                done[r[2].split(":")[0]] += 1
+            if r.offset < positions.get(r.partition, 0):
+                done[r.reason.split(":")[0]] += 1
             else:
                 later.append(r)
         return done, later
+
+
+def _count_reasons(rejects: list[Rejection]) -> Counter:
+    """Rejections by reason (the part of ``reason: detail`` before the colon)."""
+    return Counter(r.reason.split(":")[0] for r in rejects)

@@ -38,6 +38,20 @@ class TrainerMetrics:
                               "to a free port, or 0 for none") from None
             log.info("metrics on http://%s:%d/metrics", host, port)
 
+    def observe(self, status: dict[str, Any], table_rows: dict[str, int]) -> None:
+        """Set the gauges from a trainer status (``TrainingLoop.status``) and the rows per table."""
+        for scorer in ("online", "frozen", "bayes"):
+            if f"auc_{scorer}" in status:
+                self.auc.labels(scorer).set(status[f"auc_{scorer}"])
+                self.logloss.labels(scorer).set(status[f"logloss_{scorer}"])
+        if status["lag"] is not None:
+            self.lag.set(status["lag"])
+        self.trained_through.set(status["trained_through_ms"])
+        for name, rows in table_rows.items():
+            self.rows.labels(name).set(rows)
+            for tier, held in status["tiers"][name].items():
+                self.tier_rows.labels(name, tier).set(held["rows"])
+
 
 def _tier_rows(status: dict[str, Any]) -> str:
     """"rows gpu_cache 1,204 dram 880 ssd 0": each tier's rows over every table."""

@@ -35,8 +35,9 @@ from typing import Any, Callable
 import torch
 
 from streamrec.modelstore.store import ModelStore, SparseDelta
-from streamrec.embedding.collection import EmbeddingStore, SnapshotTask, to_host
+from streamrec.embedding.collection import EmbeddingCollection, SnapshotTask, to_host
 from streamrec.modelstore.lease import LeaseLost
+from streamrec.plumbing.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,53 @@ class PoisonedModel(RuntimeError):
 
 class PublishFailed(RuntimeError):
     """Versions cannot be published (failures in a row, or the writer lease was lost)."""
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    """How often and how a trainer publishes (``[trainer]`` keys of the config)."""
+
+    interval_s: float  # publish_interval_s: seconds between versions
+    full_every: int  # a full version after this many deltas
+    rows_per_step: int  # publish_rows_per_step: rows snapshotted between two training steps
+    keep_fulls: int = 3  # starting points (fulls, images) garbage collection keeps
+    max_failures: int = 3  # max_publish_failures: failed publishes in a row that end training
+    compact_every: int = 0  # deltas between compactions (0: never)
+    collect_garbage: bool = True  # this writer compacts and deletes old versions (one per model: rank 0)
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.full_every < 1 or self.rows_per_step < 1 or self.max_failures < 1:
+            raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
+
+    @classmethod
+    def from_config(cls, tcfg: TrainerConfig, collect_garbage: bool = True) -> "PublishSettings":
+        return cls(tcfg.publish_interval_s, tcfg.full_every, tcfg.publish_rows_per_step, tcfg.keep_fulls,
+                   tcfg.max_publish_failures, tcfg.compact_every, collect_garbage)
+
+
+@dataclass(frozen=True)
+class ChainPosition:
+    """Where this trainer's version chain stands: saved in checkpoints (as state.json keys of
+    the same names), so a resumed publisher continues the chain or starts a new one."""
+
+    last_version: int | None = None
+    deltas_since_full: int = 0
+    force_full: bool = False  # the next version must be a full one
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "ChainPosition":
+        return cls(state.get("last_version"), state.get("deltas_since_full", 0), state.get("force_full", False))
+
+
+@dataclass
+class _PendingVersion:
+    """A version begun on the training thread, not yet handed to the writer thread."""
+
+    kind: str
+    dense: dict[str, torch.Tensor]  # host copy of the dense parameters
+    meta: dict[str, Any]
+    begin_s: float
+    snapshot_s: float = 0.0
 
 
 @dataclass
@@ -77,26 +125,26 @@ def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> 
 
 
 class Publisher:
-    def __init__(self, store: EmbeddingStore, model_store: ModelStore, interval_s: float, full_every: int,
-                 rows_per_step: int, keep_fulls: int = 3, announce: Callable[[dict], None] | None = None,
-                 last_version: int | None = None, deltas_since_full: int = 0, write_version: "VersionWriter | None" = None,
-                 collect_garbage: bool = True, max_failures: int = 3, force_full: bool = False, compact_every: int = 0) -> None:
-        if interval_s <= 0 or full_every < 1 or rows_per_step < 1 or max_failures < 1:
-            raise ValueError("publish_interval_s must be > 0, full_every, publish_rows_per_step and max_publish_failures >= 1")
-        self.store, self.model_store = store, model_store
-        self.interval_s, self.full_every, self.rows_per_step, self.keep_fulls = interval_s, full_every, rows_per_step, keep_fulls
+    """Publishes the collection and the dense parameters as versions of ``model_store``,
+    continuing the chain at ``resumed`` (a checkpoint's) or starting one. ``announce`` is
+    called with each version's manifest summary; ``write_version`` writes a version (the
+    sharded trainer writes with every rank; default: this process alone)."""
+
+    def __init__(self, store: EmbeddingCollection, model_store: ModelStore, settings: PublishSettings,
+                 resumed: ChainPosition = ChainPosition(), announce: Callable[[dict], None] | None = None,
+                 write_version: "VersionWriter | None" = None) -> None:
+        self.store, self.model_store, self.settings = store, model_store, settings
         self.announce = announce
-        self.write_version = write_version or self._write_local  # the sharded trainer writes with every rank
-        self.collect_garbage = collect_garbage  # one writer compacts and deletes old versions
-        self.compact_every = compact_every  # deltas between compactions (0: never)
-        self.deltas_since_base = deltas_since_full
+        self.write_version = write_version or self._write_local
+        last_version = resumed.last_version
+        self.deltas_since_base = resumed.deltas_since_full
         self.compactions: list[dict[str, Any]] = []
         self._compactor: ThreadPoolExecutor | None = None
         self._compaction: Future | None = None
         self.last_version = last_version
-        self.deltas_since_full = deltas_since_full
-        self.max_failures, self.failures, self.last_error = max_failures, 0, ""
-        self.force_full = force_full or last_version is None  # a chain starts with a full version
+        self.deltas_since_full = resumed.deltas_since_full
+        self.failures, self.last_error = 0, ""
+        self.force_full = resumed.force_full or last_version is None  # a chain starts with a full version
         newest, _ = model_store.resolve_latest()
         if last_version is not None and newest != last_version:
             self.force_full = True
@@ -106,7 +154,7 @@ class Publisher:
         self.poisoned: str | None = None
         self._task: SnapshotTask | None = None
         self._future: Future | None = None
-        self._pending: dict[str, Any] = {}
+        self._pending: _PendingVersion | None = None
         self._last_begin = time.monotonic()
 
     # ------------------------------------------------------------------ state
@@ -115,7 +163,11 @@ class Publisher:
         return self._task is not None or self._future is not None
 
     def due(self) -> bool:
-        return not self.busy and not self.poisoned and time.monotonic() - self._last_begin >= self.interval_s
+        return not self.busy and not self.poisoned and time.monotonic() - self._last_begin >= self.settings.interval_s
+
+    def chain(self) -> ChainPosition:
+        """Where the chain stands now (what a checkpoint saves)."""
+        return ChainPosition(self.last_version, self.deltas_since_full, self.force_full)
 
     # ------------------------------------------------------------------ phases
     def begin(self, dense: dict[str, torch.Tensor], meta: dict[str, Any], kind: str | None = None) -> str:
@@ -125,11 +177,11 @@ class Publisher:
         if self.busy:
             raise RuntimeError("a publish is already in progress")
         if kind is None:
-            kind = "full" if self.force_full or self.deltas_since_full >= self.full_every else "delta"
+            kind = "full" if self.force_full or self.deltas_since_full >= self.settings.full_every else "delta"
         t0 = time.perf_counter()
         self._task = self.store.begin_snapshot(kind)
         dense_copy = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
-        self._pending = {"kind": kind, "dense": dense_copy, "meta": dict(meta), "begin_s": time.perf_counter() - t0, "snapshot_s": 0.0}
+        self._pending = _PendingVersion(kind, dense_copy, dict(meta), begin_s=time.perf_counter() - t0)
         self._last_begin = time.monotonic()
         return kind
 
@@ -138,8 +190,8 @@ class Publisher:
         version has just become visible."""
         if self._task is not None:
             t0 = time.perf_counter()
-            done = self._task.step(self.rows_per_step)
-            self._pending["snapshot_s"] += time.perf_counter() - t0
+            done = self._task.step(self.settings.rows_per_step)
+            self._pending.snapshot_s += time.perf_counter() - t0
             if done:
                 tables, pending = self._task.result(), self._pending
                 self._task = None
@@ -157,10 +209,10 @@ class Publisher:
             except Exception as exc:  # I/O: keep training, and make the next version a full one
                 self.force_full = True
                 self.failures, self.last_error = self.failures + 1, str(exc)
-                if self.failures >= self.max_failures:
+                if self.failures >= self.settings.max_failures:
                     raise PublishFailed(f"{self.failures} publishes in a row failed, the last with: {exc}") from None
                 log.error("publishing failed (%s, %d of %d in a row); the next version will be a full one", exc,
-                          self.failures, self.max_failures)
+                          self.failures, self.settings.max_failures)
                 return None
             self.failures = 0
             self._finish(record)
@@ -184,21 +236,21 @@ class Publisher:
             self._future.cancel()
 
     # ------------------------------------------------------------------ writer thread
-    def _write(self, pending: dict, tables: dict[str, SparseDelta]) -> PublishRecord:
+    def _write(self, pending: _PendingVersion, tables: dict[str, SparseDelta]) -> PublishRecord:
         t0 = time.perf_counter()
         tables = to_host(tables)
-        kind = pending["kind"]
-        version = self.write_version(self.model_store, kind, self.last_version, tables, pending["dense"], pending["meta"],
-                                     _refusal(tables, pending["dense"]))
+        kind, keep_fulls = pending.kind, self.settings.keep_fulls
+        version = self.write_version(self.model_store, kind, self.last_version, tables, pending.dense, pending.meta,
+                                     _refusal(tables, pending.dense))
         self._announce(version)  # from here: the training thread learns of it only at its next pump
-        if kind == "full" and self.keep_fulls and self.collect_garbage:
+        if kind == "full" and keep_fulls and self.settings.collect_garbage:
             try:
-                self.model_store.gc(keep_fulls=self.keep_fulls)
+                self.model_store.gc(keep_fulls=keep_fulls)
             except Exception as exc:  # the version is out: old ones are deleted at the next full
                 log.warning("deleting old versions failed: %s", exc)
         rows = sum(len(d.keys) + len(d.deleted) for d in tables.values())
-        return PublishRecord(version, kind, rows, pending["begin_s"], pending["snapshot_s"], time.perf_counter() - t0,
-                             int(pending["meta"].get("trained_through_ms", 0)))
+        return PublishRecord(version, kind, rows, pending.begin_s, pending.snapshot_s, time.perf_counter() - t0,
+                             int(pending.meta.get("trained_through_ms", 0)))
 
     def _write_local(self, model_store: ModelStore, kind: str, parent: int | None, tables: dict[str, SparseDelta],
                      dense: dict[str, torch.Tensor], meta: dict[str, Any], refusal: str | None) -> int:
@@ -220,7 +272,8 @@ class Publisher:
 
     def _maybe_compact(self, version: int) -> None:
         """Compact the chain up to ``version`` in the background, one compaction at a time."""
-        if not (self.compact_every and self.collect_garbage and self.deltas_since_base >= self.compact_every):
+        settings = self.settings
+        if not (settings.compact_every and settings.collect_garbage and self.deltas_since_base >= settings.compact_every):
             return
         if self._compaction is not None and not self._compaction.done():
             return  # the next delta tries again
@@ -233,7 +286,8 @@ class Publisher:
         t0 = time.perf_counter()
         try:
             rows = self.model_store.compact(version)
-            deleted = self.model_store.gc(keep_fulls=self.keep_fulls) if self.keep_fulls else []
+            keep_fulls = self.settings.keep_fulls
+            deleted = self.model_store.gc(keep_fulls=keep_fulls) if keep_fulls else []
         except Exception as exc:  # the chain stays longer until the next try; versions are unaffected
             log.warning("compacting the chain up to version %d failed: %s", version, exc)
             return
@@ -260,3 +314,23 @@ class Publisher:
         rows = sum(r.rows for r in self.records)
         paused = sum(r.begin_s + r.snapshot_s for r in self.records)
         return math.nan if rows == 0 else 1000 * paused / rows * 1e6
+
+
+class TopicAnnouncer:
+    """Announces versions on the model-updates topic, keyed by the model's name (the
+    publisher calls it on its writer thread, right after a version is in the store)."""
+
+    def __init__(self, bootstrap: str, topic: str, model: str, timeout_s: float) -> None:
+        from streamrec.plumbing.bus.clients import make_producer
+
+        self.producer = make_producer(bootstrap, timeout_s=timeout_s)
+        self.topic, self.key = topic, model.encode()
+
+    def __call__(self, message: dict) -> None:
+        import orjson
+
+        self.producer.send(self.topic, key=self.key, value=orjson.dumps(message))
+        self.producer.flush(timeout=10)
+
+    def close(self) -> None:
+        self.producer.close(timeout=5)

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -26,13 +26,21 @@ from streamrec.trainer.rejected import RejectedLog
 log = logging.getLogger(__name__)
 
 
+class Rejection(NamedTuple):
+    """A row the checks refused: where it was read, and why (``reason: detail``)."""
+
+    partition: int
+    offset: int
+    reason: str
+
+
 @dataclass
 class SampleChunk:
     table: pa.Table  # checked samples only
     partitions: np.ndarray  # [rows] source partition of each row
     offsets: np.ndarray  # [rows] offset of each row in its partition
     consumed: dict[int, int] = field(default_factory=dict)  # next position per partition, rejected rows included
-    rejected: list[tuple[int, int, str]] = field(default_factory=list)  # (partition, offset, reason)
+    rejected: list[Rejection] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -106,7 +114,7 @@ class FileSampleSource:
                     good, reasons = check_samples(table, self.spec)
                     self._left -= table.num_rows
                     yield SampleChunk(table.filter(pa.array(good)), np.full(int(good.sum()), part, np.int64), rows[good],
-                                      {part: offset}, [(part, int(rows[i]), r) for i, r in reasons])
+                                      {part: offset}, [Rejection(part, int(rows[i]), r) for i, r in reasons])
             if not self.loop:
                 return
             self.start = {}
@@ -193,7 +201,7 @@ class KafkaSampleSource:
             if rejected and self.rejected_log is not None:
                 self.rejected_log.flush()
             yield SampleChunk(table, partitions[index], offsets[index], consumed,
-                              [(int(partitions[i]), int(offsets[i]), reason) for i, reason in rejected])
+                              [Rejection(int(partitions[i]), int(offsets[i]), reason) for i, reason in rejected])
 
     def _measure_lag(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,360 @@
+"""The training loop: one thread that pulls batches, trains, evaluates and publishes.
+
+Per step (the embedding tables are single-writer)::
+
+    batch  <- prefetch queue (decoded, batched, pinned by a background thread)
+    pull   sparse rows (unique ids per table)          -- "lookup"
+    forward + backward                                 -- "forward_backward"
+    dense optimizer step + fused sparse updates        -- "update"
+    keep loss and scores on the device; every DRAIN_EVERY steps check the losses are
+    finite (else stop, never publish) and score them   -- "evaluate"
+    publish slice (bounded) / checkpoint when due      -- "publish"
+
+Stopping (SIGINT/SIGTERM, ``max_samples``, ``max_seconds``, idle timeout, end of files)
+finishes the step, publishes what was trained since the last version, checkpoints, and
+commits the source positions.
+
+On several ranks (trainer/distributed.py) the loop is the same on every rank: before each
+step the ranks agree (one small all_gather) on how many samples the step has, the step's
+clock, whether to stop, and rank 0's word on publishing and checkpointing, so every rank
+calls the same collectives in the same order. A rank without a batch steps with an empty
+one. Embeddings are sharded by key (embedding/sharded.py), dense parameters replicated (DDP).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from streamrec.embedding.budget import tier_usage
+from streamrec.embedding.collection import training_collection
+from streamrec.model.batch import SampleBatch, batch_from_table
+from streamrec.model.network import inference_cache_rows
+from streamrec.model.sparse import SparseFeatures
+from streamrec.trainer.dense_graph import GraphedDense
+from streamrec.trainer.distributed import Agreed, Publish, ShardedVersionWriter, agree
+from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
+from streamrec.trainer.prefetch import END, Prefetcher, Skipped
+from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
+from streamrec.trainer.publisher import ChainPosition, PoisonedModel, PublishFailed, Publisher, PublishSettings, TopicAnnouncer
+from streamrec.trainer.rejected import RejectedLog
+from streamrec.trainer.session import TrainingSession
+from streamrec.trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource
+
+log = logging.getLogger("streamrec.trainer")
+PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
+DRAIN_EVERY = 16  # steps between host syncs of losses and scores
+
+
+def _dense_forward(session: TrainingSession) -> Callable[..., torch.Tensor]:
+    """The dense model as the step calls it: under DDP on several ranks (parameters
+    replicated, gradients all-reduced), as CUDA graphs on one GPU (captured here, so before
+    any other thread uses the device), else eager."""
+    model, device, tcfg = session.model, session.device, session.cfg.trainer
+    if session.ranks.distributed:
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if device.type == "cuda" and tcfg.cuda_graphs:
+        return GraphedDense(model, tcfg.batch_size, device)
+    return model
+
+
+def _open_source(session: TrainingSession) -> SampleSource:
+    """This rank's share of the samples (files or the topic), from the session's positions."""
+    cfg, opts, ranks = session.cfg, session.opts, session.ranks
+    positions = {int(p): int(o) for p, o in session.state.get("positions", {}).items()}
+    shard = (ranks.rank, ranks.world)
+    if opts.files:
+        return FileSampleSource(opts.files, session.feature_spec, positions, loop=opts.loop_files, shard=shard)
+    kept = session.home / "rejected" / f"rank-{ranks.rank:05d}.jsonl"
+    return KafkaSampleSource(cfg.kafka.bootstrap_servers, cfg.topics.samples, cfg.trainer.group, session.feature_spec,
+                             positions, timeout_s=cfg.kafka.connect_timeout_s, shard=shard,
+                             rejected_log=RejectedLog(kept, cfg.trainer.rejected_keep_mb << 20))
+
+
+def _empty_batch(session: TrainingSession) -> SampleBatch:
+    """What a rank without samples steps with, so it still joins the step's collectives."""
+    return batch_from_table(session.feature_spec.schema().empty_table(), session.feature_spec, session.spec.history_len)
+
+
+def _version_meta(session: TrainingSession, positions: dict[int, int]) -> dict[str, Any]:
+    """What a version's manifest says of the training that made it."""
+    state = session.state
+    return {
+        "trained_through_ms": state["trained_through_ms"],
+        "snapshot_at": time.time(),  # the moment the published state was fixed (freshness breakdown)
+        "source": session.source_name,
+        "offsets": {str(p): o for p, o in sorted(positions.items())},
+        "samples_trained": state["global_samples"],
+        "step": state["step"],
+        "model_spec": session.spec.to_json(),
+        "feature_spec": session.feature_spec.to_json(),
+    }
+
+
+class TrainingLoop:
+    """The step and what runs between steps, on the session's model, optimizer, collection
+    and state (also held here, for short access on the step's path)."""
+
+    def __init__(self, session: TrainingSession) -> None:
+        self.session = session
+        cfg, opts, ranks = session.cfg, session.opts, session.ranks
+        tcfg = cfg.trainer
+        self.cfg, self.opts, self.ranks, self.device = cfg, opts, ranks, session.device
+        self.feature_spec, self.spec, self.state = session.feature_spec, session.spec, session.state
+        self.model, self.optimizer, self.store = session.model, session.optimizer, session.store
+        self.rejected = session.rejected
+        self.times = {p: 0.0 for p in PHASES}  # seconds spent in each phase of the step
+        self.started, self.samples_at_start = time.monotonic(), self.state["global_samples"]  # set again when run starts
+        self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
+        self.sparse = SparseFeatures(training_collection(self.store, ranks.distributed, ranks.group))
+        self.forward = _dense_forward(session)  # before any other thread starts
+        self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
+        truth = open_truth(opts.truth, cfg.kafka.bootstrap_servers, cfg.topics.truth, cfg.kafka.connect_timeout_s)
+        self.evaluation = OnlineEvaluation(tcfg.eval_window, truth, session.model_store, self.device,
+                                           inference_cache_rows(cfg.model, cfg.ps))
+        announce = (opts.announce if opts.announce is not None else not opts.files) and ranks.rank == 0
+        self.announcer = TopicAnnouncer(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name,
+                                        cfg.kafka.connect_timeout_s) if announce else None
+        self.publisher = Publisher(self.store, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
+                                   ChainPosition.from_state(self.state), self.announcer,
+                                   ShardedVersionWriter(ranks, self.store) if ranks.distributed else None)
+        self._frozen_pending = False  # a full version for the frozen baseline is being published
+        if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
+            self._load_frozen(self.state["frozen_version"])
+        self.reporter = ProgressReporter(tcfg.progress_interval_s, session.home / "eval.jsonl") if opts.progress and ranks.rank == 0 else None
+
+    def _load_frozen(self, version: int) -> None:
+        if self.evaluation.load_frozen(version):
+            self.state["frozen_version"] = version
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> None:
+        """Train until the source ends or a stop is due, then publish what the store lacks,
+        checkpoint and commit the positions. Failures propagate to the caller."""
+        tcfg = self.cfg.trainer
+        source = _open_source(self.session)
+        prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+                              pin_memory=self.device.type == "cuda",
+                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
+        self.started = time.monotonic()
+        self._last_data = time.monotonic()
+        self._last_checkpoint = time.monotonic()
+        self.samples_at_start = self.state["global_samples"]
+        self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
+        try:
+            self._train(source, prefetch)
+            self._finish(source)
+        finally:
+            prefetch.stop()
+            source.close()
+
+    def _train(self, source: SampleSource, prefetch: Prefetcher) -> None:
+        opts, ended = self.opts, False
+        while True:
+            t0 = time.perf_counter()
+            # files never idle: wait for the batch, so a slow decode never turns into an
+            # empty step (steps then hold the same samples run after run). Idle on the topic,
+            # look again soon while a version is due or on its way (its publish waits on this loop)
+            idle_wait = 0.05 if self.publisher.busy or self._dirty() else 0.5
+            item = END if ended else prefetch.get(timeout=None if opts.files else idle_wait)
+            self.times["input"] += time.perf_counter() - t0
+            batch = item if isinstance(item, SampleBatch) else None
+            ended = ended or item is END
+            if isinstance(item, Skipped):
+                self._advance(item.positions, item.rejected)
+            trained = self.state["global_samples"] - self.samples_at_start
+            idle_s = time.monotonic() - self._last_data
+            stop = self.session.stop_requested.is_set() or bool(opts.max_samples and trained >= opts.max_samples) or \
+                bool(opts.max_seconds and time.monotonic() - self.started >= opts.max_seconds) or \
+                bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
+            publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
+            agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
+                           batch.max_ts() if batch is not None else 0, publish, checkpoint)
+            if agreed.samples:
+                self._last_data = time.monotonic()
+                self._step(batch if batch is not None else _empty_batch(self.session), agreed)
+            if agreed.ended:
+                return
+            if agreed.stop:
+                if opts.idle_exit_s and idle_s > opts.idle_exit_s:
+                    log.info("no samples for %.0f s: stopping", opts.idle_exit_s)
+                return
+            self._between_steps(source, agreed)
+
+    def _finish(self, source: SampleSource) -> None:
+        self.publisher.flush()
+        if self._dirty():
+            self._begin_publish()
+            self.publisher.flush()
+        self.checkpoint(source)
+        if self.publisher.failures:  # what was trained last is not in the store: not a clean stop
+            raise PublishFailed(f"the last publish failed ({self.publisher.last_error}); the checkpoint holds what "
+                                "was trained, and the next run publishes it as a full version")
+
+    def _decide(self) -> tuple[Publish, bool]:
+        """Rank 0's word (every rank's, alone) on what follows this step: whether to
+        publish (and what), and whether to checkpoint."""
+        tcfg = self.cfg.trainer
+        publish = Publish.NO
+        if not self.publisher.busy and self.state["global_samples"] > 0 and not self.publisher.poisoned:
+            want_frozen = tcfg.frozen_baseline and self.evaluation.frozen is None and not self._frozen_pending and \
+                self.state.get("frozen_version") is None and self.state["global_samples"] >= tcfg.warmup_samples
+            if want_frozen:
+                publish = Publish.FULL_FOR_BASELINE
+            elif self.publisher.due() and self._dirty():
+                publish = Publish.DUE
+        checkpoint = bool(tcfg.checkpoint_interval_s) and time.monotonic() - self._last_checkpoint >= tcfg.checkpoint_interval_s \
+            and not self.publisher.busy and not publish
+        return publish, checkpoint
+
+    def _dirty(self) -> bool:
+        """Something the store lacks: samples since the last publish, a failed publish, or
+        versions in the store this trainer's state does not match (a full version is due)."""
+        return self.state["global_samples"] > self.state.get("published_samples", -1) or self.publisher.force_full
+
+    def _step(self, batch: SampleBatch, agreed: Agreed) -> None:
+        sync = self.opts.sync_timings and self.device.type == "cuda"
+        t0 = time.perf_counter()
+        batch = batch.to(self.device, non_blocking=True)
+        now_ms = agreed.now_ms
+        inputs, handles = self.sparse.pull(batch, now_ms)
+        if sync:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        logits = self.forward(*inputs.as_args())
+        n = len(batch)
+        if self.ranks.distributed:
+            # the mean over the step's samples on all ranks: DDP averages gradients over
+            # ranks, so each rank's share is scaled by world / total (empty batches add 0)
+            summed = F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
+            loss = summed * (self.ranks.world / agreed.samples)
+            reported = summed.detach() / max(1, n)
+        else:
+            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+            reported = loss.detach()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if sync:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self.sparse.push(handles)
+        if sync:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if n:
+            frozen = self.evaluation.frozen_scores(batch, now_ms)
+            self._pending.append(PendingStep(self.state["step"], reported, torch.sigmoid(logits.detach()), batch.label,
+                                             batch.event_ids, frozen))
+        if len(self._pending) >= DRAIN_EVERY:
+            self._drain()
+        t4 = time.perf_counter()
+        self.times["lookup"] += t1 - t0
+        self.times["forward_backward"] += t2 - t1
+        self.times["update"] += t3 - t2
+        self.times["evaluate"] += t4 - t3
+        self.state["step"] += 1
+        self.state["samples"] += n
+        self.state["global_samples"] += agreed.samples
+        self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
+        self._advance(batch.positions, batch.rejected)
+        self.prom.samples.inc(n)
+        if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
+            for table in self.store.tables.values():
+                table.expire(now_ms)
+
+    def _drain(self) -> None:
+        """Bring the last steps' losses and scores to the host in one transfer: refuse a
+        non-finite loss (PoisonedModel), feed progressive validation. Runs every
+        DRAIN_EVERY steps and before anything is published, checkpointed or reported, so
+        no per-step host sync stalls the device queue."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        losses = torch.stack([p.loss for p in pending]).float().cpu()
+        finite = torch.isfinite(losses)
+        if not bool(finite.all()):
+            first = int(torch.nonzero(~finite)[0, 0])
+            self.publisher.abandon(f"loss is {float(losses[first])} at step {pending[first].step}")
+            raise PoisonedModel(f"the training loss became {float(losses[first])} at step {pending[first].step}")
+        self.state["loss"] = float(losses[-1])
+        self.prom.loss.set(self.state["loss"])
+        self.evaluation.add(pending)
+
+    def _advance(self, positions: dict[int, int], rejected: Counter) -> None:
+        for p, o in positions.items():
+            self._positions[p] = max(self._positions.get(p, 0), o)
+        self.rejected.update(rejected)
+
+    def _between_steps(self, source: SampleSource, agreed: Agreed) -> None:
+        t0 = time.perf_counter()
+        record = self.publisher.pump()
+        if record is not None:
+            self.prom.version.set(record.version)
+            if self._frozen_pending and record.kind == "full":
+                self._frozen_pending = False
+                self._load_frozen(record.version)
+        if agreed.publish:
+            self.publisher.flush()  # a rank whose last version is still being written finishes it first
+            full_for_baseline = agreed.publish is Publish.FULL_FOR_BASELINE
+            if full_for_baseline:
+                self._frozen_pending = True
+            self._begin_publish(kind="full" if full_for_baseline else None)
+        self.times["publish"] += time.perf_counter() - t0
+        if agreed.checkpoint:
+            self.checkpoint(source)
+            self._last_checkpoint = time.monotonic()
+        if self.reporter is not None and self.reporter.due():
+            self._drain()
+            self.reporter.report(self.status(source))
+
+    def _begin_publish(self, kind: str | None = None) -> None:
+        self._drain()  # never begin a version after an unchecked loss
+        self.publisher.begin(self.model.state_dict(), _version_meta(self.session, self._positions), kind)
+        self.state["published_samples"] = self.state["global_samples"]
+
+    def checkpoint(self, source: SampleSource) -> Path:
+        """Consistent checkpoint (only between steps, never during a publish); then commit
+        offsets. On several ranks every rank saves the same step (of its own shard and
+        positions), and offsets are committed once all have."""
+        self._drain()
+        self.publisher.flush()
+        path = self.session.save_checkpoint(self._positions, self.publisher.chain())
+        try:
+            source.commit(self._positions)
+        except Exception as exc:  # the checkpoint holds the positions; the group commit is for lag tools
+            log.warning("committing offsets failed: %s", exc)
+        return path
+
+    # ------------------------------------------------------------------ reporting
+    def status(self, source: SampleSource | None = None) -> dict[str, Any]:
+        """This rank's view (on several ranks: the metrics of its own samples)."""
+        out = {
+            "samples": self.state["global_samples"],
+            "step": self.state["step"],
+            "loss": self.state.get("loss"),
+            "trained_through_ms": self.state["trained_through_ms"],
+            "version": self.publisher.last_version,
+            "rejected": dict(self.rejected),
+            "lag": source.lag() if source is not None else None,
+            **self.evaluation.metrics.summary(),
+        }
+        out["tiers"] = {name: tier_usage(table) for name, table in self.store.tables.items()}
+        self.prom.observe(out, {name: len(table) for name, table in self.store.tables.items()})
+        return out
+
+    def close(self) -> None:
+        """Finish the publisher's background work and close what the loop opened."""
+        self.publisher.close()
+        if self.reporter is not None:
+            self.reporter.close()
+        self.evaluation.close()
+        if self.announcer is not None:
+            self.announcer.close()
