@@ -227,7 +227,7 @@ def test_a_publish_refuses_non_finite_embeddings_the_loss_never_saw(tmp_path, sa
     good = ms.latest()
     assert good is not None
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=20000, progress=False))
-    table = trainer.session.store["item"]
+    table = trainer.session.embeddings["item"]
     key = torch.tensor([2**62])  # no sample carries this id: no loss reads the row
     table.load_rows(key, torch.full((1, table.config.dim), float("inf")))
     touched, deleted = table.tracking.tracked()

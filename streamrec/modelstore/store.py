@@ -39,7 +39,7 @@ import io
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -50,7 +50,6 @@ import pyarrow.ipc as ipc
 import torch
 
 from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, SparseDelta, dense_table, sparse_arrays, sparse_table
-
 
 
 class Lease(Protocol):

@@ -49,13 +49,13 @@ class Checkpointer:
     def at(self, step: int) -> Path:
         return self.dir / f"ckpt-{step:012d}"
 
-    def save(self, step: int, store: EmbeddingCollection, dense: dict[str, Any], state: dict[str, Any]) -> Path:
+    def save(self, step: int, embeddings: EmbeddingCollection, dense: dict[str, Any], state: dict[str, Any]) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{step:012d}"
         tmp = self.dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            store.checkpoint(tmp / "sparse")
+            embeddings.checkpoint(tmp / "sparse")
             buf = io.BytesIO()
             torch.save(dense, buf)
             (tmp / "dense.pt").write_bytes(buf.getvalue())
@@ -80,10 +80,10 @@ class Checkpointer:
         return final
 
     def load(self, path: Path, device: torch.device, work_dir: Path | None) -> tuple[EmbeddingCollection, dict, dict]:
-        store, _ = EmbeddingCollection.restore(path / "sparse", device, work_dir)
+        embeddings, _ = EmbeddingCollection.restore(path / "sparse", device, work_dir)
         dense = torch.load(path / "dense.pt", map_location=device, weights_only=False)
         state = json.loads((path / "state.json").read_text())
-        return store, dense, state
+        return embeddings, dense, state
 
     def _prune(self, keep_name: str) -> None:
         done = sorted(p for p in self.dir.glob("ckpt-*") if p.is_dir())

@@ -147,8 +147,8 @@ class ShardedVersionWriter:
     shard's files, then renames the version into place and moves LATEST. A rank that
     refuses (non-finite values) or fails makes the version abort on every rank."""
 
-    def __init__(self, ranks: Ranks, store: EmbeddingCollection) -> None:
-        self.ranks, self.store = ranks, store
+    def __init__(self, ranks: Ranks, embeddings: EmbeddingCollection) -> None:
+        self.ranks, self.embeddings = ranks, embeddings
 
     def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
                  dense: Mapping[str, torch.Tensor] | None, meta: Mapping[str, Any] | None, refusal: str | None) -> int:
@@ -165,7 +165,7 @@ class ShardedVersionWriter:
         files, problem = {}, refusal
         if problem is None:
             try:
-                dims = {name: t.config.dim for name, t in self.store.tables.items()}
+                dims = {name: t.config.dim for name, t in self.embeddings.tables.items()}
                 files = model_store.write_shard(staged[0], tables, dims, ranks.rank, ranks.world)
             except Exception as exc:  # reported to rank 0, which aborts the version for all
                 problem = f"rank {ranks.rank} could not write its shard: {exc}"

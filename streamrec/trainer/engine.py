@@ -92,7 +92,7 @@ class Trainer:
             "compactions": loop.publisher.compactions,
             "publish_stall_ms_per_million_rows": loop.publisher.stall_ms_per_million_rows(),
             "frozen_version": state.get("frozen_version"),
-            "table_rows": {name: len(t) for name, t in self.session.store.tables.items()},
+            "table_rows": {name: len(t) for name, t in self.session.embeddings.tables.items()},
         })
         if ranks.distributed:
             shares = gather_to_all(ranks, {"samples": state["samples"], "table_rows": out["table_rows"],

@@ -108,12 +108,12 @@ class TrainingLoop:
         tcfg = cfg.trainer
         self.cfg, self.opts, self.ranks, self.device = cfg, opts, ranks, session.device
         self.feature_spec, self.spec, self.state = session.feature_spec, session.spec, session.state
-        self.model, self.optimizer, self.store = session.model, session.optimizer, session.store
+        self.model, self.optimizer, self.embeddings = session.model, session.optimizer, session.embeddings
         self.rejected = session.rejected
         self.times = {p: 0.0 for p in PHASES}  # seconds spent in each phase of the step
         self.started, self.samples_at_start = time.monotonic(), self.state["global_samples"]  # set again when run starts
         self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
-        self.sparse = SparseFeatures(training_collection(self.store, ranks.distributed, ranks.group))
+        self.sparse = SparseFeatures(training_collection(self.embeddings, ranks.distributed, ranks.group))
         self.forward = _dense_forward(session)  # before any other thread starts
         self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
         truth = open_truth(opts.truth, cfg.kafka.bootstrap_servers, cfg.topics.truth, cfg.kafka.connect_timeout_s)
@@ -122,9 +122,9 @@ class TrainingLoop:
         announce = (opts.announce if opts.announce is not None else not opts.files) and ranks.rank == 0
         self.announcer = TopicAnnouncer(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name,
                                         cfg.kafka.connect_timeout_s) if announce else None
-        self.publisher = Publisher(self.store, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
+        self.publisher = Publisher(self.embeddings, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
                                    ChainPosition.from_state(self.state), self.announcer,
-                                   ShardedVersionWriter(ranks, self.store) if ranks.distributed else None)
+                                   ShardedVersionWriter(ranks, self.embeddings) if ranks.distributed else None)
         self._frozen_pending = False  # a full version for the frozen baseline is being published
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
             self._load_frozen(self.state["frozen_version"])
@@ -267,7 +267,7 @@ class TrainingLoop:
         self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
         if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
-            for table in self.store.tables.values():
+            for table in self.embeddings.tables.values():
                 table.expire(now_ms)
 
     def _drain(self) -> None:
@@ -346,8 +346,8 @@ class TrainingLoop:
             "lag": source.lag() if source is not None else None,
             **self.evaluation.metrics.summary(),
         }
-        out["tiers"] = {name: tier_usage(table) for name, table in self.store.tables.items()}
-        self.prom.observe(out, {name: len(table) for name, table in self.store.tables.items()})
+        out["tiers"] = {name: tier_usage(table) for name, table in self.embeddings.tables.items()}
+        self.prom.observe(out, {name: len(table) for name, table in self.embeddings.tables.items()})
         return out
 
     def close(self) -> None:

@@ -130,10 +130,10 @@ class Publisher:
     called with each version's manifest summary; ``write_version`` writes a version (the
     sharded trainer writes with every rank; default: this process alone)."""
 
-    def __init__(self, store: EmbeddingCollection, model_store: ModelStore, settings: PublishSettings,
+    def __init__(self, embeddings: EmbeddingCollection, model_store: ModelStore, settings: PublishSettings,
                  resumed: ChainPosition = ChainPosition(), announce: Callable[[dict], None] | None = None,
                  write_version: "VersionWriter | None" = None) -> None:
-        self.store, self.model_store, self.settings = store, model_store, settings
+        self.embeddings, self.model_store, self.settings = embeddings, model_store, settings
         self.announce = announce
         self.write_version = write_version or self._write_local
         last_version = resumed.last_version
@@ -179,7 +179,7 @@ class Publisher:
         if kind is None:
             kind = "full" if self.force_full or self.deltas_since_full >= self.settings.full_every else "delta"
         t0 = time.perf_counter()
-        self._task = self.store.begin_snapshot(kind)
+        self._task = self.embeddings.begin_snapshot(kind)
         dense_copy = {k: v.detach().to("cpu", copy=True) for k, v in dense.items()}
         self._pending = _PendingVersion(kind, dense_copy, dict(meta), begin_s=time.perf_counter() - t0)
         self._last_begin = time.monotonic()
@@ -195,7 +195,7 @@ class Publisher:
             if done:
                 tables, pending = self._task.result(), self._pending
                 self._task = None
-                self._future = self.store.writer.submit(self._write, pending, tables)
+                self._future = self.embeddings.writer.submit(self._write, pending, tables)
         if self._future is not None and self._future.done():
             future, self._future = self._future, None
             try:
@@ -256,7 +256,7 @@ class Publisher:
                      dense: dict[str, torch.Tensor], meta: dict[str, Any], refusal: str | None) -> int:
         if refusal:
             raise PoisonedModel(refusal)
-        return self.store.write(model_store, kind, tables, dense, meta, parent)
+        return self.embeddings.write(model_store, kind, tables, dense, meta, parent)
 
     def _finish(self, record: PublishRecord) -> None:
         self.last_version = record.version

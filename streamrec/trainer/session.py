@@ -153,11 +153,11 @@ class TrainingSession:
         # fused on CUDA: one kernel over every parameter instead of a dozen launches per step
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.model.dense_lr, fused=self.device.type == "cuda")
         if latest is None:
-            self.store = EmbeddingCollection(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir, seed=1000 * ranks.rank)
+            self.embeddings = EmbeddingCollection(table_configs(self.cfg.model, self.cfg.ps), self.device, self.tiers_dir, seed=1000 * ranks.rank)
             self.state: dict[str, Any] = {"step": 0, "samples": 0, "global_samples": 0, "positions": {}, "trained_through_ms": 0,
                                           "source": self.source_name}
             return
-        self.store, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
+        self.embeddings, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
         self._check_resumable(latest)
         self.state.setdefault("global_samples", self.state["samples"])
         self.model.load_state_dict(dense["model"])
@@ -214,7 +214,7 @@ class TrainingSession:
             "source": self.source_name,
             "world_size": self.ranks.world,
         })
-        path = self.checkpointer.save(self.state["step"], self.store,
+        path = self.checkpointer.save(self.state["step"], self.embeddings,
                                       {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.state)
         gather_to_all(self.ranks, self.state["step"])  # every rank holds this step before any commits offsets
         return path
@@ -240,7 +240,7 @@ class TrainingSession:
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
         """Release the collection, its scratch tiers, the lease, the lock and the ranks."""
-        self.store.close()
+        self.embeddings.close()
         shutil.rmtree(self.tiers_dir, ignore_errors=True)
         self._release()
 
