@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.streamrec-installed
 
-.PHONY: setup demo test test-fast bench clean distclean
+.PHONY: setup demo test test-fast test-gpu bench clean distclean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# On a CUDA machine (2 GPUs for the NCCL cases): every test marked gpu.
+test-gpu: setup
+	$(PY) -m pytest -v -m gpu
 
 bench: setup
 	$(VENV)/bin/streamrec bench generator

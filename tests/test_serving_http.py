@@ -6,6 +6,7 @@ request, and rollback restores the previous predictions exactly.
 The server runs with ``torch.compile`` buckets (the CPU form of bucket pre-compilation;
 CUDA graphs are checked on the GPU by bench/bench_serving_runtime.py)."""
 
+import http.client
 import json
 import shutil
 import subprocess
@@ -149,6 +150,9 @@ def test_buckets_compile_at_load_and_an_out_of_bucket_batch_gets_its_own(server,
     ("/v1/models/ctr:predict", {"instances": []}, None, 400, "needs 'instances'"),
     ("/v1/models/ctr:predict", {"instances": [1, 2]}, None, 400, "are not JSON objects"),
     ("/v1/models/ctr:predict", {"instances": [{}] * 1025}, None, 413, "serving.max_instances"),
+    # the form comes from the top-level keys, not from a string that says "instances"
+    ("/v1/models/ctr:predict", {"user_id": 1, "context": {"device": "instances"}, "candidates": [{"item_id": 2}]}, None,
+     400, "no online feature store"),
 ])
 def test_bad_requests_get_a_clear_4xx(server, path, body, raw, status, message):
     base = server[0]
@@ -238,6 +242,61 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
     assert "streamrec_serving_requests_total" in metrics and f"streamrec_serving_model_version {float(versions[-1])}" in metrics
     assert json.loads(urllib.request.urlopen(base + "/openapi.json").read())["info"]["title"] == "streamrec serving"
 
+
+
+def _admin_with_two_tokens(base: str, path: str) -> tuple[int, dict]:
+    """POST ``path`` with two Authorization headers (a wrong one, then the right one)."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest("POST", path)
+        conn.putheader("Authorization", "Bearer wrong")
+        conn.putheader("Authorization", f"Bearer {TOKEN}")
+        conn.putheader("Content-Length", "2")
+        conn.endheaders(b"{}")
+        response = conn.getresponse()
+        return response.status, orjson.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_a_failed_reload_or_rollback_pins_nothing_and_a_typo_is_refused(server):
+    """An operator's :reload/:rollback to a version that does not load changes nothing: no
+    PIN in the store (every node would stop following LATEST), the same version served; an
+    admin body with an unknown key is a 400, not a release of the pin; an admin call with two
+    Authorization headers is refused, whichever of them is right."""
+    base, store_root, versions = server
+    model_dir = store_root / "ctr"
+    status, before = call(base, "GET", "/v1/models/ctr")
+    assert status == 200 and not before["pinned"] and not (model_dir / "PIN").exists()
+    served = before["model_version"]
+    broken = versions[1]
+    sparse = sorted((model_dir / "versions" / f"{broken:012d}" / "sparse").rglob("*.arrow"))[0]
+    saved = sparse.read_bytes()
+    sparse.unlink()
+    try:
+        for route in (":rollback", ":reload"):
+            status, answer = call(base, "POST", f"/v1/models/ctr{route}", {"version": broken}, token=TOKEN)
+            assert status == 422, (route, status, answer)
+            assert not (model_dir / "PIN").exists(), f"a failed {route} wrote a pin"
+            status, now = call(base, "GET", "/v1/models/ctr")
+            assert now["model_version"] == served and not now["pinned"], (route, now)
+    finally:
+        sparse.write_bytes(saved)
+
+    status, answer = call(base, "POST", "/v1/models/ctr:rollback", {"version": versions[0]}, token=TOKEN)
+    assert status == 200 and answer["pinned"] and (model_dir / "PIN").exists()
+    status, answer = call(base, "POST", "/v1/models/ctr:reload", {"versoin": 3}, token=TOKEN)
+    assert status == 400 and "'versoin'" in answer["error"]["message"], answer
+    assert (model_dir / "PIN").exists() and call(base, "GET", "/v1/models/ctr")[1]["pinned"]  # still pinned
+    status, answer = _admin_with_two_tokens(base, "/v1/models/ctr:reload")
+    assert status == 400 and "more than one Authorization" in answer["error"]["message"], answer
+    status, answer = call(base, "POST", "/v1/models/ctr:reload", {}, token=TOKEN)
+    assert status == 200 and not answer["pinned"] and not (model_dir / "PIN").exists()
+    deadline = time.monotonic() + 30
+    while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != served and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert call(base, "GET", "/v1/models/ctr")[1]["model_version"] == served
 
 def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
     """With a 60 s LATEST poll, a version announced on the model-updates topic is still

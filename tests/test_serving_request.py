@@ -10,7 +10,7 @@ import torch
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError
-from streamrec.serving.request import InstanceDecoder
+from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, is_by_ids
 from streamrec.model.batch import batch_from_columns, batch_from_table
 
 SPEC = FeatureSpec()
@@ -108,3 +108,28 @@ def test_a_replayed_sample_with_its_label_is_an_instance(sample_run):
     decoder = InstanceDecoder(SPEC, max_instances=10)
     columns, rejected = decoder.columns(decoder.decode(orjson.dumps({"instances": sample})))
     assert rejected == [] and len(columns) == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"context": {"device": "x" * 257, "local_hour": 3}}, "length <= 256"),
+    ({"context": {"device": "ios", "local_hour": 24}}, "<= 23"),
+    ({"context": {"device": "ios", "local_hour": -1}}, ">= 0"),
+    ({"candidates": [{"item_id": 1, "category_id": 2, "advertiser_id": 3, "position": -7}]}, ">= 0"),
+])
+def test_by_ids_bounds_what_a_client_controls(change, message):
+    """A device string as long as a client likes would be kept by the node's caches; an hour
+    or a position out of range has no meaning: each is a 400 naming the field."""
+    good = {"user_id": 1, "context": {"device": "ios", "local_hour": 23},
+            "candidates": [{"item_id": 1, "category_id": 2, "advertiser_id": 3, "position": 0}]}
+    decoder = ByIdsDecoder(max_candidates=100, max_future_skew_ms=60_000)
+    assert decoder.decode(orjson.dumps(good), 0).context.local_hour == 23
+    with pytest.raises(ApiError) as caught:
+        decoder.decode(orjson.dumps({**good, **change}), 0)
+    assert caught.value.status == 400 and message in caught.value.message, caught.value.message
+
+
+def test_the_form_comes_from_the_top_level_keys():
+    assert is_by_ids(b'{"user_id": 1, "context": {"device": "instances", "local_hour": 1}, "candidates": []}')
+    assert not is_by_ids(b'{"instances": [{"user_id": 1}]}')
+    assert not is_by_ids(b'{"model": "ctr", "instances": [{"user_id": 1, "candidates": 2}]}')
+    assert not is_by_ids(b'[{"user_id": 1}]')

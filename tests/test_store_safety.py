@@ -368,3 +368,35 @@ def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the
     # an image without its manifest (a compactor that died) is not one
     (tmp_path / "ctr" / "compacted" / f"{13:012d}" / "sparse").mkdir(parents=True)
     assert ms.images() == [12] and ms.load(13).chain == [12, 13]
+
+
+def test_a_missing_delta_strands_no_node_past_the_next_version(sample_run, tmp_path, batch):
+    """A delta deleted from the middle of the chain: a node behind the break keeps serving
+    and says why (``latest_problem``), `store verify` names the break, and a trainer that
+    resumes on that store publishes a full version first, which the node then serves."""
+    models = tmp_path / "models"
+    train = ("train", "--samples", str(sample_run), "--model-store", str(models), "--work-dir", str(tmp_path / "work"),
+             "--publish-interval", "0.2", "--batch-size", "512", "--device", "cpu", "--no-announce", "--no-frozen")
+    first = cli(*train, "--max-samples", "60000")
+    assert first.returncode == 0, first.stderr[-2000:]
+    store = ModelStore(str(models), "ctr")
+    versions = store.versions()
+    assert len(versions) >= 4 and [store.manifest(v)["kind"] for v in versions[:4]] == ["full", "delta", "delta", "delta"]
+    node = ServedModel(ModelStore(str(models), "ctr"))
+    node.load(versions[0])
+    shutil.rmtree(models / "ctr" / "versions" / f"{versions[2]:012d}")
+
+    node.catch_up()
+    assert node.version == versions[1] and node.predict(batch)[0] == versions[1]  # still serving, the newest it can
+    assert node.latest_problem and f"LATEST (version {versions[-1]}) cannot be served" in node.latest_problem, node.latest_problem
+    verify = cli("store", "verify", "--model-store", str(models))
+    assert verify.returncode != 0 and f"version {versions[2]}" in verify.stdout, verify.stdout
+
+    second = cli(*train, "--max-samples", "3000")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "the next version is a full one" in second.stderr
+    newer = [v for v in store.versions() if v > versions[-1]]
+    assert newer and store.manifest(newer[0])["kind"] == "full", [(v, store.manifest(v)["kind"]) for v in newer]
+    node.catch_up()
+    assert node.version == store.latest() and node.latest_problem is None
+    node.close()

@@ -14,7 +14,7 @@ def add_demo_parser(commands: Commands) -> None:
                                 "prints a summary and writes a report under var/reports/", run_demo)
     demo.add_argument("--duration", type=float, default=180.0, help="seconds of live traffic (default 180)")
     demo.add_argument("--rate", type=float, default=300.0,
-                      help="events/s (default 300: what the Flink job with RocksDB keeps up with on 2 cores beside the rest)")
+                      help="events/s (default 300: what the Flink job with RocksDB keeps up with on a 2-core machine beside the rest)")
     demo.add_argument("--bad-fraction", type=float, default=0.01, help="malformed events to inject (default 0.01)")
     demo.add_argument("--publish-interval", type=float, default=1.0, help="minimum seconds between published versions (default 1)")
     demo.add_argument("--attribution-window", type=float, default=5.0,

@@ -38,7 +38,7 @@ def run_setup(args: argparse.Namespace, cfg: Config) -> int:
     paths = ensure_jars(jars_dir, Path(args.wheel) if args.wheel else None)
     for path in paths:
         print(f"{path} (sha256 verified)")
-    print(f"{ensure_job_jar(jars_dir)} (the pipeline job, compiled from pipelines/java/)")
+    print(f"{ensure_job_jar(jars_dir)} (the pipeline job, compiled from streamrec/pipelines/java/)")
     return 0
 
 

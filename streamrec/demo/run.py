@@ -34,9 +34,6 @@ from streamrec.demo.report import write_report
 from streamrec.demo.resources import ResourceMonitor
 from streamrec.demo.skew import AdServerProbe, feature_skew, skew_line
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def _healthy(address: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{address}/healthz", timeout=2) as response:
@@ -52,8 +49,9 @@ class DemoRun:
         self.cfg, self.args = cfg, args
         self.run_id = time.strftime("%Y%m%d-%H%M%S")
         self.prefix = f"demo-{self.run_id}"
-        self.report_dir = Path(args.report_dir) / self.run_id
-        self.work_dir = Path(args.work_dir) / self.run_id
+        # absolute, so the children (started in the same directory) and the report agree on them
+        self.report_dir = Path(args.report_dir).resolve() / self.run_id
+        self.work_dir = Path(args.work_dir).resolve() / self.run_id
         self.log_dir = self.report_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.serve_address = f"127.0.0.1:{free_port()}"
@@ -180,7 +178,7 @@ def _starter(run: DemoRun, processes: dict[str, ManagedProcess]) -> Callable[...
     env = run.env()
 
     def start(name: str, *argv: str) -> ManagedProcess:
-        return processes.setdefault(name, ManagedProcess(name, list(argv), env, run.log_dir, REPO))
+        return processes.setdefault(name, ManagedProcess(name, list(argv), env, run.log_dir, Path.cwd()))
 
     return start
 

@@ -50,9 +50,6 @@ class TrainingCollection(Protocol):
     def apply_gradients(self, rows: TrainingRows) -> None:
         """The fused optimizers over the rows of ``rows``, with the gradients backward left there."""
 
-    def find(self, ids: Mapping[str, torch.Tensor], now_ms: int, guard: RWLock | None = None) -> dict[str, torch.Tensor]:
-        """One embedding per id (float32 [n, dim]; zeros without a row); never creates rows."""
-
 
 @dataclass
 class LocalRows:
@@ -75,7 +72,7 @@ class EmbeddingCollection:
         self.work_dir = Path(work_dir) if work_dir else None
         ssd_dir = self.work_dir / "ssd" if self.work_dir else None
         self.tables = {c.name: EmbeddingTable(c, self.device, ssd_dir, seed=seed + i) for i, c in enumerate(configs)}
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-publish")  # versions are written here
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedding-publish")  # versions are written here
         self.last_snapshot_s = 0.0
 
     def __getitem__(self, name: str) -> EmbeddingTable:

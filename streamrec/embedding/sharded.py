@@ -19,8 +19,8 @@ The requester sends its ids as they are, not de-duplicated: the owner has to de-
 what several ranks sent anyway, and one de-duplication means one host sync less per step
 and admission sees every sighting, as on one rank. Four collectives and three host syncs
 per step (the split sizes, and the owner's find_or_insert), whatever the number of tables.
-Tables must share one dim (the rows travel as one tensor). ``find`` reads the same way,
-with the owner's ``EmbeddingCollection.find`` (no rows created).
+Tables must share one dim (the rows travel as one tensor). Inference is never sharded: it
+reads an ``EmbeddingCollection`` loaded from a published version.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from streamrec.embedding.table import BatchRows
-from streamrec.plumbing.locks import RWLock
 
 if TYPE_CHECKING:
     from streamrec.embedding.collection import EmbeddingCollection
@@ -103,12 +102,6 @@ class ShardedCollection:
             owned = rows.owned[name]
             summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
             self.local[name].apply_gradients(owned, summed.div_(self.world))
-
-    def find(self, ids: Mapping[str, torch.Tensor], now_ms: int, guard: RWLock | None = None) -> dict[str, torch.Tensor]:
-        """One embedding per id (zeros without a row) from the owners' ``find``; never creates rows."""
-        route, wanted = self._send_ids(ids)
-        found = self.local.find(wanted, now_ms, guard)
-        return self._send_rows(route, [found[n] for n in route.names])
 
     def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
         """Every id to its owner: (the route, what this rank owns of every rank's ids, by table)."""

@@ -58,8 +58,9 @@ class SparseFeatures:
         self.collection.apply_gradients(rows)
 
     def lookup(self, batch: SampleBatch, now_ms: int, guard: RWLock | None = None) -> ModelInputs:
-        """Inference lookup: never creates rows; ids without a row embed as zeros. ``guard``:
-        concurrent serving workers' lock (see ``EmbeddingCollection.find``)."""
+        """Inference lookup through an ``EmbeddingCollection`` (inference is never sharded):
+        never creates rows; ids without a row embed as zeros. ``guard``: concurrent serving
+        workers' lock (see ``EmbeddingCollection.find``)."""
         return self._assemble(batch, self.collection.find(self.table_ids(batch), now_ms, guard))
 
     @staticmethod

@@ -376,6 +376,22 @@ class ModelStore:
             manifest = self.manifest(parent)
         return False, out[::-1]
 
+    def check_present(self, version: int) -> None:
+        """Raise CorruptVersion unless every file ``version``'s chain needs is there at its
+        recorded size: what a node starting now would read (a pin to a version that fails this
+        would strand every node). Sizes only: ``read_version`` checks contents as it loads."""
+        from_image, chain = self._chain(version)
+        for i, v in enumerate(chain):
+            image = from_image and i == 0
+            manifest, vdir = self.manifest(v, image), self._vdir(v, image)
+            for rel, info in manifest["files"].items():
+                found = self.fs.get_file_info(f"{vdir}/{rel}")
+                what = f"version {version} needs version {v}, whose" if v != version else f"version {version}:"
+                if found.type == pafs.FileType.NotFound:
+                    raise CorruptVersion(f"{what} {rel} is missing")
+                if found.size != info["bytes"]:
+                    raise CorruptVersion(f"{what} {rel} has {found.size} bytes, its manifest says {info['bytes']}")
+
     def read_version(self, version: int, image: bool = False) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
         """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense tensors)."""
         manifest = self.manifest(version, image)

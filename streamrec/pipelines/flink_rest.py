@@ -76,9 +76,9 @@ class FlinkRest:
         self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
 
     def wait_running(self, name: str, timeout_s: float, all_tasks: bool = False) -> JobInfo:
-        """Wait until a job called ``name`` runs (start-up of an embedded cluster takes ~10-20 s);
+        """Wait until a job called ``name`` runs (an embedded cluster takes seconds to start);
         ``all_tasks``: until every task runs too (the job is RUNNING while its tasks still
-        initialise state and the transactional Kafka sinks, another 10-30 s here)."""
+        initialise state and the transactional Kafka sinks)."""
         deadline = time.monotonic() + timeout_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:

@@ -30,3 +30,10 @@ def unknown_model(asked: str, served: str | None) -> ApiError:
 
 def not_loaded() -> ApiError:
     return ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+
+
+def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a request with several ``Authorization`` headers: which one counts would depend
+    on the path it takes (the engine reads the first, a relay would keep one), so neither does."""
+    if sum(1 for name, _ in raw_headers if name.lower() == b"authorization") > 1:
+        raise ApiError(400, "more than one Authorization header: send exactly one")

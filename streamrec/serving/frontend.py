@@ -146,7 +146,9 @@ class EngineRelay:
             # Headers and the target as the client sent them: latin-1 maps bytes to str one to
             # one (http.client encodes them back the same way); any byte is relayed, none crashes.
             target = (scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")).decode("latin-1")
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in HOP_HEADERS}
+            # a list, not a dict: a repeated header reaches the engine as sent (two Authorization
+            # headers are refused there, whichever path the request took)
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP_HEADERS]
             status, reply_headers, answer = await asyncio.get_running_loop().run_in_executor(
                 None, self._forward, scope["method"], target, headers, body)
         except ApiError as exc:
@@ -159,10 +161,16 @@ class EngineRelay:
             status, reply_headers, answer = error.status, error.headers(), error.body()
         await send_answer(send, status, answer, reply_headers)
 
-    def _forward(self, method: str, target: str, headers: dict, body: bytes) -> tuple[int, list, bytes]:
+    def _forward(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, list, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.engine_port, timeout=120)
         try:
-            conn.request(method, target, body=body or None, headers=headers)
+            sent_encoding = any(name.lower() == "accept-encoding" for name, _ in headers)
+            conn.putrequest(method, target, skip_accept_encoding=sent_encoding)
+            for name, value in headers:
+                conn.putheader(name, value)
+            if body or method in ("POST", "PUT", "PATCH"):
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body or None)
             response = conn.getresponse()
             data = response.read()
             kept = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.getheaders()
@@ -218,8 +226,10 @@ class FrontendPool:
         self._watch: threading.Thread | None = None
 
     def start(self) -> "FrontendPool":
-        repo = str(Path(__file__).resolve().parents[2])  # the directory holding the streamrec package
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+        env = dict(os.environ)
+        checkout = Path(__file__).resolve().parents[2]  # a source checkout's root: its package must be importable
+        if (checkout / "pyproject.toml").is_file():
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
         self._spawn = lambda: subprocess.Popen(self.plan.command(), env=env)
         self.procs = [self._spawn() for _ in range(self.plan.count)]
         self._watch = threading.Thread(target=self._supervise, name="frontend-supervisor", daemon=True)

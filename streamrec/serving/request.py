@@ -193,16 +193,19 @@ def invalid_instances(reasons: list[str]) -> ApiError:
 
 
 # ---------------------------------------------------------------------- predict by ids
+MAX_DEVICE_CHARS = 256  # a device name is a short label; a client-sized string would be held by caches
+
+
 class Context(msgspec.Struct, forbid_unknown_fields=True):
-    device: str
-    local_hour: INT32
+    device: Annotated[str, msgspec.Meta(max_length=MAX_DEVICE_CHARS)]
+    local_hour: Annotated[int, msgspec.Meta(ge=0, le=23)]  # as the event contract checks it
 
 
 class CandidateAd(msgspec.Struct, forbid_unknown_fields=True):
     item_id: INT64
     category_id: INT64
     advertiser_id: INT64
-    position: INT32
+    position: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class ByIdsRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -220,10 +223,31 @@ BY_IDS_FORM = ('{"user_id": U, "context": {"device": str, "local_hour": int}, '
                '"candidates": [{"item_id", "category_id", "advertiser_id", "position"}, ...], "ts"?: ms}')
 
 
+class _FormKeys(msgspec.Struct):
+    """The top-level keys that tell a predict body's form (their values are skipped, not decoded)."""
+
+    instances: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    candidates: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    user_id: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_FORM_KEYS = msgspec.json.Decoder(_FormKeys)
+_INSTANCES_FIRST = re.compile(rb'\s*\{\s*"instances"\s*:')
+
+
 def is_by_ids(body: bytes) -> bool:
-    """Which form a predict body is: by ids names candidates or a user; the full-feature
-    form (and anything else, for its errors) has "instances"."""
-    return b'"instances"' not in body and (b'"candidates"' in body or b'"user_id"' in body)
+    """Which form a predict body is, from its top-level keys (a string value such as
+    ``"device": "instances"`` decides nothing): by ids names candidates or a user; the
+    full-feature form (and anything else, for its errors) has "instances"."""
+    if _INSTANCES_FIRST.match(body):  # the usual instances body, without scanning it
+        return False
+    try:
+        keys = _FORM_KEYS.decode(body)
+    except msgspec.ValidationError:  # not an object: the instances decoder says what is wrong
+        return False
+    except NOT_JSON:  # unparseable: guess from the bytes, for the error message of the likelier form
+        return b'"instances"' not in body and (b'"candidates"' in body or b'"user_id"' in body)
+    return keys.instances is msgspec.UNSET and (keys.candidates is not msgspec.UNSET or keys.user_id is not msgspec.UNSET)
 
 
 class ByIdsDecoder:

@@ -88,7 +88,8 @@ class IncompatibleVersion(CorruptVersion):
 
 
 class PinNotRecorded(RuntimeError):
-    """The model store did not take a pin (read-only, unreachable): nothing was changed."""
+    """The model store did not take a pin (read-only, unreachable): the node goes back to what
+    it served before the call where it can; the message says which version it serves."""
 
 
 class ServedModel:
@@ -110,7 +111,7 @@ class ServedModel:
         self.current: ServedVersion | None = None
         self.undo: list[UndoRecord] = []
         self.pin: Pin | None = None  # the store's pin this node follows: automatic applies stop until it is released
-        self.latest_problem: str | None = None  # why LATEST itself is not followed (garbage, dangling, unreadable pin)
+        self.latest_problem: str | None = None  # why LATEST is not served (garbage, dangling, broken chain, unreadable pin)
         self.applied_at: dict[int, float] = {}
         self.recent_applies: deque[ApplyReport] = deque(maxlen=32)  # what each change cost (status: "applies")
         self.refused: dict[int, str] = {}  # version -> why it was not applied
@@ -137,27 +138,45 @@ class ServedModel:
         """Serve ``version`` (default: LATEST), in place when it is the next delta, else by a
         swap. ``pin``: and make every node stay on it until released (an operator's explicit
         version: unpinned, the watcher would move on to LATEST at its next poll). The pin is
-        recorded in the store before anything changes, in the same change, so no catch-up
-        can slip in between."""
+        recorded in the store only once this node serves the version, in the same change, so
+        no catch-up can slip in between and a version that does not load is never pinned."""
         target = self.model_store.resolve_latest()[0] if version is None else version
         if target is None:
             raise CorruptVersion(f"model {self.model_store.model} has no published version under {self.model_store.base}")
         manifest = self.model_store.manifest(target)
         self._check_spec(target, manifest)
         if pin:
-            self._record_pin(target, by, reason)
+            self.model_store.check_present(target)  # every node will load it: its whole chain, not just this node's step
         current = self.version
         if current is not None and manifest["kind"] == "delta" and manifest["parent"] == current:
-            return self._apply_delta(target)
-        return self._swap(target)
+            report = self._apply_delta(target)
+        else:
+            report = self._swap(target)
+        if pin:
+            self._record_pin(target, by, reason, back_to=current)
+        return report
 
-    def _record_pin(self, version: int, by: str, reason: str) -> None:
+    def _record_pin(self, version: int, by: str, reason: str, back_to: int | None) -> None:
+        """Pin ``version``, which this node now serves; when the store does not take the pin,
+        serve ``back_to`` again (what was served before the change) and raise."""
         try:
             self.pin = self.model_store.pin(version, by, reason)
         except OSError as exc:
+            where = self._return_to(back_to)
             raise PinNotRecorded(f"the pin to version {version} could not be written to the model store "
-                                 f"({self.model_store.base}): {exc}; nothing was changed") from None
+                                 f"({self.model_store.base}): {exc}; {where}") from None
         log.warning("pinned version %d of %s (by %s%s)", version, self.model_store.model, by, f": {reason}" if reason else "")
+
+    def _return_to(self, version: int | None) -> str:
+        """After a change whose pin failed: serve ``version`` again; says where the node is."""
+        if version is None or version == self.version:
+            return f"this node serves version {self.version}"
+        try:
+            self._go_to(version)
+            return f"this node is back on version {version}"
+        except (CorruptVersion, OSError) as exc:
+            log.error("could not return to version %d after a failed pin: %s", version, exc)
+            return f"this node serves version {self.version} until its next catch-up ({exc})"
 
     @_one_change_at_a_time
     def catch_up(self) -> list[ApplyReport]:
@@ -202,6 +221,9 @@ class ServedModel:
                         break
                     except CorruptVersion as exc:
                         self._refuse(v, exc)
+        if latest in self.refused and self.version != latest and not self.latest_problem:  # e.g. a delta of its chain is gone
+            self.latest_problem = (f"LATEST (version {latest}) cannot be served: {self.refused[latest]}; serving version "
+                                   f"{self.version} until a version that loads (a full one) is published")
         return reports
 
     def _follow_pin(self) -> list[ApplyReport] | None:
@@ -256,10 +278,11 @@ class ServedModel:
             if not self.undo:
                 raise LookupError("no earlier version to roll back to (no undo data kept): name one, {\"version\": N}")
             version = self.undo[-1].version_before
-        if version not in [u.version_before for u in self.undo]:
-            self._check_spec(version, self.model_store.manifest(version))  # absent or incompatible: refused before the pin
-        self._record_pin(version, by, reason)
-        return self._go_to(version)
+        self.model_store.check_present(version)  # undo data may reach it; a node starting now must load it too
+        current = self.version
+        report = self._go_to(version)  # a version that does not load raises here, before any pin
+        self._record_pin(version, by, reason, back_to=current)
+        return report
 
     def _undo_to(self, target: int) -> ApplyReport:
         t0 = time.perf_counter()

@@ -113,8 +113,8 @@ class EmbeddedBroker:
         self.log_file = self.data_dir / "broker.log"
         self.store_dir = self.data_dir / "store"
 
-    # Above this, say so: the broker re-saves its whole store on every change (a full core
-    # at ~170 MB under a demo's write rate, measured; docs/kafka.md).
+    # Above this, say so: the broker re-saves its whole store on every change, so its CPU
+    # grows with the store (docs/kafka.md).
     LARGE_STORE_BYTES = 100 * 2**20
 
     def store_bytes(self) -> int:

@@ -28,7 +28,8 @@ def add_health_routes(app: FastAPI, engine: ServingEngine, link: EngineLink | No
             return error_response(ApiError(503, why))
         if link is not None and link.connected < frontends:
             return error_response(ApiError(503, f"{link.connected} of {frontends} HTTP front-ends connected"))
-        return JSONResponse({"status": "ready", "model_version": engine.served.version})
+        # ready while it serves a version, even one behind a LATEST it cannot load: it says so
+        return JSONResponse({"status": "ready", "model_version": engine.served.version, "latest_problem": engine.served.latest_problem})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

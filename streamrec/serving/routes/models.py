@@ -14,15 +14,19 @@ from fastapi import FastAPI, Request
 from streamrec.modelstore.store import CorruptVersion
 from streamrec.plumbing.config import ServingConfig
 from streamrec.serving.engine import ServingEngine
-from streamrec.serving.errors import ApiError
+from streamrec.serving.errors import ApiError, one_authorization
 from streamrec.serving.shortcut import read_body
 from streamrec.serving.state import PinNotRecorded
+
+
+ADMIN_KEYS = {"version", "reason"}
 
 
 def check_admin(request: Request, admin_token: str) -> None:
     """403 while the admin routes are off (no token configured), 401 without the right token."""
     if not admin_token:
         raise ApiError(403, "admin routes are disabled: set serving.admin_token (or STREAMREC_SERVING__ADMIN_TOKEN)")
+    one_authorization(request.scope["headers"])
     header = request.headers.get("authorization", "")
     if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), admin_token.encode()):
         raise ApiError(401, "admin route: send 'Authorization: Bearer <serving.admin_token>'")
@@ -38,6 +42,9 @@ async def admin_args(request: Request, settings: ServingConfig) -> tuple[int | N
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - ADMIN_KEYS)
+    if unknown:  # a typo ({"versoin": 3}) must not read as {} and release the pin
+        raise ApiError(400, f"unknown key(s) {', '.join(map(repr, unknown))} in the request body; it takes {sorted(ADMIN_KEYS)}")
     version = data.get("version")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
         raise ApiError(400, f"'version' must be a positive integer, got {version!r}")
