@@ -68,7 +68,8 @@ def test_graph_buckets_score_like_the_eager_model_before_and_after_a_delta(tmp_p
     tables = {name: SparseDelta(torch.arange(1, 2001), torch.randn(2000, MODEL.embedding_dim)) for name in TABLES}
     dense = CTRModel(MODEL).state_dict()
     full = store.publish("full", tables, dims, dense, meta)
-    delta_tables = {name: SparseDelta(torch.arange(1, 301), torch.randn(300, MODEL.embedding_dim)) for name in TABLES}
+    delta_tables = {name: SparseDelta(torch.arange(1, 301), torch.randn(300, MODEL.embedding_dim), torch.arange(1901, 2001))
+                    for name in TABLES}  # 300 rows updated, 100 erased
     delta = store.publish("delta", delta_tables, dims, {k: v * 1.1 for k, v in dense.items()}, meta)
 
     runtime = RuntimeConfig("graph", (1, 4, 16, 64), (16, 50), max_extra=2, workers=2)
@@ -83,8 +84,16 @@ def test_graph_buckets_score_like_the_eager_model_before_and_after_a_delta(tmp_p
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     stats = graphs.current.runner.stats.as_json()
     assert stats["mode"] == "graph" and stats["compiled_buckets"] >= 8 and stats["eager_batches"] >= 1
+    # the delta applied in place on the GPU scores exactly like a node that loads it from the store
+    fresh = ServedModel(store, "cuda", gpu_cache_rows=4096, runtime=None, feature_spec=SPEC)
+    assert fresh.load(delta).mode == "swap"
+    for n in (3, 64, 100):
+        batch = batch_from_table(_instances(n, rng), SPEC, MODEL.history_len, with_labels=False)
+        np.testing.assert_array_equal(eager.predict(batch)[1], fresh.predict(batch)[1])
+        np.testing.assert_allclose(graphs.predict(batch)[1], fresh.predict(batch)[1], rtol=1e-5, atol=1e-6)
     graphs.close()
     eager.close()
+    fresh.close()
 
 
 def test_a_pinned_batch_holds_the_same_tensors_in_page_locked_memory():

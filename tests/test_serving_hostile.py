@@ -282,6 +282,7 @@ def test_a_flood_of_idle_connections_leaves_health_checks_answering(server):
 def overloaded(published_model, tmp_path_factory):
     """One worker, room in the queue for two requests of 256 instances, and 30 ms at most in it."""
     s = Server(published_model, tmp_path_factory.mktemp("overloaded"), {
+        "STREAMREC_SERVING__ADMIN_TOKEN": "",  # admin routes off (test_admin_routes_are_off_without_a_token)
         "STREAMREC_SERVING__FEATURE_STORE": "false", "STREAMREC_SERVING__WORKERS": "1", "STREAMREC_SERVING__MAX_INSTANCES": "256",
         "STREAMREC_SERVING__MAX_BATCH": "256", "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": "512",
         "STREAMREC_SERVING__QUEUE_TIMEOUT_MS": "30", "STREAMREC_SERVING__MAX_DELAY_US": "1000"})
@@ -322,3 +323,16 @@ def test_overload_is_shed_with_a_503_and_counted_and_a_dropped_request_never_run
     assert f'streamrec_serving_shed_requests_total{{reason="queue_full"}} {float(len(full))}' in metrics
     assert f'streamrec_serving_shed_requests_total{{reason="deadline"}} {float(len(late))}' in metrics
     assert request(overloaded.port, "POST", PREDICT, payload)[0] == 200  # once the burst is over, requests are served
+
+
+def test_admin_routes_are_off_without_a_token(overloaded):
+    """No serving.admin_token configured: every admin call is a 403 that says how to turn them
+    on, whatever Authorization it carries, and nothing changes."""
+    before = call(overloaded.base, "GET", "/v1/models/ctr")[1]
+    for route in (":reload", ":rollback"):
+        for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer anything"}):
+            status, _, answer = request(overloaded.port, "POST", f"/v1/models/ctr{route}", b"{}", headers)
+            assert status == 403 and "serving.admin_token" in answer["error"]["message"], (route, headers, answer)
+    after = call(overloaded.base, "GET", "/v1/models/ctr")[1]
+    assert after["model_version"] == before["model_version"] and not after["pinned"]
+

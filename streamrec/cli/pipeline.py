@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         return service.submit_remote(spec, opts) if cfg.flink.jobmanager else service.run_embedded(cfg, spec, opts)
     if args.pipeline_command == "cancel":
         cancelled = service.cancel(cfg, args.job_id)
-        print(f"cancelled {', '.join(cancelled)}" if cancelled else f"no running job named {cfg.flink.job_name!r}")
+        print(f"cancelled {', '.join(cancelled)}" if cancelled else f"no job named {cfg.flink.job_name!r} left to cancel")
         return 0
     jobs = service.status(cfg)
     if args.json:

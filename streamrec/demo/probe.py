@@ -92,6 +92,7 @@ class ProbeRecords:
     partition: list[int] = field(default_factory=list)
     offset: list[int] = field(default_factory=list)
     failed_requests: int = 0
+    answered: bool = False  # the node has answered a predict: from then on a 503 is a failure
     unscored: int = 0  # samples that arrived before the server had a model
 
 
@@ -201,13 +202,14 @@ class ServingProbe(BackgroundProbe):
         answering version had already trained on (possible while the probe catches up)."""
         values = [r.value for r in records]
         status, body = self.client.predict(values)
-        if status == 503:
+        if status == 503 and not self.records.answered:  # no version loaded yet: expected at the start only
             self.records.unscored += len(values)
             return
-        if status != 200:
+        if status != 200:  # a 503 once the node has answered counts: a node shedding most requests must fail the run
             self.records.failed_requests += 1
             log.warning("predict failed (%d): %s", status, body)
             return
+        self.records.answered = True
         frozen = self._frozen_model()
         if frozen is None:
             self.records.unscored += len(values)

@@ -47,16 +47,18 @@ class AdServerProbe(BackgroundProbe):
         self.compared: list[dict] = []  # one per impression with both forms
         self._due: deque = deque()  # (monotonic time, entry, sample) of replays
         self.failed_requests = 0
+        self.answered = False  # the node has answered a predict by ids
         super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples))
 
     def _predict(self, body: dict) -> dict | None:
         status, answer = self.client.call("POST", f"/v1/models/{self.client.model}:predict", orjson.dumps(body))
-        if status == 503:
-            return None  # no model yet
-        if status != 200:
+        if status == 503 and not self.answered:
+            return None  # no model yet: expected at the start only
+        if status != 200:  # a 503 once the node has answered counts as a failure
             self.failed_requests += 1
             log.warning("predict by ids failed (%d): %s", status, answer)
             return None
+        self.answered = True
         return answer
 
     def _follow_events(self) -> None:

@@ -5,6 +5,7 @@ Everything needed to resume exactly; written atomically (temp dir + rename)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -35,7 +36,10 @@ def write_checkpoint(tables: dict[str, EmbeddingTable], path: Path, extra: Mappi
         tracking["init_rng"] = table.generator.get_state().numpy()  # new rows resume the same init stream
         if table.sketch is not None:
             tracking["sketch"] = table.sketch.counts.cpu().numpy()
-        np.savez(tmp / f"{name}.tracking.npz", **tracking)
+        # through memory: np.savez leaves a file it cannot finish (a full disk) open, to fail again when collected
+        buf = io.BytesIO()
+        np.savez(buf, **tracking)
+        (tmp / f"{name}.tracking.npz").write_bytes(buf.getvalue())
     meta = {"format": CHECKPOINT_FORMAT, "tables": [asdict(t.config) for t in tables.values()], "extra": dict(extra or {})}
     (tmp / "checkpoint.json").write_text(json.dumps(meta, indent=2))
     if path.exists():

@@ -188,11 +188,17 @@ def status(cfg) -> list[JobInfo]:
         raise FlinkUnreachable(f"{where}: {exc}") from exc
 
 
+# Flink job states with nothing left to cancel (ended, or a cancel already under way)
+NOT_CANCELLABLE = {"FINISHED", "CANCELED", "FAILED", "CANCELLING", "SUSPENDED"}
+
+
 def cancel(cfg, job_id: str | None) -> list[str]:
-    """Cancel the given job, or every running job with the configured name."""
+    """Cancel the given job, or every job with the configured name that has not ended: a
+    job RESTARTING after a broker outage, say, as well as a RUNNING one."""
     rest = FlinkRest(rest_address(cfg))
     jobs = status(cfg)
-    targets = [j.job_id for j in jobs if (j.job_id == job_id if job_id else j.name == cfg.flink.job_name and j.state == "RUNNING")]
+    targets = [j.job_id for j in jobs
+               if (j.job_id == job_id if job_id else j.name == cfg.flink.job_name and j.state not in NOT_CANCELLABLE)]
     if job_id and not targets:
         raise ValueError(f"no job {job_id} on {rest_address(cfg)} (jobs: {', '.join(j.job_id for j in jobs) or 'none'})")
     for target in targets:

@@ -4,7 +4,9 @@ consistent unit.
 Layout under ``<dir>``: ``ckpt-<step:012d>/{sparse/, dense.pt, state.json}`` and
 ``LATEST`` naming the newest. A checkpoint is written into a temp directory, renamed into
 place, and only then named by ``LATEST`` (temp + rename), so a crash at any point
-leaves the previous checkpoint intact and in charge. The newest ``keep`` are kept.
+leaves the previous checkpoint intact and in charge. The newest ``keep`` are kept. A write
+that fails (a full disk) leaves the same: what it wrote is removed, and it raises
+:class:`~streamrec.trainer.local_files.WriteFailed` naming the checkpoint.
 
 Consistency: the trainer checkpoints only between steps and never while a publish is in
 flight, so the saved delta tracking, parameters and positions all describe the same
@@ -13,6 +15,7 @@ moment.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from streamrec.embedding.collection import EmbeddingCollection
+from streamrec.trainer.local_files import WriteFailed
 
 
 class Checkpointer:
@@ -50,8 +54,19 @@ class Checkpointer:
         return self.dir / f"ckpt-{step:012d}"
 
     def save(self, step: int, embeddings: EmbeddingCollection, dense: dict[str, Any], state: dict[str, Any]) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write the checkpoint of ``step`` and name it in ``LATEST``; returns its path."""
         name = f"ckpt-{step:012d}"
+        try:
+            self._write(name, embeddings, dense, state)
+        except OSError as exc:
+            raise WriteFailed(self.dir / name, exc) from None
+        self._name_latest(name)
+        self._prune(keep_name=name)
+        return self.dir / name
+
+    def _write(self, name: str, embeddings: EmbeddingCollection, dense: dict[str, Any], state: dict[str, Any]) -> None:
+        """The checkpoint's files into a temp directory, renamed to ``name`` once complete."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -73,11 +88,27 @@ class Checkpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        pointer_tmp = self.dir / f".LATEST.tmp-{os.getpid()}"
-        pointer_tmp.write_text(name + "\n")
-        pointer_tmp.replace(self.dir / "LATEST")
-        self._prune(keep_name=name)
-        return final
+
+    def _name_latest(self, name: str) -> None:
+        """Point ``LATEST`` at ``name`` (temp + rename). If that fails, a checkpoint LATEST
+        does not name is removed, so the previous one stays the one a restart resumes from."""
+        pointer, pointer_tmp = self.dir / "LATEST", self.dir / f".LATEST.tmp-{os.getpid()}"
+        try:
+            pointer_tmp.write_text(name + "\n")
+            pointer_tmp.replace(pointer)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                pointer_tmp.unlink(missing_ok=True)
+            if self._named() != name:
+                shutil.rmtree(self.dir / name, ignore_errors=True)
+            raise WriteFailed(pointer, exc) from None
+
+    def _named(self) -> str | None:
+        """The name ``LATEST`` holds (None: no LATEST, or unreadable)."""
+        try:
+            return (self.dir / "LATEST").read_text().strip()
+        except OSError:
+            return None
 
     def load(self, path: Path, device: torch.device, work_dir: Path | None) -> tuple[EmbeddingCollection, dict, dict]:
         embeddings, _ = EmbeddingCollection.restore(path / "sparse", device, work_dir)

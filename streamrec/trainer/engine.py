@@ -1,9 +1,10 @@
 """The trainer: a session (trainer/session.py: locks, lease, ranks, checkpoints, signals)
 and its loop (trainer/loop.py: the step, publishing, evaluation, progress), run together.
 
-``train(cfg, opts)`` is what ``streamrec train`` calls. A run that cannot go on ends with a
-:class:`TrainingError` that says why and which state is safe (the last good version, the
-last checkpoint); whatever way it ends, the session is released.
+``train(cfg, opts)`` is what ``streamrec train`` calls. A run that cannot go on (a poisoned
+model, publishes that keep failing, a file in the work dir it cannot write: a full disk)
+ends with a :class:`TrainingError` that says why and which state is safe (the last good
+version, the last checkpoint); whatever way it ends, the session is released.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from streamrec.plumbing.config import Config
 from streamrec.trainer.distributed import RankFailure, gather_to_all
 from streamrec.trainer.evaluation import WindowMetrics
+from streamrec.trainer.local_files import WriteFailed
 from streamrec.trainer.loop import TrainingLoop
 from streamrec.trainer.publisher import PoisonedModel, PublishFailed
 from streamrec.trainer.session import TrainingError, TrainingSession, TrainOptions
@@ -31,6 +33,9 @@ class Trainer:
         self.session = TrainingSession(cfg, opts)
         try:
             self.loop = TrainingLoop(self.session)
+        except WriteFailed as exc:
+            self.session.close_after_failure()
+            raise TrainingError(f"{exc}. Training did not start; fix the disk (free space) and run again.") from None
         except BaseException:
             self.session.close_after_failure()
             raise
@@ -40,7 +45,7 @@ class Trainer:
         failure: RuntimeError | None = None
         try:
             self.loop.run()
-        except (PoisonedModel, PublishFailed) as exc:
+        except (PoisonedModel, PublishFailed, WriteFailed) as exc:
             failure = exc
         except RuntimeError as exc:
             if not self.session.ranks.distributed or isinstance(exc, TrainingError):
@@ -52,7 +57,7 @@ class Trainer:
             raise
         if failure is not None:
             reason = self._why_stopped(failure)
-            self.close()
+            self._close_after_failure()
             raise TrainingError(reason)
         self.loop.publisher.close()  # a compaction in progress finishes, so the summary lists it
         summary = self.summary()
@@ -70,7 +75,12 @@ class Trainer:
         if isinstance(failure, PublishFailed):
             return (f"{failure}. Training stopped: a trainer that cannot publish serves nobody. The last "
                     f"published version is {last_version}, the last checkpoint "
-                    f"{latest.name if latest else 'none'}; fix the model store and run again to resume.")
+                    f"{latest.name if latest else 'none'}; fix the model store {self.session.model_store.base} "
+                    "and run again to resume.")
+        if isinstance(failure, WriteFailed):
+            return (f"{failure}. Training stopped: the last published version is {last_version}, the last checkpoint "
+                    f"{latest.name if latest else 'none'}; fix the disk (free space) and run again: it "
+                    + (f"resumes from {latest.name}." if latest else "starts over (no checkpoint yet)."))
         reason = str(failure) if isinstance(failure, RankFailure) else f"rank {self.session.ranks.rank}: a collective failed ({failure})"
         return (f"{reason}. Training stopped on this rank; nothing after the last checkpoint "
                 f"({latest.name if latest else 'none'}) is kept, and a restart resumes from it.")

@@ -1,5 +1,9 @@
 """What the trainer tells people: a progress line on a terminal, JSON lines otherwise,
-Prometheus metrics on request, and an evaluation log (``eval.jsonl``) for reports."""
+Prometheus metrics on request, and an evaluation log (``eval.jsonl``) for reports.
+
+A row of ``eval.jsonl`` that cannot be written (a full disk) ends the run like any other
+write the trainer cannot make (:class:`~streamrec.trainer.local_files.WriteFailed`); the
+file keeps only whole rows."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from streamrec.trainer.local_files import JsonLinesFile
 
 log = logging.getLogger("streamrec.trainer")
 
@@ -69,11 +75,9 @@ class ProgressReporter:
         self.interval_s = interval_s
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.eval_log = eval_log
+        self.eval_log = JsonLinesFile(eval_log) if eval_log is not None else None
         self._last = time.monotonic()
         self._last_samples = 0
-        if eval_log is not None:
-            eval_log.parent.mkdir(parents=True, exist_ok=True)
 
     def due(self) -> bool:
         return time.monotonic() - self._last >= self.interval_s
@@ -84,8 +88,7 @@ class ProgressReporter:
         status = {"time": time.time(), **status, "samples_per_s": (status["samples"] - self._last_samples) / elapsed}
         self._last, self._last_samples = now, status["samples"]
         if self.eval_log is not None:
-            with open(self.eval_log, "a") as fh:
-                fh.write(json.dumps(status) + "\n")
+            self.eval_log.append(json.dumps(status).encode() + b"\n")
         if self.tty:
             def f(key: str) -> str:
                 v = status.get(key)
@@ -101,5 +104,7 @@ class ProgressReporter:
             log.info(json.dumps(status))
 
     def close(self) -> None:
+        if self.eval_log is not None:
+            self.eval_log.close()
         if self.tty:
             self.stream.write("\n")
