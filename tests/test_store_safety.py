@@ -402,3 +402,36 @@ def test_a_missing_delta_strands_no_node_past_the_next_version(sample_run, tmp_p
     node.catch_up()
     assert node.version == store.latest() and node.latest_problem is None
     node.close()
+
+
+def test_a_trainer_whose_lease_is_taken_over_stops_with_exit_3_and_publishes_nothing_more(sample_run, tmp_path):
+    """A trainer frozen past its lease (a long GC pause, a stopped VM) finds on waking that
+    another writer holds the store: it stops with exit 3 and never commits another version."""
+    import signal
+
+    models = tmp_path / "models"
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "train", "--samples", str(sample_run), "--loop",
+                             "--model-store", str(models), "--work-dir", str(tmp_path / "work"), "--publish-interval", "0.3",
+                             "--device", "cpu", "--no-announce", "--no-frozen"],
+                            cwd=REPO, env={**os.environ, "STREAMREC_TRAINER__LEASE_S": "2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = ModelStore(str(models), "ctr")
+    try:
+        deadline = time.monotonic() + 120
+        while len(store.versions()) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no versions within 120 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3)  # past its 2 s lease, which it cannot renew while stopped
+        published = store.versions()
+        usurper = WriterLease(store, str(tmp_path / "usurper"), ttl_s=60).acquire()
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, err[-3000:]
+    assert "taken over" in err and "Traceback" not in err, err[-3000:]
+    assert store.versions() == published  # nothing committed after the takeover
+    usurper.release()
