@@ -1,4 +1,8 @@
-"""`streamrec generate`: synthetic ad traffic, to Kafka or files."""
+"""`streamrec generate`: synthetic ad traffic, to Kafka or files.
+
+Exit codes: 0 when every event was delivered, 2 for a configuration or connection error
+at start, 3 when events were not delivered (the producer gave up on a record).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from streamrec.cli.common import Commands
 from streamrec.plumbing.config import Config, ConfigError
 
 log = logging.getLogger("streamrec")
+
+EXIT_NOT_DELIVERED = 3  # like train's and pipeline's runtime failures
 
 
 def add_parser(commands: Commands) -> None:
@@ -55,7 +61,13 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
     if args.atomic and args.out:
         raise ConfigError("--atomic is a Kafka transaction: it cannot be used with --out")
     sink, pace, where = _sink(args, cfg, traffic)
-    summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}")
+    from streamrec.generator.sinks import SinkError
+
+    try:
+        summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}")
+    except SinkError as exc:
+        print(f"streamrec: error: {exc}", file=sys.stderr)
+        return EXIT_NOT_DELIVERED
     if args.json:
         print(json.dumps(summary.as_dict(), indent=2))
     else:
@@ -75,14 +87,19 @@ def _sink(args: argparse.Namespace, cfg: Config, traffic) -> tuple:
 
     k = cfg.kafka
     ensure_topics(k.bootstrap_servers, [cfg.topics.events, cfg.topics.truth], k.partitions, k.replication_factor, k.connect_timeout_s)
-    txn = {"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}"} if args.atomic else {}
-    producer = make_producer(k.bootstrap_servers, k.connect_timeout_s, **txn)
+    # At least once outside a transaction: consumers drop duplicate event ids, and an idempotent
+    # producer fails every record in flight when a restarted broker lost its unsaved tail
+    # (OutOfOrderSequenceNumber), where plain retries deliver them (docs/kafka.md).
+    delivery = ({"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}"} if args.atomic
+                else {"enable_idempotence": False})
+    producer = make_producer(k.bootstrap_servers, k.connect_timeout_s, **delivery)
     sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth, atomic=args.atomic)
     return sink, not args.fast, f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
 
 
 def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
-    """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise)."""
+    """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise,
+    and at once when the sink gives up on events). Rates count delivered events only."""
     from tqdm import tqdm
 
     from streamrec.generator.runner import generate
@@ -93,10 +110,13 @@ def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
 
     def on_tick(batch, summary) -> None:
         bar.update(round((batch.end_ms - batch.start_ms) / 1000))
-        bar.set_postfix(events=summary.events, ev_s=f"{summary.events_per_s:,.0f}")
-        if not interactive and time.monotonic() - last_log[0] >= 10:
+        bar.set_postfix(sent=summary.events, delivered=summary.delivered, failed=summary.failed,
+                        ev_s=f"{summary.delivered_per_s:,.0f}")
+        if not interactive and (summary.failed or time.monotonic() - last_log[0] >= 10):
             last_log[0] = time.monotonic()
-            log.info("%s: %d events, %.0f events/s", label, summary.events, summary.events_per_s)
+            log.log(logging.ERROR if summary.failed else logging.INFO,
+                    "%s: %d events sent, %d delivered (%.0f events/s), %d failed",
+                    label, summary.events, summary.delivered, summary.delivered_per_s, summary.failed)
 
     try:
         return generate(traffic, sink, duration, pace, on_tick)

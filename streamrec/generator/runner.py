@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from streamrec.model.metrics import auc, logloss
-from streamrec.generator.sinks import Sink
+from streamrec.generator.sinks import Delivery, Sink, SinkError
 from streamrec.generator.traffic import TickBatch, Traffic
 
 PACE_SLICE_MS = 20  # pacing granularity: events are sent in slices of this much event time
@@ -27,6 +27,8 @@ class GenerateSummary:
     clicks: int = 0
     bad_events: dict[str, int] = field(default_factory=dict)
     events: int = 0
+    delivered: int = 0  # events the sink's destination acknowledged
+    failed: int = 0  # events it gave up on (the run stops at the first)
     wall_s: float = 0.0
     ctr: float = 0.0
     mean_p: float = 0.0
@@ -38,6 +40,10 @@ class GenerateSummary:
     @property
     def events_per_s(self) -> float:
         return self.events / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def delivered_per_s(self) -> float:
+        return self.delivered / self.wall_s if self.wall_s > 0 else float("nan")
 
     def as_dict(self) -> dict:
         return {**asdict(self), "events_per_s": self.events_per_s}
@@ -57,7 +63,9 @@ def generate(
     the world and connect) is caught up at once, so that event time is real time: a stream
     that ran behind the clock would look late to every consumer that also sees the clock
     (Kafka timestamps, freshness measurements). Without ``pace``: as fast as possible. The
-    sink is closed with a manifest on success and aborted on error.
+    sink is closed with a manifest on success and aborted on error. After each tick the
+    summary holds what the sink has delivered; the run stops with :class:`SinkError` after
+    the tick in which the sink gave up on an event or a truth message.
     """
     summary = GenerateSummary(traffic.config.seed, traffic.run, traffic.start_ms, traffic.start_ms)
     wall_start = time.monotonic()
@@ -81,8 +89,11 @@ def generate(
             p_parts.append(batch.truth.p)
             y_parts.append(batch.truth.clicked)
             summary.wall_s = time.monotonic() - wall_start
+            delivery = _record_delivery(sink, summary)
             if on_tick:
                 on_tick(batch, summary)
+            if delivery.lost:  # the sink's abort says how much was lost in all
+                raise SinkError(f"{delivery.failed:,} events and {delivery.failed_truth:,} truth messages were not delivered")
         p = np.concatenate(p_parts) if p_parts else np.empty(0)
         y = np.concatenate(y_parts) if y_parts else np.empty(0, dtype=bool)
         summary.bad_events = dict(sorted(bad.items()))
@@ -95,10 +106,17 @@ def generate(
         summary.items_created = len(traffic.world.item_bias)
         sink.close(_manifest(traffic, summary, duration_s))
         summary.wall_s = time.monotonic() - wall_start
+        _record_delivery(sink, summary)
         return summary
     except BaseException:
-        sink.abort()
+        sink.abort()  # raises SinkError instead when events were lost: the error that matters
         raise
+
+
+def _record_delivery(sink: Sink, summary: GenerateSummary) -> Delivery:
+    delivery = sink.delivery()
+    summary.delivered, summary.failed = delivery.delivered, delivery.failed
+    return delivery
 
 
 def _paced_write(sink: Sink, events: list[tuple[int, bytes, bytes]], start_ms: int, origin: float) -> None:

@@ -2,24 +2,30 @@
 
 Kafka: events (good and injected bad) to the events topic keyed by user id; truth rows
 (columnar chunks) and bad-event records to a separate truth topic; a final ``end``
-record tells consumers where the stream ends. Files: a directory with ``events.*``,
-``truth.*``, ``bad_events.jsonl`` and ``manifest.json``, written under a temporary name
-and renamed when complete, so a reader never sees a half-written run.
+record tells consumers where the stream ends. Every record's acknowledgement is counted,
+and a record the producer gives up on ends the run with an error. Files: a directory with
+``events.*``, ``truth.*``, ``bad_events.jsonl`` and ``manifest.json``, written under a
+temporary name and renamed when complete, so a reader never sees a half-written run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+from kafka.errors import KafkaError
 
 from streamrec.generator.traffic import TickBatch, Truth
+
+log = logging.getLogger(__name__)
 
 EVENTS_SCHEMA = pa.schema([("emit_ms", pa.int64()), ("key", pa.binary()), ("value", pa.binary())])
 TRUTH_SCHEMA = pa.schema(
@@ -37,11 +43,27 @@ TRUTH_SCHEMA = pa.schema(
 )
 FORMATS = ("jsonl", "parquet")
 TRUTH_ROWS_PER_MESSAGE = 2000
+FLUSH_MARGIN_S = 5.0  # waited past the producer's delivery timeout before unconfirmed records count as lost
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a sink's destination has confirmed so far: events written and acknowledged
+    (``delivered``), events and truth messages it gave up on (``failed``, ``failed_truth``)."""
+
+    delivered: int
+    failed: int = 0
+    failed_truth: int = 0
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.failed or self.failed_truth)
 
 
 class Sink(Protocol):
     def write_events(self, events: list[tuple[int, bytes, bytes]]) -> None: ...
     def write_truth(self, batch: TickBatch) -> None: ...
+    def delivery(self) -> Delivery: ...
     def close(self, manifest: dict) -> None: ...
     def abort(self) -> None: ...
 
@@ -54,9 +76,38 @@ def bad_record(kind: str, emit_ms: int, raw: bytes) -> dict:
     return {"kind": "bad", "reason": kind, "emit_ms": emit_ms, "raw": raw.decode("utf-8", "replace")}
 
 
-class KafkaSink:
-    """Produces to Kafka and counts delivery failures (reported at close, never dropped silently).
+class _Tally:
+    """Records of one topic: handed to the producer, acknowledged, given up on (with the first error).
 
+    ``acked`` is counted on the producer's I/O thread only; ``fail`` may also run on the
+    thread that closes the producer, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self.sent = self.acked = self.failed = 0
+        self.first_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def ack(self, _metadata) -> None:
+        self.acked += 1
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failed += 1
+            self.first_error = self.first_error or exc
+
+    @property
+    def unconfirmed(self) -> int:
+        return self.sent - self.acked - self.failed
+
+
+class KafkaSink:
+    """Produces to Kafka; counts every record Kafka acknowledged and every one the producer
+    gave up on (its retries and delivery timeout spent, or an error retries cannot fix).
+
+    A record given up on is a gap in the topic: the runner stops at the first one
+    (:meth:`delivery` reports it) and :meth:`abort` raises :class:`SinkError` saying how many
+    events were lost, so a run never ends quietly with events missing.
     ``atomic``: the whole run is one transaction (the producer needs a transactional_id),
     committed at close only if every message was acknowledged, aborted otherwise.
     """
@@ -69,49 +120,95 @@ class KafkaSink:
             producer.begin_transaction()
         self.events_topic = events_topic
         self.truth_topic = truth_topic
-        self._failures = 0
-        self._first_error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._events, self._truth = _Tally(), _Tally()
+        self._finished = False
 
-    def _on_error(self, exc: BaseException) -> None:
-        with self._lock:
-            self._failures += 1
-            self._first_error = self._first_error or exc
-
-    def _send(self, topic: str, key: bytes, value: bytes) -> None:
-        self.producer.send(topic, key=key, value=value).add_errback(self._on_error)
+    def _send(self, tally: _Tally, topic: str, key: bytes, value: bytes) -> None:
+        try:
+            future = self.producer.send(topic, key=key, value=value)
+        except KafkaError as exc:  # its buffer stayed full for max_block_ms: Kafka takes nothing
+            raise SinkError(f"Kafka did not accept more events ({_describe(exc)})") from exc
+        tally.sent += 1
+        future.add_callback(tally.ack).add_errback(tally.fail)
 
     def write_events(self, events: list[tuple[int, bytes, bytes]]) -> None:
         for _, key, value in events:
-            self._send(self.events_topic, key, value)
+            self._send(self._events, self.events_topic, key, value)
 
     def write_truth(self, batch: TickBatch) -> None:
         if not self.truth_topic:
             return
         for chunk in truth_chunks(batch.truth):
-            self._send(self.truth_topic, b"impressions", chunk)
+            self._send(self._truth, self.truth_topic, b"impressions", chunk)
         for bad in batch.bad:
-            self._send(self.truth_topic, b"bad", orjson.dumps(bad_record(bad.kind, bad.emit_ms, bad.raw)))
+            self._send(self._truth, self.truth_topic, b"bad", orjson.dumps(bad_record(bad.kind, bad.emit_ms, bad.raw)))
+
+    def delivery(self) -> Delivery:
+        return Delivery(self._events.acked, self._events.failed, self._truth.failed)
 
     def close(self, manifest: dict) -> None:
+        """Send the end record, wait for every acknowledgement, commit an atomic run;
+        SinkError when anything was not delivered."""
         if self.truth_topic:
-            self._send(self.truth_topic, b"end", orjson.dumps({"kind": "end", **manifest}))
-        self.producer.flush()
-        if self.atomic:
-            if self._failures:
-                self.producer.abort_transaction()
-            else:
-                self.producer.commit_transaction()
-        self.producer.close()
-        if self._failures:
-            lost = "the transaction was aborted: nothing was written" if self.atomic else "they are missing from the topic"
-            raise SinkError(f"{self._failures} messages were not acknowledged by Kafka ({lost}); first error: {self._first_error!r}")
+            self._send(self._truth, self.truth_topic, b"end", orjson.dumps({"kind": "end", **manifest}))
+        self._finish(commit=True)
 
     def abort(self) -> None:
-        self.producer.flush()
-        if self.atomic:
+        """Stop after an error: wait for what is in flight (at most the producer's delivery
+        timeout), roll back an atomic run; SinkError when events were lost, whatever stopped the run."""
+        self._finish(commit=False)
+
+    def _finish(self, commit: bool) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self.producer.flush(timeout=self.producer.config["delivery_timeout_ms"] / 1000 + FLUSH_MARGIN_S)
+        except KafkaError:
+            pass  # whatever is still unconfirmed counts as lost below
+        lost = self._events.failed + self._events.unconfirmed + self._truth.failed + self._truth.unconfirmed
+        try:
+            if self.atomic and commit and not lost:
+                self.producer.commit_transaction()
+            elif self.atomic:
+                self._abort_transaction()
+        except KafkaError as exc:
+            raise SinkError(f"the run's Kafka transaction was not committed ({_describe(exc)}); "
+                            "read_committed consumers see none of it") from exc
+        finally:
+            self._close_producer()
+        if lost:
+            raise SinkError(self._lost_message())
+
+    def _abort_transaction(self) -> None:
+        try:
             self.producer.abort_transaction()
-        self.producer.close()
+        except KafkaError as exc:  # the broker aborts it itself after the transaction timeout
+            log.warning("aborting the run's Kafka transaction failed (%s); the broker aborts it after "
+                        "its transaction timeout, and read_committed consumers never see it", _describe(exc))
+
+    def _close_producer(self) -> None:
+        try:
+            self.producer.close(timeout=FLUSH_MARGIN_S)
+        except KafkaError:
+            pass  # records still pending are abandoned (counted as lost); the I/O thread is a daemon
+
+    def _lost_message(self) -> str:
+        events, truth = self._events, self._truth
+        lost = events.failed + events.unconfirmed
+        where = ("the run's transaction was aborted: read_committed consumers see none of its events" if self.atomic
+                 else f"they are missing from {self.events_topic}")
+        extra = f" and {truth.failed + truth.unconfirmed:,} truth messages" if truth.failed or truth.unconfirmed else ""
+        error = events.first_error or truth.first_error
+        cause = f"; first error: {_describe(error)}" if error else ""
+        return (f"{lost:,} of {events.sent:,} events{extra} were not delivered to Kafka: the producer gave up "
+                f"on them after its retries ({where}){cause}")
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` (kafka-python's errors already print their type)."""
+    text, name = str(exc), type(exc).__name__
+    return text if text.startswith(name) else f"{name}: {text}"
 
 
 class FileSink:
@@ -124,6 +221,7 @@ class FileSink:
         if self.out_dir.exists():
             raise FileExistsError(f"{self.out_dir} already exists; choose a new --out directory or remove it")
         self.fmt = fmt
+        self._written = 0
         self.tmp_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.tmp_dir.mkdir(parents=True)
@@ -143,6 +241,7 @@ class FileSink:
         else:
             emit, key, value = zip(*events)
             self._events.write_table(pa.table([list(emit), list(key), list(value)], schema=EVENTS_SCHEMA))
+        self._written += len(events)
 
     def write_truth(self, batch: TickBatch) -> None:
         for bad in batch.bad:
@@ -153,6 +252,9 @@ class FileSink:
             self._truth.write(b"".join(orjson.dumps(row) + b"\n" for row in batch.truth.rows()))
         else:
             self._truth.write_table(truth_table(batch.truth))
+
+    def delivery(self) -> Delivery:
+        return Delivery(self._written)
 
     def close(self, manifest: dict) -> None:
         for fh in (self._events, self._truth, self._bad):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
 from streamrec.embedding.collection import EmbeddingCollection, SnapshotTask, to_host
 from streamrec.modelstore.lease import LeaseLost
 from streamrec.plumbing.config import TrainerConfig
@@ -150,6 +150,8 @@ class Publisher:
             self.force_full = True
             log.warning("the model store's newest version is %s, not %d (this trainer's last): the next version is a full one, "
                         "so the store equals this trainer's state again", newest, last_version)
+        elif last_version is not None and not self.force_full:
+            self._full_if_broken(last_version)
         self.records: list[PublishRecord] = []
         self.poisoned: str | None = None
         self._task: SnapshotTask | None = None
@@ -282,12 +284,30 @@ class Publisher:
             self._compactor = ThreadPoolExecutor(1, thread_name_prefix="compactor")
         self._compaction = self._compactor.submit(self._compact, version)
 
+    def _full_if_broken(self, version: int) -> None:
+        """Make the next version a full one when ``version``'s chain cannot be loaded (a delta
+        deleted or damaged): every delta built on it would be refused by every node."""
+        try:
+            self.model_store.check_present(version)
+        except CorruptVersion as exc:
+            self._broken_chain(version, exc)
+        except OSError as exc:  # the store unreadable now: the first publish says so, or the next compaction notices
+            log.warning("could not check the chain of version %d (%s)", version, exc)
+
+    def _broken_chain(self, version: int, exc: Exception) -> None:
+        self.force_full = True
+        log.error("the chain of version %d is broken (%s): the next version is a full one, so serving nodes stranded "
+                  "behind the break catch up", version, exc)
+
     def _compact(self, version: int) -> None:
         t0 = time.perf_counter()
         try:
             rows = self.model_store.compact(version)
             keep_fulls = self.settings.keep_fulls
             deleted = self.model_store.gc(keep_fulls=keep_fulls) if keep_fulls else []
+        except CorruptVersion as exc:  # compaction reads the whole chain: the first to notice a break
+            self._broken_chain(version, exc)
+            return
         except Exception as exc:  # the chain stays longer until the next try; versions are unaffected
             log.warning("compacting the chain up to version %d failed: %s", version, exc)
             return
@@ -318,19 +338,53 @@ class Publisher:
 
 class TopicAnnouncer:
     """Announces versions on the model-updates topic, keyed by the model's name (the
-    publisher calls it on its writer thread, right after a version is in the store)."""
+    publisher calls it on its writer thread, right after a version is in the store).
+
+    Best effort by design: the store is the source of truth and serving nodes also poll it.
+    An announcement the producer gives up on is counted (``failed``) and logged, never raised.
+    """
+
+    FLUSH_S = 10.0  # how long one announcement may hold up the writer thread
+    CLOSE_S = 5.0
 
     def __init__(self, bootstrap: str, topic: str, model: str, timeout_s: float) -> None:
         from streamrec.plumbing.bus.clients import make_producer
 
         self.producer = make_producer(bootstrap, timeout_s=timeout_s)
         self.topic, self.key = topic, model.encode()
+        self.sent = self.delivered = self.failed = 0
 
     def __call__(self, message: dict) -> None:
         import orjson
+        from kafka.errors import KafkaError, KafkaTimeoutError
 
-        self.producer.send(self.topic, key=self.key, value=orjson.dumps(message))
-        self.producer.flush(timeout=10)
+        version = message.get("version")
+        self.sent += 1
+        try:  # send blocks (max_block_ms) only while the topic's metadata or buffer space is missing
+            future = self.producer.send(self.topic, key=self.key, value=orjson.dumps(message))
+        except KafkaError as exc:
+            self._failed(version, exc)
+            return
+        future.add_callback(self._delivered).add_errback(self._failed, version)
+        try:
+            self.producer.flush(timeout=self.FLUSH_S)
+        except KafkaTimeoutError:
+            log.warning("announcing version %s: no acknowledgement within %g s; the producer keeps trying",
+                        version, self.FLUSH_S)
+
+    def _delivered(self, _metadata) -> None:
+        self.delivered += 1
+
+    def _failed(self, version: int | None, exc: BaseException) -> None:
+        self.failed += 1
+        log.warning("announcing version %s on %s failed, %d announcements lost so far (nodes still find "
+                    "versions by polling the store): %s", version, self.topic, self.failed, exc)  # kafka's errors name their type
 
     def close(self) -> None:
-        self.producer.close(timeout=5)
+        from kafka.errors import KafkaError
+
+        try:
+            self.producer.close(timeout=self.CLOSE_S)
+        except KafkaError as exc:  # kafka-python's close flushes first; its I/O thread is a daemon
+            log.warning("%d announcements were not acknowledged before shutdown: %s",
+                        self.sent - self.delivered - self.failed, exc)

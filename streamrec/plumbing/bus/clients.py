@@ -31,15 +31,30 @@ def _connect(factory, settings: dict[str, Any], bootstrap: str, timeout_s: float
         raise _unreachable(bootstrap, timeout_s, exc) from None
 
 
+# A producer gives up on a record this many connect timeouts after send(): 120 s (kafka-python's
+# default) at the default kafka.connect_timeout_s, so a broker restart is ridden out.
+DELIVERY_TIMEOUTS = 6
+
+
 def make_producer(bootstrap: str, timeout_s: float = 20.0, **overrides: Any) -> KafkaProducer:
-    """A producer that waits for the broker's ack and retries: nothing is lost silently."""
+    """A producer that waits for the broker's ack and retries for ``DELIVERY_TIMEOUTS × timeout_s``.
+
+    A record it then gives up on fails its future: every caller counts those (errbacks),
+    so nothing is lost silently.
+    """
+    request_timeout_ms = int(max(timeout_s, 5) * 1000)
+    linger_ms = 10
     settings: dict[str, Any] = dict(
         acks="all",
         retries=10,
-        linger_ms=10,
+        linger_ms=linger_ms,
         batch_size=512 * 1024,
         max_request_size=8 * 1024 * 1024,
-        request_timeout_ms=int(max(timeout_s, 5) * 1000),
+        request_timeout_ms=request_timeout_ms,
+        delivery_timeout_ms=max(int(DELIVERY_TIMEOUTS * timeout_s * 1000), request_timeout_ms + linger_ms),
+        # Back on a restarted broker within a second (the Java client's default), not
+        # kafka-python's 30 s, which could outlast a short delivery timeout.
+        reconnect_backoff_max_ms=1000,
     )
     settings.update(overrides)
     return _connect(KafkaProducer, settings, bootstrap, timeout_s)
