@@ -33,7 +33,11 @@ def _build_wheel(work: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     out = work / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+    # this environment's setuptools when it is new enough for pyproject.toml (nothing to download), else pip's isolated build
+    import setuptools
+
+    isolation = ["--no-build-isolation"] if int(setuptools.__version__.split(".")[0]) >= 68 else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(out), str(src)],
                    check=True, capture_output=True, text=True, timeout=300)
     (wheel,) = out.glob("streamrec-*.whl")
     return wheel
