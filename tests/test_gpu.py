@@ -228,25 +228,25 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull()
     per_table_store.table_batched = False  # the reference takes the per-table path
     grouped, per_table = SparseFeatures(grouped_store), SparseFeatures(per_table_store)
     for step in range(3):
-        inputs, handles = grouped.pull(batch, now_ms=step)
+        inputs, handles = grouped.training_inputs(batch, now_ms=step)
         assert handles.grouped is not None
         if step == 0:  # new rows are drawn on the device: give the per-table collection the same ones
             pulled = per_table_store.find_or_insert_each(SparseFeatures.table_ids(batch), now_ms=step)
             for name, p in handles.grouped.by_table.items():
                 per_table_store[name].tiers.cache.weights[pulled[name].slots] = p.rows
-        reference, ref_handles = per_table.pull(batch, now_ms=step)
+        reference, ref_handles = per_table.training_inputs(batch, now_ms=step)
         assert ref_handles.grouped is None
         for got, want in zip(inputs.as_args(), reference.as_args()):  # (backward's atomic sums: not bit-equal)
             assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
         for model_inputs in (inputs, reference):
             (model_inputs.fields.square().sum() + model_inputs.history.sum()).backward()
-        grouped.push(handles)
-        per_table.push(ref_handles)
+        grouped.apply_gradients(handles)
+        per_table.apply_gradients(ref_handles)
     for name in TABLES:
         keys = torch.unique(SparseFeatures.table_ids(batch)[name]).cpu()
         assert torch.allclose(grouped_store[name].export(keys)[1], per_table_store[name].export(keys)[1], atol=1e-5, rtol=1e-4)
     small = EmbeddingCollection([TableConfig(n, 16, gpu_cache_rows=200_000 if n != "item" else 4_000, dram_rows=0) for n in TABLES],
                            "cuda")
-    assert SparseFeatures(small).pull(batch, now_ms=1)[1].grouped is None
+    assert SparseFeatures(small).training_inputs(batch, now_ms=1)[1].grouped is None
     for store in (grouped_store, per_table_store, small):
         store.close()

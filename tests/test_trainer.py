@@ -39,7 +39,7 @@ def test_history_lands_where_the_model_reads_it(table):
     assert sum(0 < n < 8 for n in lengths) > 20 and sum(n > 8 for n in lengths) > 20  # short ones and cut ones
     batch = batch_from_table(rows, SPEC, history_len=8)  # shorter than the samples' 50: keeps the most recent 8
     store = EmbeddingCollection([TableConfig(name, 4) for name in TABLES])
-    inputs, _ = SparseFeatures(store).pull(batch, now_ms=0)
+    inputs, _ = SparseFeatures(store).training_inputs(batch, now_ms=0)
     item_rows = {int(k): store["item"].export(torch.tensor([k]))[1][0] for k in torch.unique(torch.cat([batch.item, batch.hist_items]))}
     for i, row in enumerate(rows.to_pylist()):
         hist = row["hist_item_ids"][:8]

@@ -47,14 +47,14 @@ class SparseFeatures:
             "context": batch.context.reshape(-1),
         }
 
-    def pull(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, TrainingRows]:
+    def training_inputs(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, TrainingRows]:
         """Training lookup: rows are created/admitted as needed and will receive gradients;
-        hand the second result to :meth:`push` after backward."""
+        hand the second result to :meth:`apply_gradients` after backward."""
         rows = self.collection.find_or_insert(self.table_ids(batch), now_ms)
         return self._assemble(batch, rows.embeddings), rows
 
-    def push(self, rows: TrainingRows) -> None:
-        """The fused optimizers over the rows of :meth:`pull`, with backward's gradients."""
+    def apply_gradients(self, rows: TrainingRows) -> None:
+        """The fused optimizers over the rows of :meth:`training_inputs`, with backward's gradients."""
         self.collection.apply_gradients(rows)
 
     def lookup(self, batch: SampleBatch, now_ms: int, guard: RWLock | None = None) -> ModelInputs:

@@ -114,9 +114,11 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Close the loop's resources, then release the session's."""
-        self.loop.close()
-        self.session.close()
+        """Close the loop's resources, then release the session's (whatever the loop's close does)."""
+        try:
+            self.loop.close()
+        finally:
+            self.session.close()
 
     def _close_after_failure(self) -> None:
         """``close`` on the way out of a failed run: the failure is what the caller needs to

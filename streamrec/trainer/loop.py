@@ -3,7 +3,7 @@
 Per step (the embedding tables are single-writer)::
 
     batch  <- prefetch queue (decoded, batched, pinned by a background thread)
-    pull   sparse rows (unique ids per table)          -- "lookup"
+    find_or_insert sparse rows (unique ids per table)  -- "lookup"
     forward + backward                                 -- "forward_backward"
     dense optimizer step + fused sparse updates        -- "update"
     keep loss and scores on the device; every DRAIN_EVERY steps check the losses are
@@ -224,7 +224,7 @@ class TrainingLoop:
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
         now_ms = agreed.now_ms
-        inputs, handles = self.sparse.pull(batch, now_ms)
+        inputs, rows = self.sparse.training_inputs(batch, now_ms)
         if sync:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -245,7 +245,7 @@ class TrainingLoop:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         self.optimizer.step()
-        self.sparse.push(handles)
+        self.sparse.apply_gradients(rows)
         if sync:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
@@ -344,6 +344,7 @@ class TrainingLoop:
             "version": self.publisher.last_version,
             "rejected": dict(self.rejected),
             "lag": source.lag() if source is not None else None,
+            "announcements_lost": self.announcer.failed if self.announcer is not None else 0,
             **self.evaluation.metrics.summary(),
         }
         out["tiers"] = {name: tier_usage(table) for name, table in self.embeddings.tables.items()}

@@ -36,6 +36,8 @@ class TrainerMetrics:
         self.rows = Gauge("streamrec_trainer_table_rows", "rows per sparse table", ["table"], registry=r)
         self.tier_rows = Gauge("streamrec_trainer_tier_rows", "rows each tier of a sparse table holds (gpu_cache, dram, ssd)",
                                ["table", "tier"], registry=r)
+        self.announcements_lost = Gauge("streamrec_trainer_announcements_lost",
+                                        "version announcements the producer gave up on (nodes still poll the store)", registry=r)
         if port:
             try:
                 start_http_server(port, host, registry=r)
@@ -53,6 +55,7 @@ class TrainerMetrics:
         if status["lag"] is not None:
             self.lag.set(status["lag"])
         self.trained_through.set(status["trained_through_ms"])
+        self.announcements_lost.set(status["announcements_lost"])
         for name, rows in table_rows.items():
             self.rows.labels(name).set(rows)
             for tier, held in status["tiers"][name].items():

@@ -94,6 +94,10 @@ class TrainingSession:
         try:
             self._set_up()
         except BaseException:
+            if hasattr(self, "embeddings"):  # set up as far as the collection: its SSD tier and scratch files too
+                self.embeddings.close()
+            if hasattr(self, "tiers_dir"):
+                shutil.rmtree(self.tiers_dir, ignore_errors=True)
             self._release()
             raise
 
@@ -239,10 +243,13 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
-        """Release the collection, its scratch tiers, the lease, the lock and the ranks."""
-        self.embeddings.close()
-        shutil.rmtree(self.tiers_dir, ignore_errors=True)
-        self._release()
+        """Release the collection, its scratch tiers, the lease, the lock and the ranks (those
+        last three whatever closing the collection does)."""
+        try:
+            self.embeddings.close()
+            shutil.rmtree(self.tiers_dir, ignore_errors=True)
+        finally:
+            self._release()
 
     def close_after_failure(self) -> None:
         """``close`` on the way out of a failed run: the failure is what the caller needs to
