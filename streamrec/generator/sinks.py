@@ -97,8 +97,9 @@ class _Tally:
             self.first_error = self.first_error or exc
 
     @property
-    def unconfirmed(self) -> int:
-        return self.sent - self.acked - self.failed
+    def lost(self) -> int:
+        """Given up on, or still unconfirmed when the run stops waiting."""
+        return self.sent - self.acked
 
 
 class KafkaSink:
@@ -166,7 +167,7 @@ class KafkaSink:
             self.producer.flush(timeout=self.producer.config["delivery_timeout_ms"] / 1000 + FLUSH_MARGIN_S)
         except KafkaError:
             pass  # whatever is still unconfirmed counts as lost below
-        lost = self._events.failed + self._events.unconfirmed + self._truth.failed + self._truth.unconfirmed
+        lost = self._events.lost + self._truth.lost
         try:
             if self.atomic and commit and not lost:
                 self.producer.commit_transaction()
@@ -195,13 +196,12 @@ class KafkaSink:
 
     def _lost_message(self) -> str:
         events, truth = self._events, self._truth
-        lost = events.failed + events.unconfirmed
         where = ("the run's transaction was aborted: read_committed consumers see none of its events" if self.atomic
                  else f"they are missing from {self.events_topic}")
-        extra = f" and {truth.failed + truth.unconfirmed:,} truth messages" if truth.failed or truth.unconfirmed else ""
+        extra = f" and {truth.lost:,} truth messages" if truth.lost else ""
         error = events.first_error or truth.first_error
         cause = f"; first error: {_describe(error)}" if error else ""
-        return (f"{lost:,} of {events.sent:,} events{extra} were not delivered to Kafka: the producer gave up "
+        return (f"{events.lost:,} of {events.sent:,} events{extra} were not delivered to Kafka: the producer gave up "
                 f"on them after its retries ({where}){cause}")
 
 

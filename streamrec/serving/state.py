@@ -10,7 +10,8 @@ Applying a version:
   one) is loaded as a fresh model and swapped in; the previous model object is the undo.
 
 Pins: a rollback, or a reload to an explicit version, writes a pin into the model store
-(``ModelStore.pin``: who, when, why) before it changes anything here. Every node follows
+(``ModelStore.pin``: who, when, why) once this node serves that version, and only for a
+version whose whole chain is in the store (``ModelStore.check_present``). Every node follows
 the store's pin at its next look (``catch_up``), a node started later included, until
 ``:reload`` without a version (or ``streamrec store unpin``) removes it. A garbage or
 dangling ``LATEST`` never stops a node: it follows the newest version that verifies and
