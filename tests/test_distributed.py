@@ -1,7 +1,8 @@
 """The sharded trainer on CPU (gloo ranks): the embedding exchange equals one store, shards
-are balanced, 2 ranks learn as well as 1 on the same data, a version written by 2 ranks
-serves over real HTTP with the ranks' own scores, and a rank killed with SIGKILL gives a
-clean failure, after which a restart ends exactly where an uninterrupted run ends."""
+are balanced, a step of 2 ranks has the dense gradients of 1 rank on the same samples, 2
+ranks learn as well as 1 on the same data, a version written by 2 ranks serves over real
+HTTP with the ranks' own scores, and a rank killed with SIGKILL gives a clean failure,
+after which a restart ends exactly where an uninterrupted run ends."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -28,7 +30,11 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.sharded import ShardedCollection, owner_of
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
+from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
+from streamrec.trainer.distributed import agree
+from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.trainer.sources import FileSampleSource
 
 TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
 
@@ -106,6 +112,90 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
             torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=tol)
+
+
+def _write_samples(run: Path, rows: int, spec: FeatureSpec) -> None:
+    """``rows`` checked samples of ``spec`` (random ids, histories, counters and labels) as
+    ``run/samples.parquet``, the layout ``streamrec train --samples`` reads."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 6, rows)
+    hist = [list(rng.integers(1, 80, n)) for n in lengths]
+    label = rng.integers(0, 2, rows)
+    ts = 1_700_000_000_000 + 10 * np.arange(rows)
+    columns = {"sample_version": np.ones(rows, np.int16), "event_id": [f"e{i}" for i in range(rows)],
+               "request_id": [f"r{i}" for i in range(rows)], "ts": ts, "user_id": rng.integers(1, 40, rows),
+               "item_id": rng.integers(1, 80, rows), "position": rng.integers(0, 5, rows),
+               "device": rng.choice(["ios", "android", "web"], rows).tolist(), "local_hour": rng.integers(0, 24, rows),
+               "category_id": rng.integers(1, 12, rows), "advertiser_id": rng.integers(1, 20, rows),
+               "hist_item_ids": hist, "hist_category_ids": [[i % 12 + 1 for i in h] for h in hist],
+               **{name: rng.integers(0, 30, rows) for name in spec.counter_columns()},
+               "label": label, "click_ts": [int(t) + 500 if y else None for t, y in zip(ts, label)]}
+    run.mkdir(parents=True)
+    pq.write_table(pa.table(columns, schema=spec.schema()), run / "samples.parquet")
+
+
+def _dense_gradients(run: Path, root: Path, rank: int, world: int, port: int) -> dict[str, torch.Tensor]:
+    """One step of the real trainer (session, loop, and DDP on several ranks) on this rank's
+    share of ``run`` (its stripes, as the file source reads them; all of it on one rank);
+    returns the dense parameters' gradients after the step (all-reduced on several ranks).
+    Every rank holds a row for every id of the samples, its value a function of the key, so
+    the embeddings do not depend on which rank created a row or when."""
+    if world > 1:
+        os.environ.update({"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),
+                                 "trainer.device": "cpu", "trainer.collective_timeout_s": 60.0}, environ={})
+    trainer = Trainer(cfg, TrainOptions(files=[str(run)], progress=False, announce=False))
+    try:
+        session = trainer.session
+        spec, history_len = session.feature_spec, session.spec.history_len
+        every = batch_from_table(pq.read_table(run / "samples.parquet"), spec, history_len)
+        ids = torch.unique(torch.cat([every.user, every.item, every.category, every.advertiser, every.context.flatten(),
+                                      every.hist_items, every.hist_categories]))
+        for table in session.embeddings.tables.values():
+            table.load_rows(ids, torch.sin((ids % 1009).unsqueeze(1).float() * 0.37 + torch.arange(table.config.dim)) * 0.3)
+        share = pa.concat_tables([c.table for c in FileSampleSource([str(run)], spec, shard=(rank, world)).chunks()])
+        batch = batch_from_table(share, spec, history_len)
+        agreed = agree(session.ranks, len(batch), ended=False, stop=False, now_ms=int(every.ts.max()))
+        trainer.loop._step(batch, agreed)
+        return {name: p.grad.clone() for name, p in session.model.named_parameters() if p.grad is not None}
+    finally:
+        trainer.close()
+
+
+def _dense_gradients_worker(run: Path, root: Path, rank: int, world: int, port: int, out: Path) -> None:
+    torch.save(_dense_gradients(run, root, rank, world, port), out)
+
+
+@pytest.mark.parametrize("rows", [192, 64])
+def test_two_ranks_step_with_the_dense_gradients_of_one_rank_on_the_same_samples(tmp_path, rows):
+    """The loss scaling of several ranks: a step of 2 ranks, each on its stripes of the same
+    samples (128 and 64 rows; or 64 and none, a rank that steps with an empty batch),
+    all-reduces to the dense gradients of one rank on all of them (the mean over the step's
+    samples). Unequal shares tell a global mean from a mean of the ranks' means."""
+    spec = FeatureSpec()
+    run = tmp_path / "run"
+    _write_samples(run, rows, spec)
+    port = free_port()
+    procs = [mp.get_context("spawn").Process(target=_dense_gradients_worker,
+                                             args=(run, tmp_path / "two", r, 2, port, tmp_path / f"grads{r}"))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        one = _dense_gradients(run, tmp_path / "one", 0, 1, 0)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(one) > 10 and all(bool(g.abs().sum() > 0) for g in one.values())  # every parameter has a gradient
+    for r in range(2):
+        two = torch.load(tmp_path / f"grads{r}")
+        assert two.keys() == one.keys()
+        for name, grad in one.items():
+            torch.testing.assert_close(two[name], grad, rtol=1e-5, atol=1e-8, msg=lambda m: f"rank {r}, {name}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

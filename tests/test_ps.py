@@ -418,13 +418,15 @@ def test_sparse_optimizers_follow_torch_optim_on_a_dense_copy(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lookups_stay_exact_while_another_thread_evicts(device):
     """Serving's pattern: fused lookups under the shared side of the lock, the general path
-    (which evicts cache rows) under the exclusive side, from several threads at once."""
+    (which evicts cache rows) under the exclusive side, from several threads at once. The
+    cache holds 400 of 3000 rows, so lookups keep evicting (on CPU, with ``cpu_cache``, by
+    the host paths; there is no fused path there, so every lookup takes the exclusive side)."""
     import threading
 
     from streamrec.plumbing.locks import RWLock
 
     dim, n = 8, 3000
-    table = EmbeddingTable(TableConfig("t", dim, gpu_cache_rows=400 if device == "cuda" else 0), device)
+    table = EmbeddingTable(TableConfig("t", dim, gpu_cache_rows=400, cpu_cache=True), device)
     keys = torch.arange(1, n + 1, dtype=torch.int64) * 7919
     values = torch.arange(n * dim, dtype=torch.float32).reshape(n, dim)
     table.load_rows(keys, values)
@@ -454,6 +456,8 @@ def test_lookups_stay_exact_while_another_thread_evicts(device):
         t.join()
     assert not errors, errors[0]
     assert len(table) == n
+    # the lookups did run through a full cache: rows were evicted and cached rows were hit
+    assert len(table.tiers.cache) == 400 and table.stats["evicted"] > 1000 and table.stats["cache_hits"] > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -507,19 +511,66 @@ def test_spill_cost_follows_the_rows_spilled_not_the_dram_size(tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_warming_the_cache_keeps_each_rows_clock(device):
-    """Serving warms the GPU cache after loading a version: rows come up with the clocks they
-    had (LRU order and expiry stay right), and lookups then take the fused path alone."""
-    table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1000 if device == "cuda" else 0), device)
+    """Serving warms the cache after loading a version: rows come up with the clocks they
+    had (LRU order and expiry stay right), and lookups then hit the cache alone (on CUDA
+    the fused path; on CPU, with ``cpu_cache``, the general path, which brings nothing up)."""
+    table = EmbeddingTable(TableConfig("t", 4, gpu_cache_rows=1000, cpu_cache=True), device)
     keys = torch.arange(1, 301, dtype=torch.int64) * 7919
     table.load_rows(keys, torch.randn(300, 4), last_seen=torch.arange(1000, 1300, dtype=torch.int64))
+    cache = table.tiers.cache
+    assert len(cache) == 0 and not table.tiers.cache_complete  # loaded rows live in DRAM alone
     table.placement.warm(keys)
-    top = table.tiers.top
-    assert top.last_seen[top.slots_of(keys.to(top.device))].cpu().tolist() == list(range(1000, 1300))
-    if device == "cuda":
-        assert table.tiers.cache_complete and len(table.tiers.cache) == 300
-        before = table.stats["fused_hits"]
-        torch.testing.assert_close(table.find(keys, now_ms=2000).cpu(), table.export(keys)[1], rtol=0, atol=0)
-        assert table.stats["fused_hits"] == before + 300
+    assert cache.last_seen[cache.slots_of(keys.to(cache.device))].cpu().tolist() == list(range(1000, 1300))
+    assert table.tiers.cache_complete and len(cache) == 300
+    hits = "fused_hits" if device == "cuda" else "cache_hits"
+    before = dict(table.stats)
+    torch.testing.assert_close(table.find(keys, now_ms=2000).cpu(), table.export(keys)[1], rtol=0, atol=0)
+    assert table.stats[hits] == before[hits] + 300 and table.stats["evicted"] == before["evicted"] == 0
+
+
+def test_warmed_rows_leave_a_cpu_cache_in_the_order_of_their_clocks():
+    """Warming fills the cache with rows at the clocks they had; rows that need room later
+    evict the least recently seen by those clocks, and an evicted row takes its value (a
+    trained, dirty row's new one) and the clock lookups gave it down to DRAM. (The host
+    bring-up and eviction paths of a cache, on CPU.)"""
+    g = torch.Generator().manual_seed(5)
+    table = EmbeddingTable(TableConfig("t", 4, lr=0.1, gpu_cache_rows=200, cpu_cache=True), "cpu")
+    keys = torch.arange(1, 301, dtype=torch.int64) * 7919
+    values = torch.randn(300, 4, generator=g)
+    clocks = 1000 + torch.randperm(300, generator=g)  # LRU order unrelated to key or slot order
+    table.load_rows(keys, values, last_seen=clocks)
+    cache, dram = table.tiers.cache, table.tiers.dram
+
+    def rows_of(ks: torch.Tensor) -> torch.Tensor:
+        return values[torch.searchsorted(keys, ks)]
+
+    assert table.placement.warm(keys) == 200  # as many as the cache has room for
+    warmed, warmed_clocks = keys[:200], clocks[:200]
+    assert cache.last_seen[cache.slots_of(warmed)].tolist() == warmed_clocks.tolist()
+    assert not table.tiers.cache_complete  # 100 rows are in DRAM alone
+    # the 20 coldest warmed rows are trained now (seen at 5000, new values in the cache alone)
+    seen = warmed[torch.argsort(warmed_clocks)[:20]]
+    pulled = table.find_or_insert(seen, now_ms=5000)
+    torch.testing.assert_close(pulled.rows, rows_of(pulled.keys), rtol=0, atol=0)
+    table.apply_gradients(pulled, torch.randn(20, 4, generator=g))
+    trained = torch.searchsorted(keys, pulled.keys)
+    values[trained] = cache.weights[pulled.slots]
+    assert not torch.equal(dram.weights[dram.slots_of(pulled.keys)], values[trained])  # DRAM's copy is stale
+    # the 100 DRAM-only rows need room: out go the 100 coldest warmed rows by the clocks warming kept
+    torch.testing.assert_close(table.find(keys[200:], now_ms=6000), values[200:], rtol=0, atol=0)
+    rest = ~torch.isin(warmed, seen)
+    coldest = warmed[rest][torch.argsort(warmed_clocks[rest])[:100]]
+    assert table.stats["evicted"] == 100 and table.stats["cache_hits"] == 20  # the trained rows hit; these 100 missed
+    assert set(cache.keys[cache.live_slots()].tolist()) == set(keys.tolist()) - set(coldest.tolist())
+    torch.testing.assert_close(table.export(keys)[1], values, rtol=0, atol=0)  # every row, wherever it is
+    # the evicted rows come back on their next lookup, evicting the 80 warmed rows never seen
+    # again, then the 20 trained at 5000: their values and clock go down to DRAM with them
+    torch.testing.assert_close(table.find(coldest, now_ms=7000), rows_of(coldest), rtol=0, atol=0)
+    assert table.stats["evicted"] == 200
+    assert set(cache.keys[cache.live_slots()].tolist()) == set(keys[200:].tolist()) | set(coldest.tolist())
+    assert dram.last_seen[dram.slots_of(seen)].tolist() == [5000] * 20
+    torch.testing.assert_close(dram.weights[dram.slots_of(pulled.keys)], values[trained], rtol=0, atol=0)
+    torch.testing.assert_close(table.export(keys)[1], values, rtol=0, atol=0)
 
 
 def _rows_with_state(table: EmbeddingTable) -> dict[int, tuple[list, list, int]]:

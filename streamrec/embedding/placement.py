@@ -2,9 +2,9 @@
 
 - a batch's rows are brought up into the top tier (the GPU cache on CUDA, else DRAM) from
   DRAM or SSD, and new keys are admitted and created there (``bring_up``);
-- on CUDA the least recently seen cache rows are written back to DRAM to make room (LRU by
-  the caller's clock: ``make_room``, ``evict``); DRAM's arrays are mapped for the GPU, so
-  both directions are kernels that probe and copy in place;
+- under a cache the least recently seen cache rows are written back to DRAM to make room
+  (LRU by the caller's clock: ``make_room``, ``evict``); on CUDA DRAM's arrays are mapped for
+  the GPU, so both directions are kernels that probe and copy in place;
 - when DRAM holds more than ``dram_rows``, its least recently seen rows spill to SSD
   (``SpillClock``), never rows the current batch or the GPU cache holds (``held``), and come
   back on their next use with weights, optimizer state and clock intact.
@@ -126,7 +126,7 @@ class Placement:
         gathered into pinned host memory when a GPU cache will receive them."""
         tiers = self.tiers
         n = len(keys)
-        pin = tiers.cache is not None and torch.cuda.is_available()
+        pin = tiers.cache is not None and tiers.cache.device.type == "cuda"
         have = torch.zeros(n, dtype=torch.bool)
         dram_slots = torch.full((n,), -1, dtype=torch.int64)
         if tiers.cache is not None:
@@ -183,7 +183,7 @@ class Placement:
 
     # ------------------------------------------------------------------ down
     def make_room(self, n: int, protect: torch.Tensor) -> None:
-        """On CUDA: evict the least recently seen cache rows to fit ``n`` more."""
+        """Under a cache: evict the least recently seen cache rows to fit ``n`` more."""
         cache = self.tiers.cache
         if cache is None:
             return
@@ -209,6 +209,7 @@ class Placement:
         the mapped DRAM tier; the others by one device-to-host transfer, into pinned memory."""
         if len(slots) == 0:
             return
+        self.stats["evicted"] += len(slots)
         tiers = self.tiers
         cache, dram = tiers.cache, tiers.dram
         tiers.cache_complete = False

@@ -13,12 +13,12 @@ Serving reads with ``find`` (never creates rows: unknown ids read as zeros) and 
 delta with ``upsert`` and ``erase``; snapshots and checkpoints read with ``export`` and
 ``export_all``, and restore with ``load_rows``.
 
-Where memory lives: ``top`` is the GPU cache (HBM) on CUDA, else DRAM (pageable host
-memory; mapped and page-locked for the GPU under a cache). Rows a batch uses are in the top
-tier; lookups and optimizer updates run there (tiers.py, placement.py). Admission
-(``admit_after`` sightings before a row exists) and expiry (rows unseen for ``ttl_s``)
-shape what exists; both feed the delta (tracking.py). The table is single-writer: one
-find_or_insert/apply_gradients loop at a time.
+Where memory lives: ``top`` is the GPU cache (HBM) on CUDA (or a cache in host memory on
+CPU with ``cpu_cache``), else DRAM (pageable host memory; mapped and page-locked for the GPU
+under a GPU cache). Rows a batch uses are in the top tier; lookups and optimizer updates run
+there (tiers.py, placement.py). Admission (``admit_after`` sightings before a row exists)
+and expiry (rows unseen for ``ttl_s``) shape what exists; both feed the delta (tracking.py).
+The table is single-writer: one find_or_insert/apply_gradients loop at a time.
 """
 
 from __future__ import annotations
@@ -47,13 +47,18 @@ class TableConfig:
     admit_after: int = 1  # sightings before a row is created; 1 = at first sight
     ttl_s: float = 0.0  # expire rows unseen this long (caller's clock); 0 = never
     dram_rows: int = 0  # DRAM budget in rows; 0 = unlimited (no SSD tier)
-    gpu_cache_rows: int = 1_000_000  # HBM cache capacity in rows; used only on CUDA (0 = no cache)
+    gpu_cache_rows: int = 1_000_000  # HBM cache capacity in rows; used on CUDA, or on CPU with cpu_cache (0 = no cache)
+    # a cache tier over DRAM on a CPU device too: its policy (bring-up, LRU eviction, warming)
+    # then runs, and is tested, without a GPU; off, a CPU table's top tier is DRAM
+    cpu_cache: bool = False
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"invalid table name {self.name!r}")
         if self.dim < 1 or self.admit_after < 1 or self.ttl_s < 0 or self.dram_rows < 0 or self.gpu_cache_rows < 0:
             raise ValueError(f"invalid table config {self}")
+        if self.cpu_cache and not self.gpu_cache_rows:
+            raise ValueError(f"table {self.name}: cpu_cache needs gpu_cache_rows > 0 (the cache's capacity)")
 
 
 @dataclass
@@ -99,7 +104,7 @@ class EmbeddingTable:
         self.tracking = DeltaTracker(self.tiers.top.device)
         self.sketch = CountMinSketch(device=self.device) if config.admit_after > 1 else None
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.stats = {"lookups": 0, "cache_hits": 0, "fused_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0}
+        self.stats = {"lookups": 0, "cache_hits": 0, "fused_hits": 0, "created": 0, "not_admitted": 0, "ssd_reads": 0, "spilled": 0, "expired": 0, "evicted": 0}
         self.placement = Placement(self.tiers, config, self.optimizer, self.sketch, self.generator, self.tracking, self.stats)
         self._generation = 0
         fill = self.optimizer.init_state(1, config.dim, torch.device("cpu"))

@@ -1,7 +1,8 @@
 """The three tiers of one table, and reading across them without moving rows.
 
-- the GPU cache (HBM, a ``RowStorage`` on the device; only on CUDA): the top tier there,
-  holding every row a batch uses;
+- the GPU cache (HBM, a ``RowStorage`` on the device; on CUDA, or in host memory on CPU
+  when the table sets ``cpu_cache``, so that its policy runs without a GPU): the top tier
+  there, holding every row a batch uses;
 - DRAM (a ``RowStorage`` in host memory, mapped for the GPU under a cache so a miss is a
   kernel, not a host round trip: host_memory.py): the home of every row not on SSD, and the
   top tier without a cache;
@@ -34,7 +35,7 @@ class Tiers:
         self.name, self.dim, self.state_dim, self.device = config.name, config.dim, state_dim, device
         # a DRAM budget is reserved up front (on CPU address space only: RowStorage writes pages
         # as rows arrive), with room for one batch's rows above it before the spill
-        use_cache = device.type == "cuda" and config.gpu_cache_rows > 0
+        use_cache = config.gpu_cache_rows > 0 and (device.type == "cuda" or config.cpu_cache)
         dram_slots = tier_keys(config.dram_rows) if config.dram_rows else 1024
         # under a GPU cache, DRAM is mapped for the GPU (a miss is a kernel, not a host round
         # trip); a mapped tier's arrays are locked in RAM when allocated, its budget at once
