@@ -163,6 +163,24 @@ class EntityCounts:
             out.append(hi_c - bisect.bisect_right(clicks, ts - w, 0, hi_c))
         return out
 
+    def counts_until(self, ts: int, windows_ms: tuple[int, ...]) -> tuple[list[int], int]:
+        """:meth:`counts` at ``ts``, and the first ms after ``ts`` at which they change (an
+        event enters a window or leaves one): they hold for every request in [ts, that ms)
+        while the entity gets no update. Lets a reader reuse one entity's counts across requests."""
+        out, until = [], END_OF_INPUT
+        for times in (self.imps, self.clicks):
+            n = len(times)
+            hi = n if not times or times[-1] < ts else bisect.bisect_left(times, ts)
+            if hi < n:
+                until = min(until, times[hi] + 1)  # the next event enters every window
+            for w in windows_ms:
+                lo = bisect.bisect_right(times, ts - w, 0, hi)
+                out.append(hi - lo)
+                if lo < hi:
+                    until = min(until, times[lo] + w)  # the oldest counted event leaves this window
+        w = len(windows_ms)
+        return [out[(k % 2) * w + k // 2] for k in range(2 * w)], until  # [imps W0, clicks W0, imps W1, ...]
+
     def nbytes(self) -> int:
         return sum(40 * len(t) if isinstance(t, list) else 8 * len(t) for t in (self.imps, self.clicks)) + 200
 

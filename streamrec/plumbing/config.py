@@ -250,6 +250,7 @@ class ServingConfig:
     feature_store_memory_mb: int
     feature_store_dir: str
     feature_store_ready_timeout_s: float
+    features_max_lag_s: float
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ doing (``status``, ``metrics``).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,13 +21,38 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import RequestBatcher, Shed
-from streamrec.serving.errors import ApiError, not_loaded, unknown_model
+from streamrec.serving.by_ids import ByIdsQuery, query_of
+from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded, unknown_model
+from streamrec.serving.messages import Scored, Welcome
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.pauses import GcPauses
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
 from streamrec.serving.state import ApplyReport, ServedModel
 from streamrec.plumbing.config import ServingConfig
+
+
+@dataclass
+class ByIdsScores:
+    """A by-ids request's answer: its scores and how complete its features were."""
+
+    version: int
+    scores: np.ndarray
+    features_as_of: int | None
+    features_stale: bool
+    features: list[dict[str, Any]] | None
+
+    def json(self, ts: int) -> bytes:
+        answer = {"model_version": self.version, "features_as_of": self.features_as_of, "features_stale": self.features_stale,
+                  "ts": ts, "scores": self.scores.tolist()}
+        if self.features is not None:
+            answer["features"] = self.features
+        return orjson.dumps(answer)
+
+    def message(self, request_id: int) -> Scored:
+        return Scored(request_id, self.version, np.asarray(self.scores, np.float32).tobytes(), by_ids=True,
+                      features_as_of=self.features_as_of, features_stale=self.features_stale,
+                      features=orjson.dumps(self.features) if self.features is not None else None)
 
 
 class ServingEngine:
@@ -79,44 +105,49 @@ class ServingEngine:
             raise not_loaded()
         self.refuse_if_full()
         if is_by_ids(body):
-            return await self.predict_by_ids(body, timeout_s)
+            self.check_features()
+            now = int(time.time() * 1000)
+            query = query_of(self.ids_decoder.decode(body, now), now)
+            return (await self.score_by_ids(query, timeout_s)).json(query.ts)
         version, scores = await self.score(self.decoder(current.feature_spec).decode(body), timeout_s)
         return orjson.dumps({"model_version": version, "scores": scores.tolist()})
 
-    async def predict_by_ids(self, body: bytes, timeout_s: float | None = None) -> bytes:
-        """``{"user_id", "context", "candidates", "ts"?}`` -> scores in candidate order, with
-        the time the features are complete to (``features_as_of``)."""
+    def check_features(self) -> OnlineFeatures:
+        if self.features is None:
+            raise no_feature_store()
+        return self.features
+
+    async def score_by_ids(self, query: ByIdsQuery, timeout_s: float | None = None) -> ByIdsScores:
+        """One by-ids request's scores, its features assembled in its batch (``execute``)."""
+        as_of = self.check_features().as_of()
+        if as_of is not None and query.ts < as_of - REPLAY_HORIZON_MS:
+            raise ApiError(400, f"'ts' {query.ts} is {as_of - query.ts:,} ms before the feature store's state ({as_of}); "
+                                f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
+        return (await self.score(query, timeout_s))[1]
+
+    def ready(self, form: str | None = None) -> str | None:
+        """Why the node is not ready for ``form`` ("instances", "by_ids"; None: for every form
+        it serves), or None. Instances need a loaded model; by ids also needs the online
+        features caught up with their topic — at start, for at most
+        serving.feature_store_ready_timeout_s; a broker outage later leaves the node ready,
+        serving the last state, its answers saying how stale it is."""
+        forms = self.readiness()
+        if form is not None:
+            return forms[form]
+        served = forms if self.features is not None else {"instances": forms["instances"]}
+        return next((why for why in served.values() if why is not None), None)
+
+    def readiness(self) -> dict[str, str | None]:
+        """Per request form: why it is not served now (None: it is)."""
+        if self.served.version is None:
+            why = "no model version loaded yet"
+            return {"instances": why, "by_ids": why}
         features = self.features
         if features is None:
-            raise ApiError(400, "this node has no online feature store (serving.feature_store = false): "
-                                'send {"instances": [...]} with every feature')
-        now = int(time.time() * 1000)
-        request = self.ids_decoder.decode(body, now)
-        ts = now if request.ts is None else request.ts
-        as_of = features.as_of()
-        if as_of is not None and ts < as_of - REPLAY_HORIZON_MS:
-            raise ApiError(400, f"'ts' {ts} is {as_of - ts:,} ms before the feature store's state ({as_of}); "
-                                f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
-        t0 = time.perf_counter()
-        assembled = features.assemble(request.user_id, ts, request.context.device, request.context.local_hour,
-                                      request.candidates, request.return_features)
-        self.metrics.assembly.observe(time.perf_counter() - t0)
-        version, scores = await self.score(assembled.columns, timeout_s)
-        answer = {"model_version": version, "features_as_of": assembled.as_of, "ts": ts, "scores": scores.tolist()}
-        if assembled.features is not None:
-            answer["features"] = assembled.features
-        return orjson.dumps(answer)
-
-    def ready(self) -> str | None:
-        """Why the node is not ready (None: ready): no model yet, or the online features are
-        still catching up with their topic (for at most serving.feature_store_ready_timeout_s)."""
-        if self.served.version is None:
-            return "no model version loaded yet"
-        features = self.features
-        if features is not None and not features.caught_up.is_set():
-            if time.monotonic() - self._started_at < self.settings.feature_store_ready_timeout_s:
-                return f"the online feature store is catching up with {features.topic} ({features.lag_records():,} records behind)"
-        return None
+            return {"instances": None, "by_ids": "this node has no online feature store (serving.feature_store = false)"}
+        if features.caught_up.is_set() or time.monotonic() - self._started_at >= self.settings.feature_store_ready_timeout_s:
+            return {"instances": None, "by_ids": None}
+        return {"instances": None, "by_ids": features.not_ready_reason()}
 
     def refuse_if_full(self) -> None:
         """429 before a request is decoded when the queue has no room even for one instance."""
@@ -150,55 +181,86 @@ class ServingEngine:
     def execute(self, payloads: list) -> list:
         """Check, convert and score every request of a batch in one pass (a batcher worker).
 
-        Returns per request (version, scores) or the ApiError it gets: a request with an
-        invalid instance gets a 400 naming them; the others are scored."""
+        A payload is a list of decoded instances (this process's HTTP), a FeatureColumns (a
+        front-end's instances) or a ByIdsQuery (features assembled here, for all of them at
+        once). Returns per request (version, scores) — for a by-ids query, (version,
+        :class:`ByIdsScores`) — or the ApiError it gets: a request with an invalid instance
+        gets a 400 naming them; the others are scored."""
         current = self.served.current
         if current is None:
             raise not_loaded()
         decoder = self.decoder(current.feature_spec)
         outcomes: list = [None] * len(payloads)
         width = len(current.feature_spec.counter_columns())
+        listed, columns_of, by_ids = [], [], []
         for r, payload in enumerate(payloads):
-            mine = payload.counters.shape[1] == width if isinstance(payload, FeatureColumns) else type(payload[0]) is decoder.instance
-            if not mine:
-                outcomes[r] = ApiError(503, "the served model's feature spec changed while this request waited; send it again")
-        listed = [r for r, p in enumerate(payloads) if outcomes[r] is None and not isinstance(p, FeatureColumns)]
+            if isinstance(payload, ByIdsQuery):
+                by_ids.append(r)
+            elif isinstance(payload, FeatureColumns):
+                if payload.counters.shape[1] == width:
+                    columns_of.append(r)
+                else:
+                    outcomes[r] = SpecChanged("the served model's feature spec changed while this request waited; send it again")
+            elif type(payload[0]) is decoder.instance:
+                listed.append(r)
+            else:
+                outcomes[r] = SpecChanged("the served model's feature spec changed while this request waited; send it again")
         parts, order = [], []
         if listed:
-            flat = [x for r in listed for x in payloads[r]]
-            columns, rejected = decoder.columns(flat)
-            if rejected:  # rare: name each bad instance to its request, score the other requests
-                where = [(r, j) for r in listed for j in range(len(payloads[r]))]
-                bad: dict[int, list[str]] = {}
-                for i, reason in rejected:
-                    r, j = where[i]
-                    bad.setdefault(r, []).append(f"instance {j}: {reason}")
-                for r, reasons in bad.items():
-                    outcomes[r] = invalid_instances(reasons)
-                listed = [r for r in listed if r not in bad]
-                columns = decoder.columns([x for r in listed for x in payloads[r]])[0] if listed else None
-            if listed:
-                parts.append(columns)
-                order.extend(listed)
-        for r, payload in enumerate(payloads):
-            if outcomes[r] is None and isinstance(payload, FeatureColumns):
-                parts.append(payload)
-                order.append(r)
+            listed = self._instances_part(payloads, listed, decoder, outcomes, parts)
+            order.extend(listed)
+        order.extend(columns_of)
+        parts.extend(payloads[r] for r in columns_of)
+        assembled = None
+        if by_ids:
+            t0 = time.perf_counter()
+            assembled = self.features.assemble_batch([payloads[r] for r in by_ids])
+            self.metrics.assembly.observe(time.perf_counter() - t0)
+            parts.append(assembled.columns)
+            order.extend(by_ids)
         version, scores = current.version, np.empty(0, np.float32)
         if parts:
             batch = batch_from_columns(FeatureColumns.concat(parts), current.feature_spec, current.network.spec.history_len)
             version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000))
         taken = 0
+        stale = assembled is not None and self._stale(assembled.as_of)
         for r in order:
             n = len(payloads[r])
             outcomes[r] = (version, scores[taken: taken + n])
             taken += n
+        for k, r in enumerate(by_ids):
+            outcomes[r] = (version, ByIdsScores(version, outcomes[r][1], assembled.as_of, stale, assembled.features[k]))
         return outcomes
 
-    def hello(self) -> tuple:
-        """What a front-end process needs to decode requests itself (serving/ipc.py)."""
+    def _instances_part(self, payloads: list, listed: list[int], decoder: InstanceDecoder, outcomes: list, parts: list) -> list[int]:
+        """The columns of the listed instance requests into ``parts``; a request with an invalid
+        instance gets its 400 in ``outcomes``. Returns the requests whose rows are in ``parts``."""
+        flat = [x for r in listed for x in payloads[r]]
+        columns, rejected = decoder.columns(flat)
+        if rejected:  # rare: name each bad instance to its request, score the other requests
+            where = [(r, j) for r in listed for j in range(len(payloads[r]))]
+            bad: dict[int, list[str]] = {}
+            for i, reason in rejected:
+                r, j = where[i]
+                bad.setdefault(r, []).append(f"instance {j}: {reason}")
+            for r, reasons in bad.items():
+                outcomes[r] = invalid_instances(reasons)
+            listed = [r for r in listed if r not in bad]
+            columns = decoder.columns([x for r in listed for x in payloads[r]])[0] if listed else None
+        if listed:
+            parts.append(columns)
+        return listed
+
+    def _stale(self, as_of: int | None) -> bool:
+        """Whether by-ids answers say their features are stale: none complete yet, or complete
+        to a time further back than serving.features_max_lag_s."""
+        return as_of is None or time.time() * 1000 - as_of > self.settings.features_max_lag_s * 1000
+
+    def hello(self) -> Welcome:
+        """What a front-end process needs to decode requests itself (serving/messages.py)."""
         current = self.served.current
-        return ("hello", self.model_name, current.feature_spec.to_json() if current is not None else None)
+        return Welcome(self.model_name, current.feature_spec.to_json() if current is not None else None, MAX_FUTURE_SKEW_MS,
+                       self.features is not None)
 
     # ------------------------------------------------------------------ reporting
     def status(self) -> dict[str, Any]:

@@ -24,12 +24,25 @@ class ApiError(Exception):
         return [(b"content-type", b"application/json")]
 
 
+class SpecChanged(ApiError):
+    """A 503 after which a front-end must ask the engine again for the served feature spec
+    (none loaded yet, or it changed while the request waited)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message)
+
+
 def unknown_model(asked: str, served: str | None) -> ApiError:
     return ApiError(404, f"unknown model {asked!r}; this server serves {served!r}")
 
 
+def no_feature_store() -> ApiError:
+    return ApiError(400, "this node has no online feature store (serving.feature_store = false): "
+                         'send {"instances": [...]} with every feature')
+
+
 def not_loaded() -> ApiError:
-    return ApiError(503, "no model version is loaded yet; try again shortly (GET /readyz)")
+    return SpecChanged( "no model version is loaded yet; try again shortly (GET /readyz)")
 
 
 def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:

@@ -35,11 +35,13 @@ import orjson
 import uvicorn
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.errors import ApiError, not_loaded, unknown_model
+from streamrec.serving.errors import ApiError, no_feature_store, not_loaded, unknown_model
 from streamrec.serving.guard import HttpLimits, throttle_logs
-from streamrec.serving.ipc import frame, pack_columns, read_frame
+from streamrec.serving.by_ids import query_of
+from streamrec.serving.ipc import TO_FRONTEND, frame, pack_columns, read_frame
+from streamrec.serving.messages import Failed, Hello, PredictByIds, PredictColumns, Welcome
 from streamrec.serving.pauses import freeze_heap
-from streamrec.serving.request import InstanceDecoder, invalid_instances, is_by_ids
+from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
 from streamrec.serving.shortcut import PredictShortcut, read_body, send_answer
 
 log = logging.getLogger("streamrec.serving.frontend")
@@ -47,12 +49,15 @@ HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"co
 
 
 class EngineClient:
-    """A front-end's multiplexed connection to the engine (one socket, answers by id)."""
+    """A front-end's multiplexed connection to the engine (one socket, answers by id). It
+    decodes and checks every predict body itself; the engine gets typed, ready-made requests."""
 
     def __init__(self, path: str, max_instances: int) -> None:
         self.path, self.max_instances = path, max_instances
         self.model: str | None = None
         self.decoder: InstanceDecoder | None = None
+        self.ids_decoder: ByIdsDecoder | None = None
+        self.by_ids = False
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -72,26 +77,31 @@ class EngineClient:
         await self.hello()
 
     async def hello(self) -> None:
-        """Learn the model name and the served version's sample spec (again after a schema change,
-        or a 503: maybe one). Concurrent callers share one exchange: answers carry no id."""
+        """Learn the model name and the served version's feature spec (again after a
+        :class:`Failed` that says it may have changed). Concurrent callers share one exchange."""
         if self._hello is None or self._hello.done():
             self._hello = asyncio.get_running_loop().create_future()
-            self._writer.write(frame(("hello",)))
-        _, self.model, spec = await asyncio.shield(self._hello)
-        self.decoder = InstanceDecoder(FeatureSpec.from_json(spec), self.max_instances) if spec else None
+            self._writer.write(frame(Hello()))
+        welcome: Welcome = await asyncio.shield(self._hello)
+        self.model = welcome.model
+        self.decoder = InstanceDecoder(FeatureSpec.from_json(welcome.feature_spec), self.max_instances) if welcome.feature_spec else None
+        self.ids_decoder = ByIdsDecoder(self.max_instances, welcome.max_future_skew_ms)
+        self.by_ids = welcome.by_ids
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                message = await read_frame(reader)
-                if message[0] == "hello":
+                message = await read_frame(reader, TO_FRONTEND)
+                if isinstance(message, Welcome):
                     self._hello.set_result(message)
                     continue
-                future = self._pending.pop(message[1], None)
+                future = self._pending.pop(message.id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the serving engine closed the link; this front-end stops")
+        except Exception:  # noqa: BLE001 -- an unreadable message: this process cannot match answers any more
+            log.exception("unreadable message from the serving engine; this front-end stops")
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ApiError(503, "the serving engine went away; retry"))
@@ -104,28 +114,37 @@ class EngineClient:
             await self.hello()
             if self.decoder is None:
                 raise not_loaded()
-        request_id = next(self._ids)
-        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        if is_by_ids(body):  # the features are the engine's online features: it decodes these itself
-            self._writer.write(frame(("predict_body", request_id, timeout_s, model, body)))
+        by_ids = is_by_ids(body)
+        if by_ids:
+            if not self.by_ids:
+                raise no_feature_store()
+            now = int(time.time() * 1000)
+            query = query_of(self.ids_decoder.decode(body, now), now)
+            request_id = next(self._ids)
+            message = PredictByIds(request_id, timeout_s, query.user_id, query.ts, query.device, query.local_hour,
+                                   query.candidates.tobytes(), query.return_features)
         else:
-            try:
-                instances = self.decoder.decode(body)
-                columns, rejected = self.decoder.columns(instances)
-                if rejected:
-                    raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
-            except ApiError:
-                del self._pending[request_id]
-                raise
-            self._writer.write(frame(("predict", request_id, timeout_s, *pack_columns(columns))))
+            instances = self.decoder.decode(body)
+            columns, rejected = self.decoder.columns(instances)
+            if rejected:
+                raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
+            request_id = next(self._ids)
+            message = PredictColumns(request_id, timeout_s, *pack_columns(columns))
+        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        self._writer.write(frame(message))
         answer = await future
-        if answer[0] == "body":
-            return answer[2]
-        if answer[0] == "error":
-            if answer[2] == 503 and not answer[3].startswith("overloaded"):
-                await self.hello()  # maybe a new sample schema (not after a shed: that costs an exchange per refusal)
-            raise ApiError(answer[2], answer[3])
-        return orjson.dumps({"model_version": answer[2], "scores": np.frombuffer(answer[3], np.float32).tolist()})
+        if isinstance(answer, Failed):
+            if answer.spec_changed:
+                await self.hello()
+            raise ApiError(answer.status, answer.message)
+        scores = np.frombuffer(answer.scores, np.float32).tolist()
+        if not answer.by_ids:
+            return orjson.dumps({"model_version": answer.model_version, "scores": scores})
+        reply = {"model_version": answer.model_version, "features_as_of": answer.features_as_of,
+                 "features_stale": answer.features_stale, "ts": query.ts, "scores": scores}
+        if answer.features is not None:
+            reply["features"] = orjson.Fragment(answer.features)
+        return orjson.dumps(reply)
 
 
 class EngineRelay:

@@ -2,22 +2,10 @@
 `streamrec serve` process that owns the model, the batcher and the GPU).
 
 One Unix-socket connection per front-end, multiplexed: frames of a 4-byte big-endian length
-and a pickle (protocol 5: numpy arrays travel as raw buffers). Messages:
-
-- front-end -> engine ``("hello",)``; engine -> ``("hello", model name, sample spec as JSON)``
-- front-end -> engine ``("predict", id, timeout, rows, history ids, counters, packed columns)``; engine ->
-  ``("ok", id, version, float32 scores as bytes)`` or ``("error", id, http status, message)``;
-  answers come in completion order, matched by id.
-- front-end -> engine ``("predict_body", id, timeout, model, body)`` (predict by ids: the features
-  live in the engine's online features); engine -> ``("body", id, JSON answer)`` or an
-  ``"error"`` as above.
-
-``timeout`` is the client's queueing deadline in seconds (header ``x-request-timeout-ms``) or None.
-
-A request's feature columns travel as one int64 buffer (:func:`pack_columns`): the engine
-rebuilds columns from one buffer faster than it unpickles a dataclass of a dozen numpy
-arrays, and that rebuild is a large part of its per-request cost (bench/RESULTS.md,
-serving_decode).
+and one typed message (serving/messages.py, MessagePack). A request's feature columns travel
+as one int64 buffer (:func:`pack_columns`): the engine rebuilds columns from one buffer
+faster than it decodes a dozen arrays, and that rebuild is a large part of its per-request
+cost (bench/RESULTS.md, serving_decode).
 
 Only the engine's own front-ends connect (the socket lives in a private 0700 directory).
 """
@@ -26,32 +14,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import struct
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
+import msgspec
 import numpy as np
 
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import INT_COLUMNS
-from streamrec.serving.errors import ApiError
+from streamrec.serving.by_ids import ByIdsQuery
+from streamrec.serving.errors import ApiError, SpecChanged
+from streamrec.serving.messages import Failed, Hello, PredictByIds, PredictColumns, Scored, ToEngine, ToFrontend, Welcome
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 1 << 30
 
 
-def frame(message: Any) -> bytes:
-    data = pickle.dumps(message, protocol=5)
+_ENCODER = msgspec.msgpack.Encoder()
+TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
+TO_FRONTEND = msgspec.msgpack.Decoder(ToFrontend)
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    data = _ENCODER.encode(message)
     return _LENGTH.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
+async def read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder):
     """The next message; IncompleteReadError at end of stream."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > MAX_FRAME:
         raise ValueError(f"frame of {length:,} bytes: not a streamrec front-end")
-    return pickle.loads(await reader.readexactly(length))
+    return decoder.decode(await reader.readexactly(length))
 
 
 def pack_columns(columns: FeatureColumns) -> tuple[int, int, int, bytes]:
@@ -77,11 +72,12 @@ def unpack_columns(n: int, m: int, k: int, data: bytes) -> FeatureColumns:
 
 
 class EngineLink:
-    """Engine side: answers the front-ends' predict messages through ``score(columns)``."""
+    """Engine side: answers the front-ends' predict messages through ``score(columns)`` and
+    ``score_by_ids(query)`` (serving/engine.py)."""
 
-    def __init__(self, path: str, hello: Callable[[], tuple], score: Callable[[Any], Awaitable[tuple[int, Any]]],
-                 predict: Callable[[str, bytes, float | None], Awaitable[bytes]]) -> None:
-        self.path, self.hello, self.score, self.predict = path, hello, score, predict
+    def __init__(self, path: str, hello: Callable[[], Welcome], score: Callable[[FeatureColumns, float | None], Awaitable[tuple]],
+                 score_by_ids: Callable[[ByIdsQuery, float | None], Awaitable]) -> None:
+        self.path, self.hello, self.score, self.score_by_ids = path, hello, score, score_by_ids
         self.connected = 0
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -98,11 +94,11 @@ class EngineLink:
         self.connected += 1
         try:
             while True:
-                message = await read_frame(reader)
-                if message[0] == "hello":
+                message = await read_frame(reader, TO_ENGINE)
+                if isinstance(message, Hello):
                     writer.write(frame(self.hello()))
-                elif message[0] in ("predict", "predict_body"):
-                    task = asyncio.create_task(self._answer(writer, message[0], message[1], message[2], message[3:]))
+                else:
+                    task = asyncio.create_task(self._answer(writer, message))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -113,17 +109,20 @@ class EngineLink:
             self.connected -= 1
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, kind: str, request_id: int, timeout_s: float | None, packed: tuple) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, message: PredictColumns | PredictByIds) -> None:
         try:
-            if kind == "predict_body":
-                answer = ("body", request_id, await self.predict(*packed, timeout_s))
+            if isinstance(message, PredictByIds):
+                candidates = np.frombuffer(message.candidates, np.int64).reshape(-1, 4)
+                query = ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
+                answer = (await self.score_by_ids(query, message.timeout_s)).message(message.id)
             else:
-                version, scores = await self.score(unpack_columns(*packed), timeout_s)
-                answer = ("ok", request_id, version, np.asarray(scores, np.float32).tobytes())
+                columns = unpack_columns(message.rows, message.history_ids, message.counters, message.packed)
+                version, scores = await self.score(columns, message.timeout_s)
+                answer = Scored(message.id, version, np.asarray(scores, np.float32).tobytes())
         except ApiError as exc:
-            answer = ("error", request_id, exc.status, exc.message)
+            answer = Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged))
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer
             log.exception("unexpected error")
-            answer = ("error", request_id, 500, f"internal error: {type(exc).__name__}: {exc}")
+            answer = Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}")
         if not writer.is_closing():
             writer.write(frame(answer))

@@ -15,7 +15,6 @@ equal the job's sample for an impression at ``ts`` whenever ``ts <= as_of``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -31,6 +30,8 @@ from streamrec.contracts.feature_spec import INT_COLUMNS, FeatureSpec
 from streamrec.contracts.feature_state import (CorruptFeatureMessage, CounterBucket, EntityCounts, History, StageWatermark, UserHistory,
                                                Watermarks, decode_message)
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
+from streamrec.serving.counter_cache import CounterCache
 from streamrec.serving.entity_memory import EntityMemory
 
 log = logging.getLogger("streamrec.serving.features")
@@ -39,9 +40,14 @@ log = logging.getLogger("streamrec.serving.features")
 REPLAY_HORIZON_MS = 120_000
 
 
-@functools.lru_cache(maxsize=256)
-def _device_hash(device: str) -> int:
-    return int(device_hashes([device])[0])
+@dataclass
+class AssembledBatch:
+    """A batch of by-ids queries' features: one block of columns, and per query its values by
+    name when it asked (``return_features``)."""
+
+    columns: FeatureColumns
+    as_of: int | None
+    features: list[list[dict[str, Any]] | None]
 
 
 @dataclass
@@ -68,6 +74,7 @@ class OnlineFeatures:
         self.keep_history = 2 * spec.history_len  # the job's list plus what it dropped since: see UserHistory
         self._lock = threading.Lock()
         self.watermarks = Watermarks()
+        self._counters = {kind: CounterCache(2 * len(self.windows_ms)) for kind in ("item", "category")}  # candidates' entities
         self.partitions = 0
         self.counts = {"messages": 0, "corrupt": 0}
         self.last_corrupt: str | None = None
@@ -180,6 +187,8 @@ class OnlineFeatures:
                     if entity.counts is None:
                         entity.counts = EntityCounts()
                     entity.counts.put(message)
+                    if message.entity in self._counters:
+                        self._counters[message.entity].invalidate(message.entity_id)
                     if as_of is not None:
                         entity.counts.expire(as_of - self.max_window_ms - REPLAY_HORIZON_MS)
                     memory.resized(entity)
@@ -195,55 +204,83 @@ class OnlineFeatures:
     def as_of(self) -> int | None:
         return self.watermarks.as_of(self.partitions) if self.partitions else None
 
-    def assemble(self, user_id: int, ts: int, device: str, local_hour: int, candidates: Sequence, with_features: bool = False) -> Assembled:
-        """The features of ``candidates`` (objects with item_id, category_id, advertiser_id,
-        position) shown to ``user_id`` at ``ts``: unknown entities get cold-start features
-        (zero counters, empty history)."""
-        spec, n, w, windows, peek = self.spec, len(candidates), len(self.windows_ms), self.windows_ms, self.memory.peek
-        zero = [0] * (2 * w)
-        ids = np.array([(c.item_id, c.category_id, c.advertiser_id, c.position) for c in candidates], np.int64).reshape(n, 4)
+    def assemble_batch(self, queries: Sequence[ByIdsQuery]) -> AssembledBatch:
+        """The features of every candidate of ``queries``, as one block of columns (rows in
+        query order). Per query: the user's counts and history (O(1) Python); per batch: the
+        items' and categories' counts, gathered from :class:`CounterCache` in numpy. Unknown
+        entities get cold-start features (zero counters, empty history)."""
+        w2, windows, peek = 2 * len(self.windows_ms), self.windows_ms, self.memory.peek
+        sizes = np.fromiter(map(len, queries), np.int64, len(queries))
+        ids = np.concatenate([q.candidates for q in queries]) if queries else np.zeros((0, 4), np.int64)
+        ts = np.repeat(np.fromiter((q.ts for q in queries), np.int64, len(queries)), sizes)
+        user_counts, histories = np.zeros((len(queries), w2), np.int64), []
         with self._lock:
-            user = peek(("user", user_id))
-            user_counts = user.counts.counts(ts, windows) if user is not None and user.counts is not None else zero
-            items, categories = (user.history.before(ts, spec.history_len) if user is not None and user.history is not None
+            for k, q in enumerate(queries):
+                user = peek(("user", q.user_id))
+                if user is not None and user.counts is not None:
+                    user_counts[k] = user.counts.counts(q.ts, windows)
+                histories.append(user.history.before(q.ts, self.spec.history_len) if user is not None and user.history is not None
                                  else ([], []))
-            per_entity = []
-            for kind, column in (("item", 0), ("category", 1)):
-                cache: dict[int, list[int]] = {}
-                for entity_id in ids[:, column].tolist():
-                    got = cache.get(entity_id)
-                    if got is None:
-                        entity = peek((kind, entity_id))
-                        got = cache[entity_id] = entity.counts.counts(ts, windows) if entity is not None and entity.counts is not None else zero
-                    per_entity.append(got)
+            items = self._counters["item"].gather(ids[:, 0], ts, self._compute_for("item"))
+            categories = self._counters["category"].gather(ids[:, 1], ts, self._compute_for("category"))
             as_of = self.as_of()
+        n, w = len(ids), len(windows)
         # counter columns: for each window, for user, item, category: (imps, clicks)
         grid = np.empty((n, w, 3, 2), np.int64)
-        grid[:, :, 0, :] = np.array(user_counts, np.int64).reshape(w, 2)
-        both = np.array(per_entity, np.int64).reshape(2, n, w, 2)
-        grid[:, :, 1, :] = both[0]
-        grid[:, :, 2, :] = both[1]
+        grid[:, :, 0, :] = np.repeat(user_counts, sizes, axis=0).reshape(n, w, 2)
+        grid[:, :, 1, :] = items.reshape(n, w, 2)
+        grid[:, :, 2, :] = categories.reshape(n, w, 2)
         counters = grid.reshape(n, w * 6)
+        lengths = np.fromiter((len(h[0]) for h in histories), np.int64, len(queries))
         source = {  # a new integer input fails here (KeyError) rather than reaching the model unset
-            "ts": np.full(n, ts, np.int64), "user_id": np.full(n, user_id, np.int64), "item_id": ids[:, 0],
-            "position": ids[:, 3], "local_hour": np.full(n, local_hour, np.int64), "category_id": ids[:, 1],
-            "advertiser_id": ids[:, 2],
+            "ts": ts, "user_id": np.repeat(np.fromiter((q.user_id for q in queries), np.int64, len(queries)), sizes),
+            "item_id": ids[:, 0], "position": ids[:, 3],
+            "local_hour": np.repeat(np.fromiter((q.local_hour for q in queries), np.int64, len(queries)), sizes),
+            "category_id": ids[:, 1], "advertiser_id": ids[:, 2],
         }
-        ints = {name: source[name] for name in INT_COLUMNS}
         columns = FeatureColumns(
-            ints=ints, counters=counters, device_hash=np.full(n, _device_hash(device), np.int64),
-            hist_items=np.tile(np.array(items, np.int64), n), hist_categories=np.tile(np.array(categories, np.int64), n),
-            hist_lengths=np.full(n, len(items), np.int64))
-        features = None
-        if with_features:
-            names = spec.counter_columns()
-            features = [{"ts": ts, "user_id": user_id, "item_id": c.item_id, "position": c.position, "device": device,
-                         "local_hour": local_hour, "category_id": c.category_id, "advertiser_id": c.advertiser_id,
-                         "hist_item_ids": items, "hist_category_ids": categories, **dict(zip(names, row))}
-                        for c, row in zip(candidates, counters.tolist())]
-        return Assembled(columns, ts, as_of, features)
+            ints={name: source[name] for name in INT_COLUMNS}, counters=counters,
+            device_hash=np.repeat(device_hashes([q.device for q in queries]), sizes),
+            hist_items=np.concatenate([np.tile(np.array(h[0], np.int64), m) for h, m in zip(histories, sizes.tolist())] or [np.zeros(0, np.int64)]),
+            hist_categories=np.concatenate([np.tile(np.array(h[1], np.int64), m) for h, m in zip(histories, sizes.tolist())] or [np.zeros(0, np.int64)]),
+            hist_lengths=np.repeat(lengths, sizes))
+        features: list[list[dict[str, Any]] | None] = []
+        at = 0
+        for q, (hist_items, hist_categories), m in zip(queries, histories, sizes.tolist()):
+            features.append(self._named(q, hist_items, hist_categories, counters[at: at + m]) if q.return_features else None)
+            at += m
+        return AssembledBatch(columns, as_of, features)
+
+    def assemble(self, user_id: int, ts: int, device: str, local_hour: int, candidates: Sequence, with_features: bool = False) -> Assembled:
+        """One request's features (:meth:`assemble_batch` of one query): ``candidates`` are
+        objects with item_id, category_id, advertiser_id, position."""
+        ids = np.array([[getattr(c, f) for f in CANDIDATE_FIELDS] for c in candidates], np.int64).reshape(len(candidates), 4)
+        batch = self.assemble_batch([ByIdsQuery(user_id, ts, device, local_hour, ids, with_features)])
+        return Assembled(batch.columns, ts, batch.as_of, batch.features[0])
+
+    def _compute_for(self, kind: str):
+        peek, windows = self.memory.peek, self.windows_ms
+
+        def compute(entity_id: int, ts: int) -> tuple[list[int], int] | None:
+            entity = peek((kind, entity_id))
+            return entity.counts.counts_until(ts, windows) if entity is not None and entity.counts is not None else None
+        return compute
+
+    def _named(self, q: ByIdsQuery, items: list[int], categories: list[int], counters: np.ndarray) -> list[dict[str, Any]]:
+        """The feature values by name, per candidate (``return_features``)."""
+        names = self.spec.counter_columns()
+        return [{"ts": q.ts, "user_id": q.user_id, "item_id": c[0], "position": c[3], "device": q.device, "local_hour": q.local_hour,
+                 "category_id": c[1], "advertiser_id": c[2], "hist_item_ids": items, "hist_category_ids": categories,
+                 **dict(zip(names, row))} for c, row in zip(q.candidates.tolist(), counters.tolist())]
 
     # ------------------------------------------------------------------ reporting
+    def not_ready_reason(self) -> str:
+        """Why the store has not caught up with its topic yet."""
+        if self.error is not None and self.partitions == 0:
+            return f"the online feature store cannot read {self.topic} yet: {self.error}"
+        behind = f"the online feature store is catching up with {self.topic} ({self.lag_records():,} records behind)"
+        return f"{behind}; last error: {self.error}" if self.error is not None else behind
+
     def lag_records(self) -> int:
         return sum(max(0, end - self._positions.get(p, 0)) for p, end in self._ends.items())
 

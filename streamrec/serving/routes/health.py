@@ -3,6 +3,8 @@ features have caught up, every front-end is connected) and ``GET /metrics`` (Pro
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,14 +24,17 @@ def add_health_routes(app: FastAPI, engine: ServingEngine, link: EngineLink | No
         return {"status": "ok"}
 
     @app.get("/readyz")
-    async def readyz() -> Response:
-        why = engine.ready()
+    async def readyz(form: Literal["instances", "by_ids"] | None = None) -> Response:
+        """Ready for every form the node serves, or for one (``?form=instances``: a load
+        balancer pool that sends only full-feature requests need not wait for the features)."""
+        why = engine.ready(form)
         if why is not None:
             return error_response(ApiError(503, why))
         if link is not None and link.connected < frontends:
             return error_response(ApiError(503, f"{link.connected} of {frontends} HTTP front-ends connected"))
         # ready while it serves a version, even one behind a LATEST it cannot load: it says so
-        return JSONResponse({"status": "ready", "model_version": engine.served.version, "latest_problem": engine.served.latest_problem})
+        return JSONResponse({"status": "ready", "model_version": engine.served.version, "latest_problem": engine.served.latest_problem,
+                             "forms": {name: why or "ready" for name, why in engine.readiness().items()}})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,39 @@
+"""A predict-by-ids request as the engine batches it: ids only, features assembled later,
+for the whole batch at once (``OnlineFeatures.assemble_batch``).
+
+Built from a decoded body (serving/request.py ``ByIdsRequest``) by whichever process
+decoded it (the engine, or a front-end, which sends it over serving/messages.py); its length
+is its candidate count, which is what the batcher counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
+CANDIDATE_FIELDS = ("item_id", "category_id", "advertiser_id", "position")
+_candidate = attrgetter(*CANDIDATE_FIELDS)
+
+
+@dataclass(slots=True)
+class ByIdsQuery:
+    user_id: int
+    ts: int  # the request's event time (ms): the client's, or the decoding process's clock
+    device: str  # at most request.MAX_DEVICE_CHARS
+    local_hour: int
+    candidates: np.ndarray  # [n, 4] int64: CANDIDATE_FIELDS per candidate
+    return_features: bool = False
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+
+def query_of(request, now_ms: int) -> ByIdsQuery:
+    """The query of a decoded ``ByIdsRequest``; its ``ts`` defaults to ``now_ms``."""
+    n = len(request.candidates)
+    flat = np.fromiter(chain.from_iterable(map(_candidate, request.candidates)), np.int64, 4 * n)
+    return ByIdsQuery(request.user_id, now_ms if request.ts is None else request.ts, request.context.device,
+                      request.context.local_hour, flat.reshape(n, 4), request.return_features)

@@ -1,0 +1,71 @@
+"""The typed messages between HTTP front-end processes and the engine (serving/ipc.py
+carries them): msgspec structs, tagged, encoded as MessagePack. A front-end decodes and
+checks every predict body itself, so the engine gets ready-made requests: feature columns
+(``PredictColumns``) or ids to assemble in its next batch (``PredictByIds``). Arrays travel
+as raw int64/float32 bytes.
+
+front-end -> engine: :class:`Hello`, :class:`PredictColumns`, :class:`PredictByIds`;
+engine -> front-end: :class:`Welcome`, :class:`Scored`, :class:`Failed`. Answers come in
+completion order, matched by ``id``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """Ask for the served model and its feature spec (at start, and after a :class:`Failed`
+    with ``spec_changed``)."""
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    model: str
+    feature_spec: dict | None  # the served version's FeatureSpec.to_json(); None: no version loaded yet
+    max_future_skew_ms: int  # how far ahead of the clock a by-ids 'ts' may be
+    by_ids: bool  # the engine has online features (serving.feature_store)
+
+
+class PredictColumns(msgspec.Struct, tag="columns"):
+    """A request with every feature, as ``ipc.pack_columns`` packs them."""
+
+    id: int
+    timeout_s: float | None  # the client's queueing deadline (x-request-timeout-ms), if any
+    rows: int
+    history_ids: int
+    counters: int
+    packed: bytes
+
+
+class PredictByIds(msgspec.Struct, tag="by_ids"):
+    """A checked by-ids request (serving/by_ids.py ``ByIdsQuery``)."""
+
+    id: int
+    timeout_s: float | None
+    user_id: int
+    ts: int
+    device: str
+    local_hour: int
+    candidates: bytes  # int64 [n, 4]: item_id, category_id, advertiser_id, position
+    return_features: bool = False
+
+
+class Scored(msgspec.Struct, tag="scored"):
+    id: int
+    model_version: int
+    scores: bytes  # float32 [n]
+    by_ids: bool = False  # the fields below are set
+    features_as_of: int | None = None
+    features_stale: bool = False
+    features: bytes | None = None  # JSON: the values used, per candidate (return_features)
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    id: int
+    status: int
+    message: str
+    spec_changed: bool = False  # the served feature spec may have changed: send Hello again
+
+
+ToEngine = Hello | PredictColumns | PredictByIds
+ToFrontend = Welcome | Scored | Failed
