@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from streamrec.contracts.sample_wire import decode_samples
+from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, is_by_ids
@@ -49,6 +49,12 @@ BAD = [  # (change to one instance, the reason both paths give)
     ({"hist_item_ids": [1, -(2**63) + 1], "hist_category_ids": [1, 2]}, "reserved_id:hist_item_ids"),
     ({"hist_item_ids": [1, 2], "hist_category_ids": [3]}, "invalid_value:hist_category_ids"),
     ({"hist_item_ids": list(range(51)), "hist_category_ids": list(range(51))}, "invalid_value:hist_item_ids"),
+    ({"device": "d" * 257}, "invalid_value:device"),  # the bounds of what a client controls
+    ({"event_id": "e" * 257}, "invalid_value:event_id"),
+    ({"request_id": "r" * 257}, "invalid_value:request_id"),
+    ({"local_hour": 24}, "invalid_value:local_hour"),
+    ({"local_hour": -1}, "invalid_value:local_hour"),
+    ({"position": -1}, "invalid_value:position"),
 ]
 
 
@@ -101,6 +107,15 @@ def test_an_instance_of_another_feature_spec_is_refused_naming_the_nodes_spec(ro
     assert "this node serves feature spec windows_s [60, 600], history_len 50" in message
     with pytest.raises(ApiError, match="instance 0: missing_field:user_imps_3600s"):  # and the other way round
         InstanceDecoder(wider, max_instances=10).decode(orjson.dumps({"instances": [rows[1]]}))
+
+
+def test_strings_at_their_bound_are_served(rows):
+    """The bounds refuse only what is past them: the longest device and ids, the last hour."""
+    row = {**rows[0], "device": "d" * MAX_DEVICE_CHARS, "event_id": "e" * MAX_ID_CHARS, "request_id": "r" * MAX_ID_CHARS,
+           "local_hour": 23, "position": 0}
+    decoder = InstanceDecoder(SPEC, max_instances=10)
+    assert decoder.columns(decoder.decode(orjson.dumps({"instances": [row]})))[1] == []
+    assert decode_samples([orjson.dumps(row)], SPEC, instances=True)[2] == []
 
 
 def test_a_replayed_sample_with_its_label_is_an_instance(sample_run):

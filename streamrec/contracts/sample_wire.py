@@ -28,6 +28,13 @@ import pyarrow.json as pj
 from streamrec.contracts.feature_spec import ID_COLUMNS, INSTANCE_FIELDS, REQUIRED_SAMPLE_FIELDS, SAMPLE_VERSION, FeatureSpec
 
 RESERVED_IDS = (-(2**63), -(2**63) + 1)  # the embedding hash index's markers: cannot be keys
+# Bounds of what a predict instance's client controls (the job's samples come from events
+# that passed the event contract): a string as long as the body allows costs memory and
+# hashing for nothing, and an hour or a position out of range means nothing.
+MAX_DEVICE_CHARS = 256  # a device name is a short label (predict by ids bounds it too)
+MAX_ID_CHARS = 256  # event_id, request_id: identifiers, not text
+INSTANCE_MAX_CHARS = {"device": MAX_DEVICE_CHARS, "event_id": MAX_ID_CHARS, "request_id": MAX_ID_CHARS}
+INSTANCE_RANGES = {"local_hour": (0, 23), "position": (0, 2**31 - 1)}  # as predict by ids (and the event contract, the hour)
 
 
 def encode_samples(table: pa.Table) -> list[bytes]:
@@ -61,7 +68,9 @@ def check_samples(table: pa.Table, spec: FeatureSpec, instances: bool = False) -
 
     A sample is refused for an unknown ``sample_version``, a missing required field, a
     label other than 0/1, a negative counter, an id equal to a reserved key, or a
-    behaviour history that is longer than ``history_len`` or whose two lists disagree.
+    behaviour history that is longer than ``history_len`` or whose two lists disagree;
+    an instance also for a string or a number past :data:`INSTANCE_MAX_CHARS` or
+    :data:`INSTANCE_RANGES`.
     """
     required = INSTANCE_FIELDS if instances else REQUIRED_SAMPLE_FIELDS
     missing = [c for c in (*required, *spec.counter_columns()) if c not in table.column_names]
@@ -86,6 +95,11 @@ def check_samples(table: pa.Table, spec: FeatureSpec, instances: bool = False) -
         flag(nulls(name) | _np(pc.less(table[name], 0)), f"invalid_value:{name}")
     if not instances:
         flag(~_np(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), "invalid_value:label")
+    else:
+        for name, chars in INSTANCE_MAX_CHARS.items():
+            flag(_np(pc.greater(pc.utf8_length(table[name]), chars)), f"invalid_value:{name}")
+        for name, (low, high) in INSTANCE_RANGES.items():
+            flag(_np(pc.or_(pc.less(table[name], low), pc.greater(table[name], high))), f"invalid_value:{name}")
     for name in ID_COLUMNS:
         flag(_np(pc.is_in(table[name], pa.array(RESERVED_IDS, pa.int64()))), f"reserved_id:{name}")
     items, cats = table["hist_item_ids"], table["hist_category_ids"]

@@ -6,7 +6,8 @@ uvicorn alone closes a connection only when it has been idle ``timeout_keep_aliv
 response: a connection that never sends a request, or sends it a byte at a time, stays open
 forever, and its ``limit_concurrency`` answers 503 to health checks too, once idle
 connections fill it. :class:`GuardedHttpProtocol` closes both kinds of stall, evicts idle
-connections rather than run out of descriptors, and keeps /healthz and /readyz answerable.
+connections rather than run out of descriptors, keeps /healthz and /readyz answerable, and
+answers a request its HTTP parser refuses with the JSON error body of every other 4xx.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import asyncio
 import functools
 import logging
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from streamrec.serving.errors import ApiError
 from streamrec.serving.shortcut import send_answer
@@ -66,7 +68,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
       except /healthz and /readyz (a load balancer must not take a busy node for a dead one);
     - past ``max_connections`` open connections, a new one closes the connection idle the
       longest (no request in progress), so that idle connections cannot take every file
-      descriptor and starve new ones, health checks included."""
+      descriptor and starve new ones, health checks included;
+    - a request the parser refuses (a bad Content-Length, Content-Length with chunked, a
+      garbage request line) answered with :class:`ApiError`'s JSON 400, not uvicorn's text."""
 
     def __init__(self, *args: Any, limits: HttpLimits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -121,6 +125,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.read_timer = None
         if not self.transport.is_closing():
             self.transport.close()  # a request waiting for its body sees http.disconnect
+
+    def send_400_response(self, msg: str) -> None:
+        """The JSON 400 that says what was wrong, then close. uvicorn calls this while it
+        handles the parser's exception, whose message names the fault (its own ``msg`` is
+        the same text for every fault)."""
+        fault = sys.exc_info()[1]
+        error = ApiError(400, f"invalid HTTP request: {fault}" if fault is not None else msg)
+        body = error.body()
+        head = [STATUS_LINE[400], *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
+                *(name + b": " + value + b"\r\n" for name, value in error.headers()),
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
     async def _too_busy(self, scope: Any, receive: Any, send: Any) -> None:
         error = ApiError(503, f"too many requests in progress (serving.max_connections = {self.limits.max_connections:,}); retry shortly")

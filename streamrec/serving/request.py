@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from streamrec.model.columns import FeatureColumns, device_hashes
 from streamrec.contracts.feature_spec import HISTORY_COLUMNS, ID_COLUMNS, INT_COLUMNS, SAMPLE_VERSION, FeatureSpec
-from streamrec.contracts.sample_wire import RESERVED_IDS
+from streamrec.contracts.sample_wire import INSTANCE_MAX_CHARS, INSTANCE_RANGES, MAX_DEVICE_CHARS, RESERVED_IDS
 from streamrec.serving.errors import ApiError
 
 INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -38,21 +38,24 @@ _FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
 
 
 _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
+_BOUNDED = {**{name: Annotated[str, msgspec.Meta(max_length=chars)] for name, chars in INSTANCE_MAX_CHARS.items()},
+            **{name: Annotated[int, msgspec.Meta(ge=low, le=high)] for name, (low, high) in INSTANCE_RANGES.items()}}
 
 
 def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
     """The typed predict instance of ``spec``: the fields of ``spec.schema()``, counters never
-    negative, the meta fields (sample_version, ids) and the label optional (a replayed sample
-    is an instance). Any other field is refused: an instance built for another feature spec
-    (another counter window, say) must not be scored as if it were of this one."""
+    negative, strings and ranges bounded as the sample checks bound an instance's, the meta
+    fields (sample_version, ids) and the label optional (a replayed sample is an instance).
+    Any other field is refused: an instance built for another feature spec (another counter
+    window, say) must not be scored as if it were of this one."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for f in spec.fields(with_label=True):
         if f.role == "counter":
             fields.append((f.name, COUNT))
         elif f.role in ("meta", "label"):
-            fields.append((f.name, int | None if pa.types.is_integer(f.type) else str | None, None))
+            fields.append((f.name, _BOUNDED.get(f.name, int if pa.types.is_integer(f.type) else str) | None, None))
         else:
-            fields.append((f.name, _TYPES[f.type]))
+            fields.append((f.name, _BOUNDED.get(f.name, _TYPES[f.type])))
     return msgspec.defstruct("Instance", fields, kw_only=True, forbid_unknown_fields=True)
 
 
@@ -83,7 +86,7 @@ def reason_of(error: msgspec.ValidationError) -> str:
     name = field.group(1) if field else "?"
     if "got `null`" in message:
         return f"missing_field:{name}"
-    if re.search(r"Expected `int` [<>]=", message):
+    if re.search(r"Expected `(int|str)` (of length )?[<>]=", message):
         return f"invalid_value:{name}"
     return f"wrong_type:{name}"
 
@@ -193,7 +196,6 @@ def invalid_instances(reasons: list[str]) -> ApiError:
 
 
 # ---------------------------------------------------------------------- predict by ids
-MAX_DEVICE_CHARS = 256  # a device name is a short label; a client-sized string would be held by caches
 
 
 class Context(msgspec.Struct, forbid_unknown_fields=True):
