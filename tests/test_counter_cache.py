@@ -73,3 +73,39 @@ def test_a_batch_equals_the_reference_through_updates_and_requests_in_any_order(
     cache = store._counters["item"]
     assert cache.hits > 0 and cache.misses > 0  # both paths ran
     store.close()
+
+
+def test_a_snapshot_restores_every_entity_and_the_watermarks(tmp_path):
+    from streamrec.serving.feature_snapshot import CorruptSnapshot, read_snapshot
+
+    rng = random.Random(5)
+    store = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill")
+    records = [record("w/user/0/0", b'{"wm":5000,"n":1}'), record("w/item/0/0", b'{"wm":6000,"n":1}'),
+               record("w/category/0/0", b'{"wm":7000,"n":1}'), record("h/user/2", b'{"h":[[9,4,1003],[8,3,900]]}')]
+    for k in range(300):
+        kind = rng.choice(("user", "item", "category"))
+        records.append(record(f"c/{kind}/{rng.randrange(1, 60)}/{10_000 * rng.randrange(0, 5)}",
+                              b'{"i":[%d,%d],"c":[%d]}' % (k, k + 7, k + 7)))
+    store._apply_records(records)
+    store.partitions, store._positions = 1, {0: 304}
+    snapshot = tmp_path / "features.arrow"
+    store.save_snapshot(snapshot, chunk=16)  # many chunks
+    restored = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill2")
+    restored.load_snapshot(snapshot)
+    assert restored.as_of() == store.as_of() == 5001 and restored._positions == {0: 304}
+    assert sorted(restored.memory.keys()) == sorted(store.memory.keys())
+    for key in store.memory.keys():
+        a, b = store.memory.read(key), restored.memory.read(key)
+        assert (a.counts is None) == (b.counts is None) and (a.history is None) == (b.history is None)
+        if a.counts is not None:
+            assert list(a.counts.imps) == list(b.counts.imps) and list(a.counts.clicks) == list(b.counts.clicks)
+        if a.history is not None:
+            assert list(a.history.flat) == list(b.history.flat)
+    (tmp_path / "other.arrow").write_bytes(snapshot.read_bytes()[:100])  # a torn copy is refused, never half-read
+    try:
+        read_snapshot(tmp_path / "other.arrow")
+        raise AssertionError("a torn snapshot was read")
+    except CorruptSnapshot as exc:
+        assert "not a feature snapshot" in str(exc)
+    store.close()
+    restored.close()

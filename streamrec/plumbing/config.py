@@ -251,6 +251,8 @@ class ServingConfig:
     feature_store_dir: str
     feature_store_ready_timeout_s: float
     features_max_lag_s: float
+    feature_snapshot: str
+    feature_snapshot_interval_s: float
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class ServingEngine:
         features = self.features
         if features is None:
             return {"instances": None, "by_ids": "this node has no online feature store (serving.feature_store = false)"}
-        if features.caught_up.is_set() or time.monotonic() - self._started_at >= self.settings.feature_store_ready_timeout_s:
+        if features.serves_by_ids() or time.monotonic() - self._started_at >= self.settings.feature_store_ready_timeout_s:
             return {"instances": None, "by_ids": None}
         return {"instances": None, "by_ids": features.not_ready_reason()}
 

@@ -89,6 +89,26 @@ class EntityMemory:
             entity = self._reload(key)
         return entity
 
+    def keys(self) -> list[EntityKey]:
+        """Every entity's key, in memory and spilled (a copy: safe to walk while updates go on)."""
+        return [*self._entities.keys(), *self._spilled]
+
+    def read(self, key: EntityKey) -> EntityState | None:
+        """The entity under ``key`` without touching the LRU order or reloading a spilled one
+        (a snapshot's walk must not churn the memory)."""
+        entity = self._entities.get(key)
+        if entity is None and key in self._spilled:
+            entity = EntityState.from_bytes(self._spill[f"{key[0]}/{key[1]}"])
+        return entity
+
+    def put(self, key: EntityKey, entity: EntityState) -> None:
+        """Add a new entity (a snapshot's), spilling past the budget as updates do."""
+        if key not in self._entities and key not in self._spilled:
+            self.entities_by_kind[key[0]] += 1
+        self._entities[key] = entity
+        entity.nbytes = 0
+        self.resized(entity)
+
     def resized(self, entity: EntityState) -> None:
         """Account for ``entity``'s new size after an update."""
         size = entity.size()

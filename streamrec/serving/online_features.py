@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from streamrec.contracts.feature_state import (CorruptFeatureMessage, CounterBuc
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
-from streamrec.serving.entity_memory import EntityMemory
+from streamrec.serving.entity_memory import EntityMemory, EntityState
+from streamrec.serving.feature_snapshot import CorruptSnapshot, SnapshotHeader, batch_rows, entity_batch, read_snapshot, write_snapshot
 
 log = logging.getLogger("streamrec.serving.features")
 # How far before ``features_as_of`` a request's ts may lie and still get the samples' exact
@@ -65,8 +67,12 @@ class OnlineFeatures:
     features of a request at any time from ``as_of`` - REPLAY_HORIZON_MS on."""
 
     def __init__(self, bootstrap: str, topic: str, spec: FeatureSpec, memory_mb: int, spill_dir: str | Path,
-                 connect_timeout_s: float = 20.0) -> None:
+                 connect_timeout_s: float = 20.0, snapshot: str | Path | None = None, snapshot_interval_s: float = 0.0) -> None:
         self.bootstrap, self.topic, self.spec = bootstrap, topic, spec
+        self.snapshot = Path(snapshot) if snapshot else None
+        self.snapshot_as_of: int | None = None  # features_as_of of the snapshot this node started from
+        self.snapshot_interval_s = snapshot_interval_s
+        self._next_snapshot_at = time.monotonic() + snapshot_interval_s
         self.memory = EntityMemory(memory_mb * 2**20, spill_dir)
         self.connect_timeout_s = connect_timeout_s
         self.windows_ms = tuple(w * 1000 for w in spec.windows_s)
@@ -89,17 +95,86 @@ class OnlineFeatures:
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "OnlineFeatures":
         self.memory.clear_spill()  # scratch of an earlier run
+        if self.snapshot is not None and self.snapshot.exists():
+            try:
+                self.load_snapshot(self.snapshot)
+            except CorruptSnapshot as exc:
+                log.warning("online features: %s; replaying %s from its start instead", exc, self.topic)
         self._thread.start()
         return self
+
+    def serves_by_ids(self) -> bool:
+        """Caught up with the topic; or started from a snapshot while the broker cannot be
+        reached (then answers say how stale they are)."""
+        return self.caught_up.is_set() or (self.snapshot_as_of is not None and self.error is not None)
+
+    def load_snapshot(self, path: Path) -> None:
+        """Start from a snapshot (serving/feature_snapshot.py) and tail the topic from its positions."""
+        t0 = time.monotonic()
+        header, batches = read_snapshot(path)
+        if header.topic != self.topic:
+            raise CorruptSnapshot(f"{path} holds {header.topic}, not {self.topic}")
+        entities = 0
+        with self._lock:
+            for batch in batches:
+                for kind, entity_id, imps, clicks, history in batch_rows(batch):
+                    entity = EntityState()
+                    if imps is not None:
+                        entity.counts = EntityCounts(array("q", imps.tobytes()), array("q", clicks.tobytes() if clicks is not None else b""))
+                    if history is not None:
+                        entity.history = UserHistory(array("q", history.tobytes()))
+                    self.memory.put((kind, entity_id), entity)
+                    entities += 1
+                self.memory.evict()
+            self.watermarks, self.partitions = header.watermarks, header.partitions
+            self._positions = dict(header.positions)
+            self.snapshot_as_of = self.as_of()
+        log.info("online features: %s entities from %s in %.1f s, as of %s; tailing %s from there", f"{entities:,}", path,
+                 time.monotonic() - t0, self.snapshot_as_of, self.topic)
+
+    def save_snapshot(self, path: Path, chunk: int = 20_000) -> int:
+        """Write the state to ``path`` (atomically), a chunk of entities per lock hold so
+        requests keep being answered. The positions and watermarks are taken first: entities
+        written later may be newer, which a replay from those positions makes consistent."""
+        with self._lock:
+            header = SnapshotHeader(self.topic, self.partitions, dict(self._positions),
+                                    Watermarks(dict(self.watermarks.marks), dict(self.watermarks.parallelism)))
+            keys = self.memory.keys()
+
+        def batches():
+            for at in range(0, len(keys), chunk):
+                rows = []
+                with self._lock:
+                    for key in keys[at: at + chunk]:
+                        entity = self.memory.read(key)
+                        if entity is not None:
+                            c, h = entity.counts, entity.history
+                            rows.append((key, None if c is None else array("q", c.imps).tobytes(),
+                                         None if c is None else array("q", c.clicks).tobytes(), None if h is None else h.flat.tobytes()))
+                if rows:
+                    yield entity_batch([k[0] for k, *_ in rows], np.array([k[1] for k, *_ in rows], np.int64),
+                                       [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
+        return write_snapshot(path, header, batches())
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self.caught_up.wait(timeout_s)
 
     def close(self) -> None:
+        """Stop reading; write the snapshot (if configured) and drop the spill."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        if self.snapshot is not None and self.partitions:
+            self._write_snapshot()
         self.memory.clear_spill()
+
+    def _write_snapshot(self) -> None:
+        t0 = time.monotonic()
+        try:
+            size = self.save_snapshot(self.snapshot)
+            log.info("online features: snapshot %s written (%.1f MiB, %.1f s)", self.snapshot, size / 2**20, time.monotonic() - t0)
+        except OSError as exc:  # a full disk loses the snapshot, not the node: the topic is the source of truth
+            log.warning("online features: snapshot %s not written: %s", self.snapshot, exc)
 
     def _run(self) -> None:
         consumer = None
@@ -112,6 +187,9 @@ class OnlineFeatures:
                         continue
                 self._poll(consumer)
                 self.error = None
+                if self.snapshot is not None and self.snapshot_interval_s > 0 and time.monotonic() >= self._next_snapshot_at:
+                    self._write_snapshot()
+                    self._next_snapshot_at = time.monotonic() + self.snapshot_interval_s
             except Exception as exc:  # noqa: BLE001 -- a broker outage must not end the consumer: retry
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("online features: %s (retrying)", self.error)
@@ -293,6 +371,7 @@ class OnlineFeatures:
             "entities": dict(memory.entities_by_kind), "in_memory": memory.in_memory, "spilled": memory.spilled,
             "memory_bytes": memory.bytes, "memory_budget_bytes": memory.budget, **self.counts, "spills": memory.spills,
             "reloads": memory.reloads, "last_corrupt": self.last_corrupt,
+            "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
         }
 
     def summary(self) -> str:

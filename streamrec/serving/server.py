@@ -69,7 +69,8 @@ def serve(cfg: Config) -> None:
     features = None
     if s.feature_store:
         features = OnlineFeatures(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
-                                  s.feature_store_dir, cfg.kafka.connect_timeout_s).start()
+                                  s.feature_store_dir, cfg.kafka.connect_timeout_s, s.feature_snapshot or None,
+                                  s.feature_snapshot_interval_s).start()
         log.info("online features: materialising %s (ready once caught up)", cfg.topics.features)
     engine = ServingEngine(served, s, GcPauses().install(), features)
     app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
