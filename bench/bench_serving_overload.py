@@ -17,8 +17,18 @@ at most 2), the share shed (429/503), and goodput (accepted requests/s). Both se
 warm-up, the same front-end processes and the same load generator. The capacity used for both
 overload runs is the baseline's, measured first.
 
+With ``--mix`` (head-of-line blocking, issue 36) it measures mixed request sizes instead:
+``--big-clients`` closed-loop clients send requests of ``--instances`` instances while
+``--small-clients`` send requests of ``--small-instances``, all over the same ``--seconds``,
+shedding off; the small requests' p50/p99 are reported apart from the big ones', next to their
+p50/p99 alone (one client, nothing else). Ours: the batcher's fair order (small requests in the
+next batch, streamrec/serving/batcher.py). Baseline: the same server with
+``RequestBatcher.fair`` off (batches in arrival order only), set in its process by a
+``sitecustomize`` module on its PYTHONPATH.
+
 Usage: python bench/bench_serving_overload.py [--samples RUN] [--instances 64] [--seconds 10] [--overload 2] [--device cpu]
-Writes bench/out/serving-overload-<device>-<time>.json.
+       python bench/bench_serving_overload.py --mix [--instances 200] [--big-clients 64] [--small-instances 4] [--small-clients 4]
+Writes bench/out/serving-overload-<device>-<time>.json (``--mix``: serving-overload-mix-<device>-<time>.json).
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import numpy as np
 import orjson
 import pyarrow.parquet as pq
 
-from bench_serving import load, model_status, start_server  # bench/ is on sys.path
+from bench_serving import _client_process, load, model_status, start_server  # bench/ is on sys.path
 from bench_trainer import make_samples
 from output import write_result
 from streamrec.trainer.sources import sample_files
@@ -148,6 +158,83 @@ def measure(name: str, store: Path, args, bodies: list[bytes], extra_env: dict, 
     return row
 
 
+def _latency(latencies: list[float], seconds: float) -> dict:
+    """Requests/s and p50/p99 (ms) of one group's latencies (seconds)."""
+    ms = np.array(latencies) * 1000
+    return {"requests": len(ms), "qps": len(ms) / seconds, "p50_ms": float(np.percentile(ms, 50)) if len(ms) else None,
+            "p99_ms": float(np.percentile(ms, 99)) if len(ms) else None}
+
+
+def mixed_load(port: int, groups: dict[str, tuple[list[bytes], int]], seconds: float, processes: int) -> dict:
+    """Closed-loop clients of every group (bodies, clients) over the same window, each group's
+    latencies apart (each group in load-generator processes of its own)."""
+    ctx = mp.get_context("fork")
+    start_at = time.time() + 0.5
+    running = []
+    for name, (bodies, clients) in groups.items():
+        n = min(processes, clients)
+        for p in range(n):
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_client_process, args=(port, bodies, list(range(p, clients, n)), clients, start_at, start_at + seconds, send))
+            proc.start()
+            running.append((name, receive, proc))
+    latencies: dict[str, list[float]] = {name: [] for name in groups}
+    errors = dict.fromkeys(groups, 0)
+    for name, receive, proc in running:
+        for lat, err in receive.recv():
+            latencies[name].extend(lat)
+            errors[name] += err
+        proc.join()
+    return {name: {"clients": groups[name][1], **_latency(latencies[name], seconds), "errors": errors[name]} for name in groups}
+
+
+def measure_mix(name: str, store: Path, args, big: list[bytes], small: list[bytes], fifo_path: str | None) -> dict:
+    """One server (``fifo_path``: a sitecustomize that turns the fair order off in it): warm-up,
+    the small requests alone, then the mixed load."""
+    env = {**UNBOUNDED, "STREAMREC_SERVING__MAX_INSTANCES": str(max(args.instances, args.small_instances))}
+    if fifo_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [fifo_path, os.environ.get("PYTHONPATH")]))
+    proc, port = start_server(store, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends, extra_env=env)
+    try:
+        load(port, big, 4, 2.0, args.client_processes)  # warm-up
+        load(port, small, 4, 2.0, args.client_processes)
+        alone = load(port, small, 1, args.seconds, 1)
+        before = model_status(port)["batching"]
+        mixed = mixed_load(port, {"big": (big, args.big_clients), "small": (small, args.small_clients)}, args.seconds, args.client_processes)
+        after = model_status(port)["batching"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    batches = after["batches"] - before["batches"]
+    row = {"small_alone": alone, **mixed, "batches": batches, "rows_per_batch": (after["rows"] - before["rows"]) / max(batches, 1),
+           "server_shed": {k: after["shed"][k] - before["shed"][k] for k in after["shed"]},
+           "small_p50_over_alone": mixed["small"]["p50_ms"] / alone["p50_ms"]}
+    print(f"{name:8s} small alone p50 {alone['p50_ms']:6.1f} / p99 {alone['p99_ms']:6.1f} ms | mixed: small p50 "
+          f"{mixed['small']['p50_ms']:7.1f} / p99 {mixed['small']['p99_ms']:7.1f} ms ({mixed['small']['qps']:.1f} req/s), big p50 "
+          f"{mixed['big']['p50_ms']:7.1f} / p99 {mixed['big']['p99_ms']:7.1f} ms ({mixed['big']['qps']:.1f} req/s), "
+          f"{row['rows_per_batch']:.0f} instances per batch, errors {mixed['small']['errors'] + mixed['big']['errors']}", flush=True)
+    return row
+
+
+def run_mix(args, rows: list[dict], store: Path, result: dict) -> None:
+    """``--mix``: the same mixed load against the arrival-order baseline, then ours."""
+    big = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, len(rows) - args.instances + 1, args.instances)]
+    small = [orjson.dumps({"instances": rows[i: i + args.small_instances]}) for i in range(0, 100 * args.small_instances, args.small_instances)]
+    result.update({"mix": True, "max_batch": args.max_batch, "max_delay_us": args.max_delay_us, "big_clients": args.big_clients,
+                   "small_clients": args.small_clients, "small_instances_per_request": args.small_instances})
+    with tempfile.TemporaryDirectory() as fifo:
+        Path(fifo, "sitecustomize.py").write_text("from streamrec.serving.batcher import RequestBatcher\n\nRequestBatcher.fair = False\n")
+        result["baseline"] = measure_mix("baseline", store, args, big, small, fifo)
+    result["ours"] = measure_mix("ours", store, args, big, small, None)
+    ours, base = result["ours"], result["baseline"]
+    result["small_p50_ratio_vs_baseline"] = ours["small"]["p50_ms"] / base["small"]["p50_ms"]
+    result["small_p99_ratio_vs_baseline"] = ours["small"]["p99_ms"] / base["small"]["p99_ms"]
+    result["big_qps_ratio_vs_baseline"] = ours["big"]["qps"] / max(base["big"]["qps"], 1e-9)
+    print(f"small requests among {args.big_clients} big clients: p50 {ours['small']['p50_ms']:.1f} ms (ours) vs "
+          f"{base['small']['p50_ms']:.1f} ms (baseline), p99 {ours['small']['p99_ms']:.1f} vs {base['small']['p99_ms']:.1f} ms; "
+          f"big requests' throughput {result['big_qps_ratio_vs_baseline']:.2f}x the baseline's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate one)")
@@ -167,11 +254,16 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=1024)
     parser.add_argument("--max-delay-us", type=int, default=2000)
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    parser.add_argument("--mix", action="store_true",
+                        help="mixed request sizes (big and small closed-loop clients), arrival order vs fair order; see above")
+    parser.add_argument("--big-clients", type=int, default=64, help="--mix: clients sending requests of --instances")
+    parser.add_argument("--small-clients", type=int, default=4, help="--mix: clients sending requests of --small-instances")
+    parser.add_argument("--small-instances", type=int, default=4, help="--mix: instances per small request")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")
-    table = pq.read_table(sample_files([args.samples])[0]).slice(0, 100 * args.instances).drop(["label", "click_ts"])
+    table = pq.read_table(sample_files([args.samples])[0]).slice(0, 100 * max(args.instances, args.small_instances)).drop(["label", "click_ts"])
     rows = table.to_pylist()
     bodies = [orjson.dumps({"instances": rows[i: i + args.instances]}) for i in range(0, len(rows), args.instances)]
     result = {"bench": "serving_overload", "device": args.device, "instances_per_request": args.instances, "seconds": args.seconds,
@@ -183,6 +275,10 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "streamrec.cli", "train", "--samples", args.samples, "--model-store", str(store),
                         "--work-dir", str(Path(tmp) / "work"), "--max-samples", "50000", "--no-frozen", "--device", args.device],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.mix:
+            run_mix(args, rows, store, result)
+            write_result(args.out, f"serving-overload-mix-{args.device.split(':')[0]}", result)
+            return
         result["baseline"] = measure("baseline", store, args, bodies, UNBOUNDED, None)
         capacity = result["baseline"]["capacity"]["qps"]
         # serving.queue_timeout_ms must exceed the batching window (max_delay_us)

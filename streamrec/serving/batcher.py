@@ -11,6 +11,15 @@ Overload is shed, not queued: past ``max_queue_instances`` waiting instances a r
 refused at once, and one that waits past its deadline (``queue_timeout_s``, or less if its
 client asked) without reaching a batch is dropped (never run) — both with :class:`Shed`. A
 queue that only grows makes every answer late.
+
+Which requests a batch takes: a request of at most ``max_batch // 16`` instances is *small*
+and waits in a lane of its own. A batch takes (1) the oldest request, whatever its size, (2)
+small requests, oldest first, up to half the batch, (3) the rest in arrival order while it
+fits. In arrival order alone a small request queued behind many big ones waits for every batch
+they fill (head-of-line blocking), though it adds almost nothing to a batch; so small ones ride
+in the next batch, and they never take more than half a batch ahead of their turn. Rule (1) is
+the progress and no-starvation guarantee: every batch takes the oldest request, so a request
+is in one of the next k + 1 batches when k requests were queued before it.
 """
 
 from __future__ import annotations
@@ -100,6 +109,8 @@ def _percentile_ms(values: deque, q: float) -> float | None:
 
 
 class RequestBatcher:
+    fair: bool = True  # False: batches in arrival order only (the overload bench's baseline)
+
     def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
                  workers: int, *, max_queue_instances: int, queue_timeout_s: float) -> None:
         if max_batch < 1 or max_delay_us < 0 or workers < 1 or max_queue_instances < 1 or queue_timeout_s <= 0:
@@ -109,7 +120,9 @@ class RequestBatcher:
         self.max_batch, self.max_delay_s, self.workers = max_batch, max_delay_us / 1e6, workers
         self.max_queue_instances, self.queue_timeout_s = max_queue_instances, queue_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
-        self._pending: deque[_Request] = deque()  # arrival order; entries with ``out`` set are skipped
+        self.small_rows = max(1, max_batch // 16)  # a request of at most this many instances is small
+        self._big: deque[_Request] = deque()  # arrival order; entries with ``out`` set are skipped
+        self._small: deque[_Request] = deque()  # the same, small requests
         self._deadlines: list[tuple[float, int, _Request]] = []  # heap: the next request to expire
         self._sequence = itertools.count()
         self._pending_rows = 0
@@ -161,7 +174,7 @@ class RequestBatcher:
         if self._last_arrival:
             self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
         self._last_arrival = request.enqueued
-        self._pending.append(request)
+        (self._small if len(payload) <= self.small_rows else self._big).append(request)
         self._pending_rows += len(payload)
         self._waiting.set()
         if self._pending_rows >= self.max_batch:
@@ -191,7 +204,7 @@ class RequestBatcher:
             self._free -= 1
             free_at = time.perf_counter()
             # the batching window: never past a queued request's deadline (the window is our choice, not overload)
-            left = min(self._pending[0].enqueued + self.max_delay_s, self._next_deadline()) - free_at
+            left = min(self._oldest()[0].enqueued + self.max_delay_s, self._next_deadline()) - free_at
             if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s:
                 try:
                     await asyncio.wait_for(self._full.wait(), left)
@@ -228,32 +241,54 @@ class RequestBatcher:
         self._settle()
 
     def _settle(self) -> None:
-        """Drop stale entries at the head of the queue and reset the events to what is queued."""
-        while self._pending and self._pending[0].out:
-            self._pending.popleft()
-        if len(self._deadlines) > 2 * len(self._pending) + 64:  # answered requests wait in the heap for their deadline
+        """Drop stale entries at the heads of the lanes and reset the events to what is queued."""
+        for lane in (self._big, self._small):
+            while lane and lane[0].out:
+                lane.popleft()
+        if len(self._deadlines) > 2 * (len(self._big) + len(self._small)) + 64:  # answered requests wait in the heap for their deadline
             self._deadlines = [entry for entry in self._deadlines if not entry[2].out]
             heapq.heapify(self._deadlines)
-        if not self._pending:
+        if not self._big and not self._small:
             self._waiting.clear()
         if self._pending_rows < self.max_batch:
             self._full.clear()
 
+    @staticmethod
+    def _head(lane: deque[_Request]) -> _Request | None:
+        """The lane's oldest request still queued (stale entries are dropped)."""
+        while lane and lane[0].out:
+            lane.popleft()
+        return lane[0] if lane else None
+
+    def _oldest(self) -> deque[_Request]:
+        """The lane whose head is the oldest request still queued (an empty lane when none is)."""
+        big, small = self._head(self._big), self._head(self._small)
+        return self._small if small is not None and (big is None or small.enqueued < big.enqueued) else self._big
+
     def _take(self) -> tuple[list[_Request], int]:
-        """The oldest pending requests, up to ``max_batch`` instances (at least one request
-        unless every queued caller is gone)."""
+        """The next batch, up to ``max_batch`` instances, in the order of the module docstring
+        (at least one request unless every queued caller is gone)."""
         batch: list[_Request] = []
-        rows = 0
-        while self._pending and (not batch or self._pending[0].out or rows + len(self._pending[0].payload) <= self.max_batch):
-            request = self._pending.popleft()
-            if request.out:
-                continue
+        rows = small_rows = 0
+
+        def add(lane: deque[_Request]) -> int:
+            nonlocal rows
+            request = lane.popleft()
             request.out = True
             self._pending_rows -= len(request.payload)
             if request.future.done():  # its caller is gone (cancelled): nothing to run it for
-                continue
+                return 0
             batch.append(request)
             rows += len(request.payload)
+            return len(request.payload)
+
+        while not batch and (lane := self._oldest()):
+            add(lane)
+        while self.fair and (request := self._head(self._small)) is not None \
+                and small_rows + len(request.payload) <= self.max_batch // 2 and rows + len(request.payload) <= self.max_batch:
+            small_rows += add(self._small)
+        while (lane := self._oldest()) and rows + len(lane[0].payload) <= self.max_batch:
+            add(lane)
         self._settle()
         return batch, rows
 
