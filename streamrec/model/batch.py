@@ -33,7 +33,8 @@ CTR_PRIOR_IMPS = 10.0  # smoothing of the rate features: clicks / (imps + prior)
 
 @dataclass
 class SampleBatch:
-    """One batch as tensors; ``hist_index`` places each flat history id at ``row * L + j``."""
+    """One batch as tensors; ``hist_index`` places each flat history id at ``row * L + j``
+    (with ``hist_group``: at ``sequence * L + j``, rows sharing sequences)."""
 
     user: torch.Tensor  # [B] int64
     item: torch.Tensor
@@ -47,6 +48,8 @@ class SampleBatch:
     label: torch.Tensor  # [B] float32 (zeros at serving)
     ts: torch.Tensor  # [B] int64 event time
     history_len: int
+    hist_group: torch.Tensor | None = None  # [B] int64: the sequence of each row, when rows share them
+    history_groups: int = 0  # sequences, with hist_group
     event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
     rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
@@ -125,9 +128,9 @@ def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
 def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int) -> SampleBatch:
     """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
     (first) ``history_len`` ids."""
-    n = len(cols.hist_lengths)
+    n = len(cols)
     lengths = cols.hist_lengths
-    rows = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
     position = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     kept = position < history_len
     hist_items, hist_categories = cols.hist_items, cols.hist_categories
@@ -159,5 +162,7 @@ def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int
         label=_tensor(label, np.float32),
         ts=_tensor(ints["ts"], np.int64),
         history_len=history_len,
+        hist_group=None if cols.hist_group is None else torch.from_numpy(np.ascontiguousarray(cols.hist_group, np.int64)),
+        history_groups=len(lengths) if cols.hist_group is not None else 0,
         event_ids=cols.event_ids,
     )

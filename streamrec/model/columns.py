@@ -24,20 +24,31 @@ class FeatureColumns:
     ints: dict[str, np.ndarray]  # INT_COLUMNS -> [B] int64
     counters: np.ndarray  # [B, C] in FeatureSpec.counter_columns() order
     device_hash: np.ndarray  # [B] int64, crc32 of the device string
-    hist_items: np.ndarray  # flat int64, each row's sequence (most recent first)
+    hist_items: np.ndarray  # flat int64, each sequence (most recent first)
     hist_categories: np.ndarray
-    hist_lengths: np.ndarray  # [B] int64
+    hist_lengths: np.ndarray  # [B] int64; with hist_group: [G], per shared sequence
     label: np.ndarray | None = None
     event_ids: pa.Array | None = None
+    # [B] int64: the sequence each row uses, when rows share them (a by-ids request's
+    # candidates all have its user's history: it travels and is looked up once, not per row)
+    hist_group: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.hist_lengths)
+        return len(self.counters)
+
+    def grouped(self) -> np.ndarray:
+        """``hist_group``, or each row its own sequence."""
+        return self.hist_group if self.hist_group is not None else np.arange(len(self), dtype=np.int64)
 
     @staticmethod
     def concat(parts: list["FeatureColumns"]) -> "FeatureColumns":
         """Rows of several parts (e.g. the requests of one serving batch), in order; labels and ids dropped."""
         if len(parts) == 1:
             return parts[0]
+        group = None
+        if any(p.hist_group is not None for p in parts):
+            starts = np.cumsum([0] + [len(p.hist_lengths) for p in parts[:-1]])
+            group = np.concatenate([p.grouped() + start for p, start in zip(parts, starts)])
         return FeatureColumns(
             ints={name: np.concatenate([p.ints[name] for p in parts]) for name in parts[0].ints},
             counters=np.concatenate([p.counters for p in parts]),
@@ -45,6 +56,7 @@ class FeatureColumns:
             hist_items=np.concatenate([p.hist_items for p in parts]),
             hist_categories=np.concatenate([p.hist_categories for p in parts]),
             hist_lengths=np.concatenate([p.hist_lengths for p in parts]),
+            hist_group=group,
         )
 
 

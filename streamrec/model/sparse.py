@@ -73,7 +73,12 @@ class SparseFeatures:
         fields = torch.stack([emb["user"], item[:b], category[:b], emb["advertiser"], context[:, 0], context[:, 1], context[:, 2]], dim=1)
         hist_index = batch.hist_index.to(device)
         flat = torch.cat([item[b:], category[b:]], dim=1)
-        history = torch.zeros(b * length, 2 * d, device=device, dtype=flat.dtype).index_copy(0, hist_index, flat)
-        mask = torch.zeros(b * length, dtype=torch.bool, device=device)
+        sequences = b if batch.hist_group is None else batch.history_groups
+        history = torch.zeros(sequences * length, 2 * d, device=device, dtype=flat.dtype).index_copy(0, hist_index, flat)
+        mask = torch.zeros(sequences * length, dtype=torch.bool, device=device)
         mask[hist_index] = True
-        return ModelInputs(fields, history.view(b, length, 2 * d), mask.view(b, length), batch.dense.to(device))
+        history, mask = history.view(sequences, length, 2 * d), mask.view(sequences, length)
+        if batch.hist_group is not None:  # rows sharing sequences: each row gets its own copy here, on the device
+            group = batch.hist_group.to(device)
+            history, mask = history.index_select(0, group), mask.index_select(0, group)
+        return ModelInputs(fields, history, mask, batch.dense.to(device))

@@ -20,6 +20,7 @@ import threading
 from array import array
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -319,9 +320,9 @@ class OnlineFeatures:
         columns = FeatureColumns(
             ints={name: source[name] for name in INT_COLUMNS}, counters=counters,
             device_hash=np.repeat(device_hashes([q.device for q in queries]), sizes),
-            hist_items=np.concatenate([np.tile(np.array(h[0], np.int64), m) for h, m in zip(histories, sizes.tolist())] or [np.zeros(0, np.int64)]),
-            hist_categories=np.concatenate([np.tile(np.array(h[1], np.int64), m) for h, m in zip(histories, sizes.tolist())] or [np.zeros(0, np.int64)]),
-            hist_lengths=np.repeat(lengths, sizes))
+            hist_items=np.fromiter(chain.from_iterable(h[0] for h in histories), np.int64, int(lengths.sum())),
+            hist_categories=np.fromiter(chain.from_iterable(h[1] for h in histories), np.int64, int(lengths.sum())),
+            hist_lengths=lengths, hist_group=np.repeat(np.arange(len(queries), dtype=np.int64), sizes))
         features: list[list[dict[str, Any]] | None] = []
         at = 0
         for q, (hist_items, hist_categories), m in zip(queries, histories, sizes.tolist()):

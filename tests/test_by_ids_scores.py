@@ -1,0 +1,106 @@
+"""Scores by ids equal the instances form's for the same features: a by-ids batch (each
+request's history shared by its candidates, looked up once) scores like the same rows sent
+as full instances, alone and mixed with instance requests in one batch. On CPU here; the
+same on CUDA (``gpu``) with the runtime's graph buckets."""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.model.batch import batch_from_columns
+from streamrec.model.columns import FeatureColumns
+from streamrec.modelstore.store import ModelStore
+from streamrec.plumbing.config import load_config
+from streamrec.serving.by_ids import ByIdsQuery
+from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.request import InstanceDecoder
+from streamrec.serving.runner import RuntimeConfig
+from streamrec.serving.state import ServedModel
+
+SPEC = FeatureSpec()
+
+
+def _store_with_state(tmp_path, sample_rows) -> OnlineFeatures:
+    """Feature state for the users and items of real samples: counters and click histories."""
+    rng = random.Random(3)
+    store = OnlineFeatures("unused:0", "t", SPEC, 64, tmp_path / "spill")
+    records = []
+    for row in sample_rows:
+        for kind, entity in (("user", row["user_id"]), ("item", row["item_id"]), ("category", row["category_id"])):
+            offsets = sorted(rng.randrange(0, 9_000) for _ in range(rng.randrange(1, 6)))
+            records.append(SimpleNamespace(key=f"c/{kind}/{entity}/1000000".encode(), partition=0, offset=0,
+                                           value=b'{"i":%s,"c":%s}' % (str(offsets).encode(), str(offsets[:1]).encode())))
+        clicks = [[r["item_id"], r["category_id"], 1_000_000 + k] for k, r in enumerate(rng.sample(sample_rows, rng.randrange(0, 60)))]
+        records.append(SimpleNamespace(key=f"h/user/{row['user_id']}".encode(), partition=0, offset=0,
+                                       value=b'{"h":%s}' % str(sorted(clicks, key=lambda c: -c[2])).replace(" ", "").encode()))
+    store._apply_records(records)
+    return store
+
+
+def _queries(rows, n_queries: int) -> list[ByIdsQuery]:
+    rng = random.Random(9)
+    out = []
+    for q in range(n_queries):
+        chosen = rng.sample(rows, rng.randrange(1, 30))
+        ids = np.array([[r["item_id"], r["category_id"], r["advertiser_id"], r["position"]] for r in chosen], np.int64)
+        out.append(ByIdsQuery(rows[q]["user_id"], 1_012_000 + rng.randrange(0, 2_000), rng.choice(["ios", "android"]),
+                              rng.randrange(0, 24), ids, return_features=True))
+    return out
+
+
+def _check(served: ServedModel, features: OnlineFeatures, queries: list[ByIdsQuery], instance_rows: list[dict]) -> None:
+    decoder = InstanceDecoder(SPEC, 10_000)
+    current = served.current
+    history_len = current.network.spec.history_len
+    assembled = features.assemble_batch(queries)
+    assert assembled.columns.hist_group is not None and len(assembled.columns.hist_lengths) == len(queries)
+    by_ids = served.predict(batch_from_columns(assembled.columns, SPEC, history_len))[1]
+    # the same rows as instances: the values the node used, one instance each
+    instances = [msg for named in assembled.features for msg in named]
+    columns, rejected = decoder.columns([decoder.instance(**x) for x in instances])
+    assert not rejected
+    as_instances = served.predict(batch_from_columns(columns, SPEC, history_len))[1]
+    np.testing.assert_allclose(by_ids, as_instances, rtol=1e-5, atol=1e-6)
+    # mixed with instance requests in one batch (the engine concatenates the parts)
+    extra, _ = decoder.columns([decoder.instance(**x) for x in instance_rows])
+    mixed = served.predict(batch_from_columns(FeatureColumns.concat([extra, assembled.columns]), SPEC, history_len))[1]
+    np.testing.assert_allclose(mixed[len(instance_rows):], by_ids, rtol=1e-5, atol=1e-6)
+    alone = served.predict(batch_from_columns(extra, SPEC, history_len))[1]
+    np.testing.assert_allclose(mixed[: len(instance_rows)], alone, rtol=1e-5, atol=1e-6)
+    assert len(set(np.round(by_ids, 6).tolist())) > 1  # real, varied scores
+
+
+def _rows(sample_run):
+    import pyarrow.parquet as pq
+
+    from streamrec.trainer.sources import sample_files
+
+    table = pq.read_table(sample_files([str(sample_run)])[0]).slice(0, 300)
+    return [{k: v for k, v in r.items() if k not in ("label", "click_ts")} for r in table.to_pylist()]
+
+
+def test_by_ids_scores_equal_the_instances_form_on_cpu(published_model, sample_run, tmp_path):
+    rows = _rows(sample_run)
+    features = _store_with_state(tmp_path, rows[:120])
+    served = ServedModel(ModelStore(str(published_model[0]), "ctr"), "cpu", feature_spec=SPEC)
+    served.catch_up()
+    _check(served, features, _queries(rows, 12), rows[200:230])
+    features.close()
+    served.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_by_ids_scores_equal_the_instances_form_on_cuda_with_graph_buckets(published_model, sample_run, tmp_path):
+    rows = _rows(sample_run)
+    features = _store_with_state(tmp_path, rows[:120])
+    runtime = RuntimeConfig.from_serving(load_config(environ={}).serving)
+    served = ServedModel(ModelStore(str(published_model[0]), "ctr"), "cuda", gpu_cache_rows=4096, runtime=runtime, feature_spec=SPEC)
+    served.catch_up()
+    _check(served, features, _queries(rows, 12), rows[200:230])
+    features.close()
+    served.close()
