@@ -172,7 +172,8 @@ def test_a_restart_rebuilds_the_online_features_from_the_topic_spilling_past_its
 
 
 def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, tmp_path):
-    """A live (unbounded) job feeds a `streamrec serve` node; by-ids requests get the features
+    """A live (unbounded) job feeds a `streamrec serve` node (two HTTP front-ends: they decode
+    by-ids bodies, the engine assembles per batch); by-ids requests get the features
     of the job's samples and the same scores as the instances form; a late event is not
     counted (as in the samples); bad requests get 4xx answers."""
     root, versions = published_model
@@ -185,7 +186,7 @@ def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, 
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
-         "--compile", "eager"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--compile", "eager", "--frontends", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **env, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
              "STREAMREC_SERVING__FEATURE_STORE_DIR": str(tmp_path / "features"), "STREAMREC_SERVING__MAX_INSTANCES": "16"})
     base, model = f"http://127.0.0.1:{port}", "/v1/models/ctr"
