@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--batch-buckets", default="1,16,64,256,1024,2048,4096", help="serving.batch_buckets of every server")
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--p99-target-ms", type=float, default=10.0)
-    parser.add_argument("--servers", nargs="+", default=["ours", "per_request", "instances"])
+    parser.add_argument("--servers", nargs="+", default=["ours", "per_request", "instances"],
+                        help="which to run: ours, ours_2w (ours with 2 batch workers), per_request, instances")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
     args = parser.parse_args()
     spec = load_config().features
@@ -174,13 +175,14 @@ def main() -> None:
                         "STREAMREC_KAFKA__BOOTSTRAP": "127.0.0.1:9", "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": "1",
                         "STREAMREC_SERVING__BATCH_BUCKETS": args.batch_buckets}
         servers = {"ours": (args.max_batch, args.max_delay_us, "auto", args.frontends),
+                   "ours_2w": (args.max_batch, args.max_delay_us, "auto", args.frontends),
                    "per_request": (1, 0, "auto", 0),
                    "instances": (args.max_batch, args.max_delay_us, "auto", args.frontends)}
         instances = None
         for name in args.servers:
             max_batch, delay, mode, frontends = servers[name]
             t0 = time.monotonic()
-            proc, port = start_server(store, args.device, max_batch, delay, 1, mode, frontends,
+            proc, port = start_server(store, args.device, max_batch, delay, 2 if name == "ours_2w" else 1, mode, frontends,
                                       extra_env={**features_env, "STREAMREC_SERVING__MAX_INSTANCES": str(max(1000, args.candidates))})
             started = time.monotonic() - t0
             try:
@@ -194,11 +196,12 @@ def main() -> None:
                     row["candidates_per_s"] = row["qps"] * args.candidates
                     status = model_status(port)
                     row["server"] = {"batching": status["batching"], "features": {k: status["features"].get(k) for k in
-                                                                                  ("entities", "memory_bytes", "lag_ms")}}
+                                                                                  ("entities", "memory_bytes", "lag_ms", "counter_cache")}}
                     rows.append(row)
                     print(f"{name:12s} c={c:4d}: {row['qps']:8.0f} req/s {row['candidates_per_s']:10.0f} candidates/s "
                           f"p50 {row['p50_ms']:6.2f} ms p99 {row['p99_ms']:6.2f} ms errors {row['errors']}  "
-                          f"({status['batching']['requests_per_batch']} req/batch, run {status['batching']['run_ms_per_batch']} ms/batch)",
+                          f"({status['batching']['requests_per_batch']} req/batch, run {status['batching']['run_ms_per_batch']} ms/batch, "
+                          f"counter cache {status['features'].get('counter_cache')})",
                           flush=True)
                 result[name] = {"ready_after_s": round(started, 1), "levels": rows}
             finally:

@@ -373,6 +373,7 @@ class OnlineFeatures:
             "memory_bytes": memory.bytes, "memory_budget_bytes": memory.budget, **self.counts, "spills": memory.spills,
             "reloads": memory.reloads, "last_corrupt": self.last_corrupt,
             "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
+            "counter_cache": {kind: {"entities": len(c), "hits": c.hits, "misses": c.misses} for kind, c in self._counters.items()},
         }
 
     def summary(self) -> str:
