@@ -10,7 +10,7 @@ from pathlib import Path
 from streamrec.cli.common import Commands
 from streamrec.plumbing.config import Config
 
-PARTS = ("generator", "pipeline", "ps", "trainer", "serving", "serving_swap", "serving_runtime", "serving_decode", "serving_overload",
+PARTS = ("generator", "pipeline", "ps", "trainer", "serving", "serving_swap", "serving_runtime", "serving_decode", "serving_overload", "serving_by_ids",
          "consumer_idle", "features")
 
 
