@@ -64,6 +64,7 @@ def _serve(store, port, bootstrap, snapshot, spill) -> subprocess.Popen:
         env={**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": bootstrap, "STREAMREC_TOPICS__FEATURES": TOPIC,
              "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": "3", "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
              "STREAMREC_SERVING__FEATURES_MAX_LAG_S": "3", "STREAMREC_SERVING__FEATURE_SNAPSHOT": str(snapshot),
+             "STREAMREC_SERVING__FEATURE_SNAPSHOT_INTERVAL_S": "2",
              "STREAMREC_SERVING__FEATURE_STORE_DIR": str(spill), "STREAMREC_SERVING__FEATURE_STORE_READY_TIMEOUT_S": "600"})
 
 
@@ -138,12 +139,13 @@ def test_a_broker_outage_leaves_by_ids_answers_flowing_and_stale_then_caught_up(
         failed = [(s, a) for s, a in answers if s != 200]
         assert not failed, failed[:3]
         assert len(answers) > 20
+        _wait(snapshot.exists, 30, "a periodic snapshot")  # written while the node runs, not only at its shutdown
     finally:
         load_on.clear()
         node.send_signal(signal.SIGTERM)
         out, _ = node.communicate(timeout=60)
     assert node.returncode == 0, out[-3000:]
-    assert snapshot.exists(), out[-3000:]  # written at the clean shutdown
+    assert "snapshot" in out and snapshot.exists(), out[-3000:]  # written again at the clean shutdown
 
     # a node started while the broker is down: instances at once, by ids from the snapshot
     stop.set()

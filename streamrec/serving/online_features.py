@@ -169,6 +169,10 @@ class OnlineFeatures:
             self._write_snapshot()
         self.memory.clear_spill()
 
+    def _periodic_snapshot(self) -> None:
+        self._write_snapshot()
+        self._next_snapshot_at = time.monotonic() + self.snapshot_interval_s
+
     def _write_snapshot(self) -> None:
         t0 = time.monotonic()
         try:
@@ -189,8 +193,9 @@ class OnlineFeatures:
                 self._poll(consumer)
                 self.error = None
                 if self.snapshot is not None and self.snapshot_interval_s > 0 and time.monotonic() >= self._next_snapshot_at:
-                    self._write_snapshot()
-                    self._next_snapshot_at = time.monotonic() + self.snapshot_interval_s
+                    # its own thread: reading the topic goes on while the snapshot is written
+                    self._next_snapshot_at = float("inf")
+                    threading.Thread(target=self._periodic_snapshot, name="features-snapshot", daemon=True).start()
             except Exception as exc:  # noqa: BLE001 -- a broker outage must not end the consumer: retry
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("online features: %s (retrying)", self.error)
@@ -229,18 +234,21 @@ class OnlineFeatures:
         batches = poll_records(consumer, 200)
         for tp, records in batches.items():
             self._apply_records(records)
-            self._positions[tp.partition] = records[-1].offset + 1
+            with self._lock:  # a snapshot takes the positions under it
+                self._positions[tp.partition] = records[-1].offset + 1
         now = time.monotonic()
         if now >= self._next_ends_at:
             parts = [TopicPartition(self.topic, p) for p in range(self.partitions)]
             self._ends = {tp.partition: off for tp, off in consumer.end_offsets(parts).items()}
-            for tp in parts:
-                self._positions[tp.partition] = consumer.position(tp)
+            positions = {tp.partition: consumer.position(tp) for tp in parts}
+            with self._lock:
+                self._positions.update(positions)
             self._next_ends_at = now + 1.0
         if not self.caught_up.is_set() and self._target is not None:
             if not batches:  # an empty poll: positions may have moved past control records
-                for p in range(self.partitions):
-                    self._positions[p] = consumer.position(TopicPartition(self.topic, p))
+                positions = {p: consumer.position(TopicPartition(self.topic, p)) for p in range(self.partitions)}
+                with self._lock:
+                    self._positions.update(positions)
             if all(self._positions.get(p, 0) >= end for p, end in self._target.items()):
                 self.caught_up.set()
                 log.info("online features caught up: %s", self.summary())
