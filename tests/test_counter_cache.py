@@ -7,6 +7,7 @@ from array import array
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import END_OF_INPUT, EntityCounts
@@ -37,9 +38,11 @@ def record(key: str, value: bytes | None):
     return SimpleNamespace(key=key.encode(), value=value, partition=0, offset=0)
 
 
-def test_a_batch_equals_the_reference_through_updates_and_requests_in_any_order(tmp_path):
+@pytest.mark.parametrize("memory_mb", [64, 0])  # 0: every entity spills to RocksDB and comes back on use
+def test_a_batch_equals_the_reference_through_updates_and_requests_in_any_order(tmp_path, memory_mb):
     rng = random.Random(7)
-    store = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill")
+    store = OnlineFeatures("unused:0", "t", FeatureSpec(), memory_mb, tmp_path / "spill")
+    store.partitions = 1
     windows = store.windows_ms
 
     def bucket(kind: str, entity: int, start: int) -> None:
@@ -48,6 +51,8 @@ def test_a_batch_equals_the_reference_through_updates_and_requests_in_any_order(
         store._apply_records([record(f"c/{kind}/{entity}/{start}", b'{"i":%s,"c":%s}' % (str(offsets).encode(), str(clicks).encode()))])
 
     for step in range(40):
+        for stage in ("user", "item", "category"):  # watermarks move on: old times expire past the horizon
+            store._apply_records([record(f"w/{stage}/0/0", b'{"wm":%d,"n":1}' % (10_000 * step))])
         for _ in range(rng.randrange(1, 6)):  # updates between batches: some entities change
             bucket(rng.choice(("item", "category")), rng.randrange(1, 15), 10_000 * rng.randrange(0, 30))
         queries = []
@@ -109,3 +114,30 @@ def test_a_snapshot_restores_every_entity_and_the_watermarks(tmp_path):
         assert "not a feature snapshot" in str(exc)
     store.close()
     restored.close()
+
+
+def test_a_damaged_or_foreign_snapshot_is_refused_and_leaves_nothing_behind(tmp_path):
+    from streamrec.serving.feature_snapshot import CorruptSnapshot
+
+    store = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill")
+    store._apply_records([record(f"c/user/{k}/0", b'{"i":[1,2],"c":[2]}') for k in range(1, 3000)])
+    store.partitions, store._positions = 1, {0: 3000}
+    snapshot = tmp_path / "features.arrow"
+    store.save_snapshot(snapshot, chunk=500)
+    data = bytearray(snapshot.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = bytes(4096)  # damaged in the middle, footer intact
+    damaged = tmp_path / "damaged.arrow"
+    damaged.write_bytes(bytes(data))
+    other_spec = OnlineFeatures("unused:0", "t", FeatureSpec(windows_s=(60, 3600)), 64, tmp_path / "spill3")
+    for target, path, words in ((OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill2"), damaged, "cannot be read"),
+                                (other_spec, snapshot, "feature spec"),
+                                (OnlineFeatures("unused:0", "other", FeatureSpec(), 64, tmp_path / "spill4"), snapshot, "holds t")):
+        try:
+            target.load_snapshot(path)
+            raise AssertionError(f"{path} was loaded")
+        except CorruptSnapshot as exc:
+            assert words in str(exc), exc
+        assert target.memory.keys() == [] and target._positions == {} and not target.started_from_snapshot
+        target.close()
+    assert not list(tmp_path.glob(".features.arrow.*"))  # no temporary left by the writer
+    store.close()

@@ -13,6 +13,7 @@ from itertools import chain
 from operator import attrgetter
 
 import numpy as np
+import orjson
 
 CANDIDATE_FIELDS = ("item_id", "category_id", "advertiser_id", "position")
 _candidate = attrgetter(*CANDIDATE_FIELDS)
@@ -29,6 +30,15 @@ class ByIdsQuery:
 
     def __len__(self) -> int:
         return len(self.candidates)
+
+
+def answer_json(version: int, features_as_of: int | None, features_stale: bool, ts: int, scores: list[float],
+                features_json: bytes | None) -> bytes:
+    """The JSON answer of a by-ids request (``features_json``: its features, already JSON)."""
+    answer = {"model_version": version, "features_as_of": features_as_of, "features_stale": features_stale, "ts": ts, "scores": scores}
+    if features_json is not None:
+        answer["features"] = orjson.Fragment(features_json)
+    return orjson.dumps(answer)
 
 
 def query_of(request, now_ms: int) -> ByIdsQuery:

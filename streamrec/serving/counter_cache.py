@@ -24,12 +24,13 @@ INT64_MIN = np.iinfo(np.int64).min
 class CounterCache:
     """Per entity of one kind: counts ``[2W]`` at ``computed_at``, valid before ``valid_until``.
 
-    Memory: ``8 * (2W + 3)`` bytes per cached entity plus a dict entry; only entities that
-    exist in the feature state are cached (an unknown id gets zeros and no row), so a client
-    cannot grow it with made-up ids."""
+    Memory: ``8 * (2W + 2)`` bytes per cached entity plus a dict entry (:attr:`nbytes`); only
+    entities that exist in the feature state are cached (an unknown id gets zeros and no
+    row), so a client cannot grow it with made-up ids; past ``max_entities`` it starts over
+    (the entities requested since come back at their first request)."""
 
-    def __init__(self, width: int, capacity: int = 1024) -> None:
-        self.width = width
+    def __init__(self, width: int, capacity: int = 1024, max_entities: int = 1 << 20) -> None:
+        self.width, self.max_entities = width, max_entities
         self._rows: dict[int, int] = {}
         self._counts = np.zeros((capacity, width), np.int64)
         self._computed_at = np.zeros(capacity, np.int64)
@@ -38,6 +39,15 @@ class CounterCache:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self._counts.nbytes + self._computed_at.nbytes + self._valid_until.nbytes + 100 * len(self._rows)
+
+    def clear(self) -> None:
+        """Forget every entity's counts."""
+        self._rows.clear()
+        self._valid_until[:] = INT64_MIN
 
     def invalidate(self, entity_id: int) -> None:
         """The entity changed: its cached counts no longer hold."""
@@ -75,6 +85,8 @@ class CounterCache:
         counts, until = result
         row = self._rows.get(entity_id)
         if row is None:
+            if len(self._rows) >= self.max_entities:
+                self.clear()
             row = self._rows[entity_id] = len(self._rows)
             if row == len(self._counts):
                 self._grow()

@@ -9,6 +9,7 @@ doing (``status``, ``metrics``).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,15 +22,17 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import RequestBatcher, Shed
-from streamrec.serving.by_ids import ByIdsQuery, query_of
+from streamrec.serving.by_ids import ByIdsQuery, answer_json, query_of
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded, unknown_model
-from streamrec.serving.messages import Scored, Welcome
+from streamrec.serving.messages import PROTOCOL, Scored, Welcome
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.pauses import GcPauses
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
 from streamrec.serving.state import ApplyReport, ServedModel
 from streamrec.plumbing.config import ServingConfig
+
+log = logging.getLogger("streamrec.serving")
 
 
 @dataclass
@@ -43,16 +46,14 @@ class ByIdsScores:
     features: list[dict[str, Any]] | None
 
     def json(self, ts: int) -> bytes:
-        answer = {"model_version": self.version, "features_as_of": self.features_as_of, "features_stale": self.features_stale,
-                  "ts": ts, "scores": self.scores.tolist()}
-        if self.features is not None:
-            answer["features"] = self.features
-        return orjson.dumps(answer)
+        return answer_json(self.version, self.features_as_of, self.features_stale, ts, self.scores.tolist(), self._features_json())
 
     def message(self, request_id: int) -> Scored:
         return Scored(request_id, self.version, np.asarray(self.scores, np.float32).tobytes(), by_ids=True,
-                      features_as_of=self.features_as_of, features_stale=self.features_stale,
-                      features=orjson.dumps(self.features) if self.features is not None else None)
+                      features_as_of=self.features_as_of, features_stale=self.features_stale, features=self._features_json())
+
+    def _features_json(self) -> bytes | None:
+        return orjson.dumps(self.features) if self.features is not None else None
 
 
 class ServingEngine:
@@ -214,10 +215,17 @@ class ServingEngine:
         assembled = None
         if by_ids:
             t0 = time.perf_counter()
-            assembled = self.features.assemble_batch([payloads[r] for r in by_ids])
-            self.metrics.assembly.observe(time.perf_counter() - t0)
-            parts.append(assembled.columns)
-            order.extend(by_ids)
+            try:
+                assembled = self.features.assemble_batch([payloads[r] for r in by_ids])
+            except Exception as exc:  # noqa: BLE001 -- e.g. the spill unreadable: the by-ids requests fail, the others are scored
+                log.exception("online feature assembly failed")
+                for r in by_ids:
+                    outcomes[r] = ApiError(503, f"the online features could not be assembled: {type(exc).__name__}: {exc}; retry")
+                by_ids = []
+            else:
+                self.metrics.assembly.observe(time.perf_counter() - t0)
+                parts.append(assembled.columns)
+                order.extend(by_ids)
         version, scores = current.version, np.empty(0, np.float32)
         if parts:
             batch = batch_from_columns(FeatureColumns.concat(parts), current.feature_spec, current.network.spec.history_len)
@@ -259,7 +267,7 @@ class ServingEngine:
     def hello(self) -> Welcome:
         """What a front-end process needs to decode requests itself (serving/messages.py)."""
         current = self.served.current
-        return Welcome(self.model_name, current.feature_spec.to_json() if current is not None else None, MAX_FUTURE_SKEW_MS,
+        return Welcome(PROTOCOL, self.model_name, current.feature_spec.to_json() if current is not None else None, MAX_FUTURE_SKEW_MS,
                        self.features is not None)
 
     # ------------------------------------------------------------------ reporting

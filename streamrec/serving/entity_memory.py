@@ -129,6 +129,14 @@ class EntityMemory:
             self.bytes -= entity.nbytes
             self.spills += 1
 
+    def clear(self) -> None:
+        """Forget every entity (in memory and spilled)."""
+        self._entities.clear()
+        self._spilled.clear()
+        self.bytes = 0
+        self.entities_by_kind = {e: 0 for e in ENTITIES}
+        self.clear_spill()
+
     def clear_spill(self) -> None:
         """Close the spill and delete its directory (also an earlier run's scratch)."""
         if self._spill is not None:

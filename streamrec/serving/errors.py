@@ -42,7 +42,7 @@ def no_feature_store() -> ApiError:
 
 
 def not_loaded() -> ApiError:
-    return SpecChanged( "no model version is loaded yet; try again shortly (GET /readyz)")
+    return SpecChanged("no model version is loaded yet; try again shortly (GET /readyz)")
 
 
 def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:

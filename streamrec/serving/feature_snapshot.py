@@ -7,8 +7,10 @@ Columns, one row per entity: ``kind`` (user | item | category), ``id`` (int64), 
 ``clicks`` (list<int64>: absolute event times, ascending; null: no counters), ``history``
 (list<int64>: the user's clicks as flat (item_id, category_id, ts) triples, most recent
 first; null: none). Schema metadata ``streamrec``: JSON with ``format``, ``topic``,
-``positions`` {partition: next offset}, ``partitions`` and ``watermarks``
-[[partition, stage, subtask, wm], ...] with ``parallelism`` {stage: n}.
+``positions`` {partition: next offset}, ``partitions``, ``watermarks``
+[[partition, stage, subtask, wm], ...] with ``parallelism`` {stage: n}, and ``spec``
+{windows_s, history_len}: a node with other windows or history length cannot start from it
+(the times and lists it kept would not be enough) and replays the topic instead.
 
 Replaying a record the snapshot already holds is harmless (a bucket's content replaces its
 range, a history list replaces the held one's head, a watermark only moves on), so the
@@ -18,6 +20,7 @@ positions may lag the state by the records of one poll.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -30,6 +33,7 @@ import pyarrow.ipc as ipc
 from streamrec.contracts.feature_state import ENTITIES, Watermarks
 
 FORMAT = 1
+TEMPORARY = ".tmp"  # suffix of a snapshot being written (never read)
 SCHEMA = pa.schema([("kind", pa.dictionary(pa.int8(), pa.string())), ("id", pa.int64()), ("imps", pa.list_(pa.int64())),
                     ("clicks", pa.list_(pa.int64())), ("history", pa.list_(pa.int64()))])
 
@@ -46,6 +50,7 @@ class SnapshotHeader:
     partitions: int
     positions: dict[int, int]
     watermarks: Watermarks
+    spec: dict  # {"windows_s": [...], "history_len": n} of the feature spec the state was kept for
 
 
 def _lists(parts: list[np.ndarray | None]) -> pa.ListArray:
@@ -78,8 +83,10 @@ def write_snapshot(path: str | Path, header: SnapshotHeader, batches: Iterable[p
     meta = {"format": FORMAT, "topic": header.topic, "partitions": header.partitions,
             "positions": {str(p): o for p, o in header.positions.items()},
             "watermarks": [[p, stage, subtask, wm] for (p, stage, subtask), wm in marks.marks.items()],
-            "parallelism": marks.parallelism}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            "parallelism": marks.parallelism, "spec": header.spec}
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMPORARY, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, SCHEMA.with_metadata({"streamrec": orjson.dumps(meta)})) as writer:
             for batch in batches:
@@ -90,6 +97,13 @@ def write_snapshot(path: str | Path, header: SnapshotHeader, batches: Iterable[p
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
+
+
+def remove_stale_temporaries(path: str | Path) -> None:
+    """Delete what writers of ``path`` that died mid-write left behind."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*{TEMPORARY}"):
+        stale.unlink(missing_ok=True)
 
 
 def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, Iterator[pa.RecordBatch]]:
@@ -108,7 +122,8 @@ def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, Iterator[pa.RecordB
     for partition, stage, subtask, wm in meta["watermarks"]:
         marks.marks[(partition, stage, subtask)] = wm
     marks.parallelism.update(meta["parallelism"])
-    header = SnapshotHeader(meta["topic"], meta["partitions"], {int(p): o for p, o in meta["positions"].items()}, marks)
+    header = SnapshotHeader(meta["topic"], meta["partitions"], {int(p): o for p, o in meta["positions"].items()}, marks,
+                            meta.get("spec", {}))
     return header, (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 

@@ -37,9 +37,9 @@ import uvicorn
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError, no_feature_store, not_loaded, unknown_model
 from streamrec.serving.guard import HttpLimits, throttle_logs
-from streamrec.serving.by_ids import query_of
+from streamrec.serving.by_ids import answer_json, query_of
 from streamrec.serving.ipc import TO_FRONTEND, frame, pack_columns, read_frame
-from streamrec.serving.messages import Failed, Hello, PredictByIds, PredictColumns, Welcome
+from streamrec.serving.messages import PROTOCOL, Failed, Hello, PredictByIds, PredictColumns, Welcome
 from streamrec.serving.pauses import freeze_heap
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
 from streamrec.serving.shortcut import PredictShortcut, read_body, send_answer
@@ -83,6 +83,9 @@ class EngineClient:
             self._hello = asyncio.get_running_loop().create_future()
             self._writer.write(frame(Hello()))
         welcome: Welcome = await asyncio.shield(self._hello)
+        if welcome.protocol != PROTOCOL:
+            raise RuntimeError(f"the serving engine speaks link protocol {welcome.protocol}, this front-end {PROTOCOL}: "
+                               "they run different streamrec versions; restart the engine")
         self.model = welcome.model
         self.decoder = InstanceDecoder(FeatureSpec.from_json(welcome.feature_spec), self.max_instances) if welcome.feature_spec else None
         self.ids_decoder = ByIdsDecoder(self.max_instances, welcome.max_future_skew_ms)
@@ -100,11 +103,13 @@ class EngineClient:
                     future.set_result(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.error("the serving engine closed the link; this front-end stops")
+            why = "the serving engine went away; retry"
         except Exception:  # noqa: BLE001 -- an unreadable message: this process cannot match answers any more
-            log.exception("unreadable message from the serving engine; this front-end stops")
+            log.exception("unreadable message from the serving engine (another streamrec version?); this front-end stops")
+            why = "this front-end could not read the serving engine's answer; retry"
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(ApiError(503, "the serving engine went away; retry"))
+                future.set_exception(ApiError(503, why))
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains and exits
 
     async def predict_body(self, model: str, body: bytes, timeout_s: float | None = None) -> bytes:
@@ -140,11 +145,7 @@ class EngineClient:
         scores = np.frombuffer(answer.scores, np.float32).tolist()
         if not answer.by_ids:
             return orjson.dumps({"model_version": answer.model_version, "scores": scores})
-        reply = {"model_version": answer.model_version, "features_as_of": answer.features_as_of,
-                 "features_stale": answer.features_stale, "ts": query.ts, "scores": scores}
-        if answer.features is not None:
-            reply["features"] = orjson.Fragment(answer.features)
-        return orjson.dumps(reply)
+        return answer_json(answer.model_version, answer.features_as_of, answer.features_stale, query.ts, scores, answer.features)
 
 
 class EngineRelay:

@@ -52,6 +52,8 @@ async def read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Deco
 def pack_columns(columns: FeatureColumns) -> tuple[int, int, int, bytes]:
     """(rows, history ids, counters, one int64 buffer: ints, counters, device hash, history
     lengths, history items, history categories)."""
+    if columns.hist_group is not None:
+        raise ValueError("columns whose rows share histories (hist_group) do not travel packed")
     n, m, k = len(columns), len(columns.hist_items), columns.counters.shape[1]
     ints = np.stack([columns.ints[name] for name in INT_COLUMNS], axis=1) if n else np.zeros((0, len(INT_COLUMNS)), np.int64)
     parts = [ints.astype(np.int64, copy=False).ravel(), columns.counters.astype(np.int64, copy=False).ravel(), columns.device_hash,

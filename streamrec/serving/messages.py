@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import msgspec
 
+PROTOCOL = 1  # both sides of a link speak the same; a front-end started from other code refuses to run
+
 
 class Hello(msgspec.Struct, tag="hello"):
     """Ask for the served model and its feature spec (at start, and after a :class:`Failed`
     with ``spec_changed``)."""
 
+    protocol: int = PROTOCOL
+
 
 class Welcome(msgspec.Struct, tag="welcome"):
+    protocol: int
     model: str
     feature_spec: dict | None  # the served version's FeatureSpec.to_json(); None: no version loaded yet
     max_future_skew_ms: int  # how far ahead of the clock a by-ids 'ts' may be

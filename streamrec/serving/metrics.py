@@ -29,7 +29,7 @@ class ServingMetrics:
         self.device_ms = Gauge("streamrec_serving_device_ms_per_batch", "mean forward time per batch on the device, by bucket",
                                ["bucket"], registry=r)
 
-        self.assembly = Histogram("streamrec_features_assembly_seconds", "online feature assembly per predict-by-ids request",
+        self.assembly = Histogram("streamrec_features_assembly_seconds", "online feature assembly per batch of predict-by-ids requests",
                                   registry=r, buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01))
         self.features_as_of = Gauge("streamrec_features_as_of_ms", "every event before this time is in the feature store", registry=r)
         self.features_lag = Gauge("streamrec_features_lag_ms", "wall clock minus features_as_of", registry=r)

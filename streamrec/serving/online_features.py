@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pyarrow as pa
 from kafka import TopicPartition
 
 from streamrec.model.columns import FeatureColumns, device_hashes
@@ -35,7 +36,8 @@ from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
 from streamrec.serving.entity_memory import EntityMemory, EntityState
-from streamrec.serving.feature_snapshot import CorruptSnapshot, SnapshotHeader, batch_rows, entity_batch, read_snapshot, write_snapshot
+from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_rows, entity_batch, read_snapshot,
+                                                remove_stale_temporaries, write_snapshot)
 
 log = logging.getLogger("streamrec.serving.features")
 # How far before ``features_as_of`` a request's ts may lie and still get the samples' exact
@@ -72,6 +74,10 @@ class OnlineFeatures:
         self.bootstrap, self.topic, self.spec = bootstrap, topic, spec
         self.snapshot = Path(snapshot) if snapshot else None
         self.snapshot_as_of: int | None = None  # features_as_of of the snapshot this node started from
+        self.started_from_snapshot = False
+        self._serves_by_ids = False
+        self._snapshot_writer = threading.Lock()
+        self._snapshot_thread: threading.Thread | None = None
         self.snapshot_interval_s = snapshot_interval_s
         self._next_snapshot_at = time.monotonic() + snapshot_interval_s
         self.memory = EntityMemory(memory_mb * 2**20, spill_dir)
@@ -95,26 +101,43 @@ class OnlineFeatures:
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "OnlineFeatures":
+        """Start reading (from the snapshot first, when there is one) on a thread of its own."""
         self.memory.clear_spill()  # scratch of an earlier run
-        if self.snapshot is not None and self.snapshot.exists():
-            try:
-                self.load_snapshot(self.snapshot)
-            except CorruptSnapshot as exc:
-                log.warning("online features: %s; replaying %s from its start instead", exc, self.topic)
+        if self.snapshot is not None:
+            remove_stale_temporaries(self.snapshot)
         self._thread.start()
         return self
 
     def serves_by_ids(self) -> bool:
-        """Caught up with the topic; or started from a snapshot while the broker cannot be
-        reached (then answers say how stale they are)."""
-        return self.caught_up.is_set() or (self.snapshot_as_of is not None and self.error is not None)
+        """Caught up with the topic once; or started from a snapshot while the broker cannot
+        be reached (answers then say how stale they are). Once true, it stays true: a broker
+        that comes back does not take the node out while it catches up."""
+        if not self._serves_by_ids and (self.caught_up.is_set() or (self.started_from_snapshot and self.error is not None)):
+            self._serves_by_ids = True
+        return self._serves_by_ids
 
     def load_snapshot(self, path: Path) -> None:
-        """Start from a snapshot (serving/feature_snapshot.py) and tail the topic from its positions."""
+        """Start from a snapshot (serving/feature_snapshot.py) and tail the topic from its
+        positions. CorruptSnapshot (the state is then empty again) if it cannot be used."""
         t0 = time.monotonic()
+        try:
+            entities = self._load(path)
+        except CorruptSnapshot:
+            self._forget()
+            raise
+        except (pa.ArrowException, OSError, KeyError, ValueError) as exc:  # a torn or damaged file
+            self._forget()
+            raise CorruptSnapshot(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
+        log.info("online features: %s entities from %s in %.1f s, as of %s; tailing %s from there", f"{entities:,}", path,
+                 time.monotonic() - t0, self.snapshot_as_of, self.topic)
+
+    def _load(self, path: Path) -> int:
         header, batches = read_snapshot(path)
         if header.topic != self.topic:
             raise CorruptSnapshot(f"{path} holds {header.topic}, not {self.topic}")
+        spec = {"windows_s": list(self.spec.windows_s), "history_len": self.spec.history_len}
+        if header.spec != spec:  # other windows or history: the times and lists it kept are not enough
+            raise CorruptSnapshot(f"{path} was written for feature spec {header.spec}, this node serves {spec}")
         entities = 0
         with self._lock:
             for batch in batches:
@@ -129,33 +152,43 @@ class OnlineFeatures:
                 self.memory.evict()
             self.watermarks, self.partitions = header.watermarks, header.partitions
             self._positions = dict(header.positions)
-            self.snapshot_as_of = self.as_of()
-        log.info("online features: %s entities from %s in %.1f s, as of %s; tailing %s from there", f"{entities:,}", path,
-                 time.monotonic() - t0, self.snapshot_as_of, self.topic)
+            self.snapshot_as_of, self.started_from_snapshot = self.as_of(), True
+        return entities
 
-    def save_snapshot(self, path: Path, chunk: int = 20_000) -> int:
-        """Write the state to ``path`` (atomically), a chunk of entities per lock hold so
-        requests keep being answered. The positions and watermarks are taken first: entities
-        written later may be newer, which a replay from those positions makes consistent."""
+    def _forget(self) -> None:
+        """Back to an empty state (a snapshot that failed halfway): the topic is replayed."""
         with self._lock:
-            header = SnapshotHeader(self.topic, self.partitions, dict(self._positions),
-                                    Watermarks(dict(self.watermarks.marks), dict(self.watermarks.parallelism)))
-            keys = self.memory.keys()
+            self.memory.clear()
+            self.watermarks, self.partitions, self._positions = Watermarks(), 0, {}
+            for cache in self._counters.values():
+                cache.clear()
 
-        def batches():
-            for at in range(0, len(keys), chunk):
-                rows = []
-                with self._lock:
-                    for key in keys[at: at + chunk]:
-                        entity = self.memory.read(key)
-                        if entity is not None:
-                            c, h = entity.counts, entity.history
-                            rows.append((key, None if c is None else array("q", c.imps).tobytes(),
-                                         None if c is None else array("q", c.clicks).tobytes(), None if h is None else h.flat.tobytes()))
-                if rows:
-                    yield entity_batch([k[0] for k, *_ in rows], np.array([k[1] for k, *_ in rows], np.int64),
-                                       [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
-        return write_snapshot(path, header, batches())
+    def save_snapshot(self, path: Path, chunk: int = 2_000) -> int:
+        """Write the state to ``path`` (atomically), ``chunk`` entities per lock hold so
+        requests keep being answered. The positions and watermarks are taken first: entities
+        written later may be newer, which a replay from those positions makes consistent.
+        One writer at a time."""
+        with self._snapshot_writer:
+            with self._lock:
+                header = SnapshotHeader(self.topic, self.partitions, dict(self._positions),
+                                        Watermarks(dict(self.watermarks.marks), dict(self.watermarks.parallelism)),
+                                        {"windows_s": list(self.spec.windows_s), "history_len": self.spec.history_len})
+                keys = self.memory.keys()
+
+            def batches():
+                for at in range(0, len(keys), chunk):
+                    rows = []
+                    with self._lock:
+                        for key in keys[at: at + chunk]:
+                            entity = self.memory.read(key)
+                            if entity is not None:
+                                c, h = entity.counts, entity.history
+                                rows.append((key, None if c is None else array("q", c.imps).tobytes(),
+                                             None if c is None else array("q", c.clicks).tobytes(), None if h is None else h.flat.tobytes()))
+                    if rows:
+                        yield entity_batch([k[0] for k, *_ in rows], np.array([k[1] for k, *_ in rows], np.int64),
+                                           [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
+            return write_snapshot(path, header, batches())
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self.caught_up.wait(timeout_s)
@@ -165,23 +198,33 @@ class OnlineFeatures:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        writer = self._snapshot_thread
+        if writer is not None and writer.is_alive():
+            writer.join()  # a periodic snapshot in progress: finish it (the final one follows)
         if self.snapshot is not None and self.partitions:
             self._write_snapshot()
         self.memory.clear_spill()
 
     def _periodic_snapshot(self) -> None:
-        self._write_snapshot()
-        self._next_snapshot_at = time.monotonic() + self.snapshot_interval_s
+        try:
+            self._write_snapshot()
+        finally:
+            self._next_snapshot_at = time.monotonic() + self.snapshot_interval_s
 
     def _write_snapshot(self) -> None:
         t0 = time.monotonic()
         try:
             size = self.save_snapshot(self.snapshot)
             log.info("online features: snapshot %s written (%.1f MiB, %.1f s)", self.snapshot, size / 2**20, time.monotonic() - t0)
-        except OSError as exc:  # a full disk loses the snapshot, not the node: the topic is the source of truth
-            log.warning("online features: snapshot %s not written: %s", self.snapshot, exc)
+        except Exception as exc:  # noqa: BLE001 -- a full disk loses the snapshot, not the node: the topic is the source of truth
+            log.warning("online features: snapshot %s not written: %s: %s", self.snapshot, type(exc).__name__, exc)
 
     def _run(self) -> None:
+        if self.snapshot is not None and self.snapshot.exists():
+            try:
+                self.load_snapshot(self.snapshot)
+            except CorruptSnapshot as exc:
+                log.warning("online features: %s; replaying %s from its start instead", exc, self.topic)
         consumer = None
         while not self._stop.is_set():
             try:
@@ -195,7 +238,8 @@ class OnlineFeatures:
                 if self.snapshot is not None and self.snapshot_interval_s > 0 and time.monotonic() >= self._next_snapshot_at:
                     # its own thread: reading the topic goes on while the snapshot is written
                     self._next_snapshot_at = float("inf")
-                    threading.Thread(target=self._periodic_snapshot, name="features-snapshot", daemon=True).start()
+                    self._snapshot_thread = threading.Thread(target=self._periodic_snapshot, name="features-snapshot", daemon=True)
+                    self._snapshot_thread.start()
             except Exception as exc:  # noqa: BLE001 -- a broker outage must not end the consumer: retry
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("online features: %s (retrying)", self.error)
@@ -363,8 +407,10 @@ class OnlineFeatures:
     # ------------------------------------------------------------------ reporting
     def not_ready_reason(self) -> str:
         """Why the store has not caught up with its topic yet."""
-        if self.error is not None and self.partitions == 0:
+        if self.error is not None and not self._ends:
             return f"the online feature store cannot read {self.topic} yet: {self.error}"
+        if not self._ends:
+            return f"the online feature store is connecting to the broker to read {self.topic}"
         behind = f"the online feature store is catching up with {self.topic} ({self.lag_records():,} records behind)"
         return f"{behind}; last error: {self.error}" if self.error is not None else behind
 
@@ -374,14 +420,15 @@ class OnlineFeatures:
     def status(self) -> dict[str, Any]:
         as_of, memory = self.as_of(), self.memory
         return {
-            "topic": self.topic, "ready": self.caught_up.is_set(), "error": self.error,
+            "topic": self.topic, "ready": self.serves_by_ids(), "caught_up": self.caught_up.is_set(), "error": self.error,
             "features_as_of": as_of, "lag_ms": int(time.time() * 1000) - as_of if as_of is not None else None,
             "lag_records": self.lag_records(), "partitions": self.partitions,
             "entities": dict(memory.entities_by_kind), "in_memory": memory.in_memory, "spilled": memory.spilled,
             "memory_bytes": memory.bytes, "memory_budget_bytes": memory.budget, **self.counts, "spills": memory.spills,
             "reloads": memory.reloads, "last_corrupt": self.last_corrupt,
             "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
-            "counter_cache": {kind: {"entities": len(c), "hits": c.hits, "misses": c.misses} for kind, c in self._counters.items()},
+            "counter_cache": {kind: {"entities": len(c), "bytes": c.nbytes, "hits": c.hits, "misses": c.misses}
+                              for kind, c in self._counters.items()},
         }
 
     def summary(self) -> str:
