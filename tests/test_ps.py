@@ -754,6 +754,65 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_collection_find_reads_every_table_in_one_launch_as_each_tables_find_does(monkeypatch):
+    """EmbeddingCollection.find's table-batched probe + gather (grouped.find_start_grouped)
+    against EmbeddingTable.find on an identical collection: tables of different cache and
+    index sizes, some with rows in DRAM below a small cache (those take find_slow), one empty;
+    unknown ids (zeros) and repeated ids, in host memory and on the device. The same rows
+    read, stats, and rows and clocks after; one launch a read; a table of another row width
+    sends the read table by table."""
+    from streamrec.embedding import kernels
+    from streamrec.embedding.grouped import find_start_grouped
+
+    dim = 8
+    tables = {"a": (4096, 1000), "b": (64, 600), "c": (50_000, 20_000), "d": (128, 0), "e": (16, 200)}  # cache rows, rows
+    per_read = {"a": 300, "b": 30, "c": 2000, "d": 50, "e": 8}  # ids per read (some unknown, some repeated)
+
+    def build() -> EmbeddingCollection:
+        collection = EmbeddingCollection([TableConfig(n, dim, gpu_cache_rows=c) for n, (c, _) in tables.items()], "cuda")
+        for i, (name, (_, rows)) in enumerate(tables.items()):
+            if rows:
+                keys = torch.arange(rows, dtype=torch.int64) * 7919 + i
+                collection[name].upsert(keys, torch.randn(rows, dim, generator=torch.Generator().manual_seed(i)), fresh=True)
+        return collection
+
+    def rows_of(table: EmbeddingTable) -> dict[int, tuple[list[float], int]]:
+        return {k: (w, t) for chunk in table.export_all(with_state=True)
+                for k, w, t in zip(chunk[0].tolist(), chunk[1].tolist(), chunk[3].tolist())}
+
+    grouped, reference = build(), build()
+    launches = []
+    grouped_kernel = kernels.probe_gather_grouped
+    monkeypatch.setattr(kernels, "probe_gather_grouped", lambda *a, **k: launches.append(1) or grouped_kernel(*a, **k))
+    for table in grouped.tables.values():
+        monkeypatch.setattr(table, "find_start", lambda *_: pytest.fail("the grouped find went table by table"))
+    assert [t.tiers.cache_complete for t in grouped.tables.values()] == [True, False, True, True, False]
+    g = torch.Generator().manual_seed(11)
+    for step in range(8):
+        ids = {}
+        for i, (name, (_, rows)) in enumerate(tables.items()):
+            x = torch.randint(0, rows + 40, (per_read[name] // 2,), generator=g) * 7919 + i  # past ``rows``: unknown
+            ids[name] = torch.cat([x, x.flip(0)[: per_read[name] - len(x)]])
+        if step % 2:
+            ids = {name: x.cuda() for name, x in ids.items()}
+        got = grouped.find(ids, now_ms=100 + step)
+        assert len(launches) == step + 1
+        for name, x in ids.items():
+            want = reference[name].find(x, now_ms=100 + step)
+            assert torch.equal(got[name], want), (step, name)
+            assert not bool(want[(x.cpu() >= tables[name][1] * 7919).to(want.device)].any())  # unknown ids read zeros
+    for name in tables:
+        assert grouped[name].stats == reference[name].stats, name
+        assert rows_of(grouped[name]) == rows_of(reference[name]), name
+    assert grouped["a"].stats["fused_hits"] > 0 and grouped["b"].stats["lookups"] > 0  # both paths were taken
+    mixed = EmbeddingCollection([TableConfig("a", 8, gpu_cache_rows=64), TableConfig("b", 16, gpu_cache_rows=64)], "cuda")
+    assert find_start_grouped(mixed.tables, {"a": torch.arange(3), "b": torch.arange(3)}, 1) is None
+    for collection in (grouped, reference, mixed):
+        collection.close()
+
+
 def test_a_grouped_launch_gives_each_table_its_own_programs():
     """The layout grouped kernels read: each group's first row, rows and first program, no
     program shared by two groups, an empty group taking none (it shares the next one's start)."""

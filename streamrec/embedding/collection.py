@@ -22,7 +22,7 @@ import torch
 
 from streamrec.contracts.delta import SparseDelta
 from streamrec.embedding.checkpoint_files import read_checkpoint, read_configs, write_checkpoint
-from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
+from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped, find_start_grouped
 from streamrec.embedding.sharded import ShardedCollection
 from streamrec.embedding.snapshot import SnapshotTask, VersionPublisher, to_host
 from streamrec.embedding.table import BatchRows, EmbeddingTable, PendingInsert, TableConfig, finish_inserts
@@ -136,19 +136,25 @@ class EmbeddingCollection:
         """``EmbeddingTable.find`` of every table in ``ids``: one embedding per id, zeros for
         ids without a row; never creates rows.
 
-        On CUDA every table's fused probe is launched first and their pending counts come
-        back in one host sync (not one per table). Tables that need the general path
-        (rows below the GPU cache) change their cache: with a ``guard`` (concurrent
-        serving workers) that part runs under its exclusive side, the probes under the
-        shared one, so no probe reads a cache that is being changed."""
+        On CUDA every table's fused probe is launched first, in one table-batched launch
+        where the tables allow it (``grouped.find_start_grouped``: every table cached, one
+        row width) else table by table, and their pending counts come back in one host
+        sync (not one per table). Tables that need the general path (rows below the GPU
+        cache) change their cache: with a ``guard`` (concurrent serving workers) that part
+        runs under its exclusive side, the probes under the shared one, so no probe reads
+        a cache that is being changed."""
         embeddings: dict[str, torch.Tensor] = {}
         with guard.read() if guard is not None else nullcontext():
-            started = {name: self.tables[name].find_start(t, now_ms) for name, t in ids.items()}
-            slow = [name for name, s in started.items() if s is None]
-            fused = {name: s for name, s in started.items() if s is not None}
+            grouped = find_start_grouped(self.tables, ids, now_ms)
+            if grouped is not None:
+                (fused, pending), slow = grouped, []
+            else:
+                started = {name: self.tables[name].find_start(t, now_ms) for name, t in ids.items()}
+                slow = [name for name, s in started.items() if s is None]
+                fused = {name: s[0] for name, s in started.items() if s is not None}
+                pending = torch.cat([s[1] for s in started.values() if s is not None]) if fused else None
             if fused:
-                pending = torch.cat([s[1] for s in fused.values()]).tolist()  # the one host sync
-                for (name, (rows, _)), p in zip(fused.items(), pending):
+                for (name, rows), p in zip(fused.items(), pending.tolist()):  # the one host sync
                     if p:
                         slow.append(name)
                     else:

@@ -1,6 +1,6 @@
 """Table-batched find_or_insert and apply_gradients: every table of a step in one
 find-or-insert launch and one optimizer launch (as FBGEMM's table-batched embeddings do
-for lookups).
+for lookups); and serving's fused read, every table's probe + gather in one launch.
 
 Why: the trainer's step is bound by its host thread, and per table a step costs a Triton
 launch through Triton's Python launcher, scratch and counter buffers and a few small ops
@@ -11,7 +11,8 @@ another) and each kernel reads a small table of per-group pointers.
 Applies on CUDA while every table inserts its rows on the device (every row cached, no
 admission sketch: ``EmbeddingTable.inserts_on_device``) and the tables agree on row shape,
 optimizer and initialisation (``groupable``); otherwise ``EmbeddingCollection`` goes table
-by table.
+by table. The read (``find_start_grouped``) only needs every table cached on one CUDA
+device with one row width.
 """
 
 from __future__ import annotations
@@ -90,3 +91,28 @@ def apply_gradients_grouped(grouped: GroupedRows, grad: torch.Tensor) -> None:
     grouped.tables[0].optimizer.update_grouped_(groups, grouped.slots, grad)
     for table, r in zip(grouped.tables, by_table):
         table.gradients_applied(r)
+
+
+def find_start_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, torch.Tensor],
+                       now_ms: int) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """``EmbeddingTable.find_start`` of every table in ``ids`` (table -> int64 [n], any
+    device, repeats allowed) in one probe + gather launch, with the same effects (the clock
+    of the rows hit moves to ``now_ms``; nothing else changes). Returns (table -> rows
+    float32 [n, dim], views of one tensor in HBM; pending int32 [tables] in HBM, in ``ids``'
+    order, each what that table's ``find_start`` counts), or None unless every table is
+    cached on one CUDA device with one row width. Ids in host memory cross to the device
+    as one copy."""
+    names = list(ids)
+    group = [tables[n] for n in names]
+    caches = [t.tiers.cache for t in group]
+    if not group or any(c is None or not kernels.available(c.device) for c in caches):
+        return None
+    device, dim = caches[0].device, caches[0].dim
+    if any(c.device != device or c.dim != dim for c in caches):
+        return None
+    flat = [ids[n].reshape(-1) for n in names]
+    home = flat[0].device if all(f.device == flat[0].device for f in flat) else device
+    keys = torch.cat([f.to(home, torch.int64) for f in flat]).to(device)
+    counts = [len(f) for f in flat]
+    rows, pending = kernels.probe_gather_grouped(keys, counts, caches, now_ms, [not t.tiers.cache_complete for t in group])
+    return dict(zip(names, rows.split(counts))), pending

@@ -1,7 +1,7 @@
 """Triton kernels of the GPU tiers: the fused cache-hit path (hash probe + row gather in one
-launch), probe / insert / removal of a hash index, find-or-insert (rows created on the
-device), and row copies between tiers (a mapped DRAM tier included: misses up, evictions
-down).
+launch, for one table or table-batched), probe / insert / removal of a hash index,
+find-or-insert (rows created on the device), and row copies between tiers (a mapped DRAM
+tier included: misses up, evictions down).
 
 Why the fused hit path: in torch it is unique + several probe rounds (each a few kernels and a
 host sync) + gathers; for a 64k-id batch that is milliseconds of launch overhead around
@@ -30,6 +30,10 @@ MAX_PROBES = 64  # linear probes per id at load <= 0.5; ids needing more fall ba
 # a grouped find-or-insert's row per table: key start, key count, first block, index bits,
 # seed, then the tier's index keys, index values, fresh slots, weights, state, clock, keys, live, dirty
 FIND_OR_INSERT_FIELDS = 14
+# a grouped probe + gather's row per table: id start, id count, first block, index bits, pending
+# bound (-1: ids not hit are pending, -2: only undecided ones), then the tier's index keys,
+# index values, weights, clock
+PROBE_GATHER_FIELDS = 9
 
 
 class SlotTables(Protocol):
@@ -48,17 +52,10 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    # Integer arguments are not specialised on their values: Triton would otherwise compile
-    # a new variant whenever n or the clock changes divisibility by 16 (seconds each, mid-training).
-    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "tombstone"])
-    def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
-                      last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty, tombstone,
-                      DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
-                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr, GATHER: tl.constexpr,
-                      REMOVE: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        key = tl.load(ids_ptr + offs, mask=valid, other=0)
+    @triton.jit
+    def _probe_block(key, valid, index_keys_ptr, index_values_ptr, multiplier, shift, mask, empty, tombstone,
+                     BLOCK: tl.constexpr, PROBES: tl.constexpr, REMOVE: tl.constexpr):
+        """Slots of one block of keys in an index: -1 absent, -2 undecided after PROBES."""
         pos = ((key * multiplier) >> shift) & mask
         slot = tl.full((BLOCK,), -1, tl.int64)
         searching = valid
@@ -72,21 +69,63 @@ if triton is not None:
                 tl.store(index_values_ptr + pos, tl.full((BLOCK,), -1, tl.int64), mask=hit)
             searching = searching & (found != key) & (found != empty)
             pos = (pos + 1) & mask
-        slot = tl.where(searching, -2, slot)  # -2: gave up probing, let torch decide
-        tl.store(slots_ptr + offs, slot, mask=valid)
-        # LRU clock of the rows hit, and a count of ids not answered here, in the same pass
-        # (saves a launch and a separate reduction before the host decides on a fallback).
+        return tl.where(searching, -2, slot)  # -2: gave up probing, let torch decide
+
+    @triton.jit
+    def _hit_rows(slot, valid, offs, weights_ptr, out_ptr, last_seen_ptr, now, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
+                  BLOCK: tl.constexpr, UPDATE_CLOCK: tl.constexpr, GATHER: tl.constexpr):
+        """The LRU clock of the rows hit (``slot >= 0``) and every lane's row into ``out`` (zeros where no hit)."""
         is_hit = slot >= 0
         if UPDATE_CLOCK:
             tl.store(last_seen_ptr + tl.where(is_hit, slot, 0), now + tl.zeros((BLOCK,), tl.int64), mask=is_hit)
-        if COUNT_MISSES:
-            tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
         if GATHER:
             cols = tl.arange(0, DIM_BLOCK)
             col_ok = cols < DIM
-            have = (slot >= 0)[:, None] & col_ok[None, :]
-            rows = tl.load(weights_ptr + tl.where(slot >= 0, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
+            have = is_hit[:, None] & col_ok[None, :]
+            rows = tl.load(weights_ptr + tl.where(is_hit, slot, 0)[:, None] * DIM + cols[None, :], mask=have, other=0.0)
             tl.store(out_ptr + offs[:, None] * DIM + cols[None, :], rows, mask=valid[:, None] & col_ok[None, :])
+
+    # Integer arguments are not specialised on their values: Triton would otherwise compile
+    # a new variant whenever n or the clock changes divisibility by 16 (seconds each, mid-training).
+    @triton.jit(do_not_specialize=["now", "n", "multiplier", "shift", "mask", "empty", "tombstone"])
+    def _probe_gather(ids_ptr, index_keys_ptr, index_values_ptr, weights_ptr, out_ptr, slots_ptr,
+                      last_seen_ptr, misses_ptr, now, n, multiplier, shift, mask, empty, tombstone,
+                      DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PROBES: tl.constexpr,
+                      UPDATE_CLOCK: tl.constexpr, COUNT_MISSES: tl.constexpr, GATHER: tl.constexpr,
+                      REMOVE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < n
+        key = tl.load(ids_ptr + offs, mask=valid, other=0)
+        slot = _probe_block(key, valid, index_keys_ptr, index_values_ptr, multiplier, shift, mask, empty, tombstone,
+                            BLOCK, PROBES, REMOVE)
+        tl.store(slots_ptr + offs, slot, mask=valid)
+        # LRU clock of the rows hit, and a count of ids not answered here, in the same pass
+        # (saves a launch and a separate reduction before the host decides on a fallback).
+        if COUNT_MISSES:
+            tl.atomic_add(misses_ptr, tl.sum((valid & (slot < 0)).to(tl.int32), axis=0))
+        _hit_rows(slot, valid, offs, weights_ptr, out_ptr, last_seen_ptr, now, DIM, DIM_BLOCK, BLOCK, UPDATE_CLOCK, GATHER)
+
+    @triton.jit(do_not_specialize=["now", "multiplier", "empty", "tombstone"])
+    def _probe_gather_grouped(ids_ptr, groups_ptr, out_ptr, pending_ptr, now, multiplier, empty, tombstone,
+                              GROUPS: tl.constexpr, FIELDS: tl.constexpr, DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
+                              BLOCK: tl.constexpr, PROBES: tl.constexpr):
+        # this program's table: the last whose first block is at or before it (PROBE_GATHER_FIELDS rows)
+        pid = tl.program_id(0)
+        g = 0
+        for j in tl.static_range(1, GROUPS):
+            g += (pid >= tl.load(groups_ptr + j * FIELDS + 2)).to(tl.int32)
+        row = groups_ptr + g * FIELDS
+        local = (pid - tl.load(row + 2)) * BLOCK + tl.arange(0, BLOCK)
+        valid = local < tl.load(row + 1)
+        offs = tl.load(row) + local
+        key = tl.load(ids_ptr + offs, mask=valid, other=0)
+        bits = tl.load(row + 3)
+        i64 = tl.pointer_type(tl.int64)
+        slot = _probe_block(key, valid, tl.load(row + 5).to(i64), tl.load(row + 6).to(i64), multiplier, 64 - bits,
+                            (tl.full((), 1, tl.int64) << bits) - 1, empty, tombstone, BLOCK, PROBES, False)
+        tl.atomic_add(pending_ptr + g, tl.sum((valid & (slot <= tl.load(row + 4))).to(tl.int32), axis=0))
+        _hit_rows(slot, valid, offs, tl.load(row + 7).to(tl.pointer_type(tl.float32)), out_ptr, tl.load(row + 8).to(i64), now,
+                  DIM, DIM_BLOCK, BLOCK, True, True)
 
 
 if triton is not None:
@@ -153,6 +192,38 @@ def probe_gather(ids: torch.Tensor, index: SlotTables, weights: torch.Tensor, la
                         DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block, PROBES=MAX_PROBES,
                         UPDATE_CLOCK=update_clock, COUNT_MISSES=count_misses, GATHER=True, REMOVE=False)
     return out, slots, misses
+
+
+def probe_gather_grouped(ids: torch.Tensor, counts: list[int], tiers: list, now_ms: int,
+                         count_absent: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probe_gather`` of several tiers of one row width (RowStorage on one CUDA device) in
+    one launch, table-batched as ``find_or_insert_grouped`` is: ``ids`` (int64 on that
+    device) holds each tier's ids one group after another (``counts[g]`` of them, repeats
+    allowed); the tiers may differ in capacity and index size. Returns (rows float32
+    [len(ids), dim] in ``ids``' order, zeros where no hit; pending int32 [groups]), both in
+    HBM: group g's ids that were not hits where ``count_absent[g]``, else only its ids
+    undecided after MAX_PROBES (a complete cache: an absent id has no row, and its zeros
+    are the answer). The rows hit get ``last_seen = now_ms``; the indexes are only read.
+    Why: a serving read of five tables costs five launches through Triton's Python
+    launcher; here one."""
+    dim = tiers[0].dim
+    n = len(ids)
+    out = torch.empty(n, dim, device=ids.device, dtype=torch.float32)
+    pending = torch.zeros(len(tiers), device=ids.device, dtype=torch.int32)
+    if n == 0:
+        return out, pending
+    block = 128 if dim <= 64 else 32
+    layout, blocks = group_blocks(counts, block)
+    rows = []
+    for placed, tier, absent in zip(layout, tiers, count_absent):
+        index_keys, index_values = tier.index.raw_tables()
+        rows.append([*placed, tier.index.bits, -1 if absent else -2, index_keys.data_ptr(), index_values.data_ptr(),
+                     tier.weights.data_ptr(), tier.last_seen.data_ptr()])
+    groups = to_device_async(rows, ids.device)
+    _probe_gather_grouped[(blocks,)](ids, groups, out, pending, now_ms, MULTIPLIER, EMPTY, TOMBSTONE, GROUPS=len(tiers),
+                                     FIELDS=PROBE_GATHER_FIELDS, DIM=dim, DIM_BLOCK=triton.next_power_of_2(dim), BLOCK=block,
+                                     PROBES=MAX_PROBES)
+    return out, pending
 
 
 def probe(keys: torch.Tensor, index: SlotTables, remove: bool = False) -> torch.Tensor:
