@@ -1,8 +1,9 @@
-"""The sharded trainer on CPU (gloo ranks): the embedding exchange equals one store, shards
-are balanced, a step of 2 ranks has the dense gradients of 1 rank on the same samples, 2
-ranks learn as well as 1 on the same data, a version written by 2 ranks serves over real
-HTTP with the ranks' own scores, and a rank killed with SIGKILL gives a clean failure,
-after which a restart ends exactly where an uninterrupted run ends."""
+"""The sharded trainer on CPU (gloo ranks): the embedding exchange equals one store (and, on
+two GPUs, the owner's table-batched path equals its table-by-table one), shards are
+balanced, a step of 2 ranks has the dense gradients of 1 rank on the same samples, 2 ranks
+learn as well as 1 on the same data, a version written by 2 ranks serves over real HTTP
+with the ranks' own scores, and a rank killed with SIGKILL gives a clean failure, after
+which a restart ends exactly where an uninterrupted run ends."""
 
 import json
 import os
@@ -66,8 +67,8 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
         ids = {n: t.to(device) for n, t in ids.items()}
         pulled = sharded.find_or_insert(ids, now_ms=step)
         pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
-        for n in ids:
-            pulled.embeddings[n].grad = _grad(ids[n], step)  # the gradient of each input id's row
+        # the gradient of each input id's row, left by backward as the model's would be
+        torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
         sharded.apply_gradients(pulled)
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows}, out)
@@ -112,6 +113,89 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
             torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=tol)
+
+
+def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
+    """Per optimizer, two identical shards over the same ranks and steps: one whose owner side
+    is table-batched (its tables are groupable), one forced table by table. Saves what each
+    rank pulled, every row it owns (weights, optimizer state, clock), the tables' counters,
+    and the host syncs of each step."""
+    import warnings
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    dist.barrier()  # the communicator's start is no step's host sync
+    result = {}
+    for optimizer in ("adagrad", "adam"):
+        configs = [TableConfig(n, 4, optimizer=optimizer, lr=0.1, init_std=0.0, gpu_cache_rows=4096) for n in ("a", "b", "c")]
+        stores = {"grouped": EmbeddingCollection(configs, device), "per_table": EmbeddingCollection(configs, device)}
+        stores["per_table"].table_batched = False
+        sharded = {path: ShardedCollection(store) for path, store in stores.items()}
+        pulled_rows, syncs = {path: [] for path in stores}, {path: [] for path in stores}
+        for step, ids in enumerate(_batches(rank, steps=8)):
+            ids = {"a": ids["a"], "b": ids["b"], "c": ids["a"][::3] % 17}  # "c": repeats, few keys
+            ids = {n: t.to(device) for n, t in ids.items()}
+            for path, collection in sharded.items():
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    pulled = collection.find_or_insert(ids, now_ms=step)
+                    # gradients with exact sums (multiples of 2**-12), so the paths' summation orders agree
+                    grads = [torch.stack([(t % 11) - 5, t % 3, torch.full_like(t, step), torch.ones_like(t)], 1).float() * 2.0 ** -12
+                             for t in ids.values()]
+                    torch.autograd.backward([pulled.embeddings[n] for n in ids], grads)
+                    collection.apply_gradients(pulled)
+                torch.cuda.set_sync_debug_mode("default")
+                assert (pulled.grouped is not None) == (path == "grouped"), (path, step)
+                syncs[path].append(sum("synchronizing" in str(w.message) for w in caught))
+                pulled_rows[path].append({n: pulled.embeddings[n].detach().cpu() for n in ids})
+        torch.cuda.synchronize()
+        result[optimizer] = {path: {"pulled": pulled_rows[path], "syncs": syncs[path],
+                                    "stats": {n: dict(t.stats) for n, t in store.tables.items()},
+                                    "rows": {n: {k: (w, s, seen) for keys, weights, state, last_seen in t.export_all(with_state=True)
+                                                 for k, w, s, seen in zip(keys.tolist(), weights, state, last_seen.tolist())}
+                                             for n, t in store.tables.items()}}
+                             for path, store in stores.items()}
+        for store in stores.values():
+            store.close()
+    torch.save(result, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_the_table_batched_owner_path_equals_the_per_table_path_over_two_gpus(tmp_path):
+    """Two NCCL ranks: the owner's table-batched find_or_insert and apply_gradients (one
+    launch each for all tables) give what the table-by-table path gives: the rows each rank
+    pulled, every owned row's weights, optimizer state and clock, the tables' counters,
+    with no more host syncs per step (Adagrad and Adam, each over three groupable tables)."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=_grouped_owner_worker, args=(r, 2, init, str(tmp_path / f"out{r}")))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    for r in range(2):
+        got = torch.load(tmp_path / f"out{r}", weights_only=False)
+        for optimizer, paths in got.items():
+            grouped, per_table = paths["grouped"], paths["per_table"]
+            for step, (g, p) in enumerate(zip(grouped["pulled"], per_table["pulled"])):
+                for n in p:
+                    torch.testing.assert_close(g[n], p[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{optimizer} rank {r} step {step} {n}: {m}")
+            assert grouped["stats"] == per_table["stats"], optimizer
+            for n, rows in per_table["rows"].items():
+                assert grouped["rows"][n].keys() == rows.keys() and len(rows) > 0, (optimizer, n)
+                for k, (w, s, seen) in rows.items():
+                    gw, gs, gseen = grouped["rows"][n][k]
+                    torch.testing.assert_close(gw, w, rtol=1e-6, atol=1e-7)
+                    torch.testing.assert_close(gs, s, rtol=1e-6, atol=1e-7)
+                    assert gseen == seen
+            print(f"rank {r} {optimizer}: host syncs per step, table-batched {grouped['syncs']}, per table {per_table['syncs']}")
+            assert all(g <= p for g, p in zip(grouped["syncs"], per_table["syncs"])), (optimizer, grouped["syncs"], per_table["syncs"])
 
 
 def _write_samples(run: Path, rows: int, spec: FeatureSpec) -> None:

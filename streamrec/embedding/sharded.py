@@ -7,8 +7,8 @@ step, for all tables at once::
 
     requester: every id of every table, grouped by (owner, table)
     all_to_all  counts (owner x table), then ids            -> owners
-    owner:      find_or_insert_each of what it received: one de-duplication of the ids
-                of all ranks, rows created/admitted there, one row per id received
+    owner:      find_or_insert of what it received: one de-duplication of the ids of
+                all ranks, rows created/admitted there, one row per id received
     all_to_all  rows                                         -> requesters
     ... forward, backward on the requester ...
     all_to_all  the gradient of each id                      -> owners
@@ -19,6 +19,14 @@ The requester sends its ids as they are, not de-duplicated: the owner has to de-
 what several ranks sent anyway, and one de-duplication means one host sync less per step
 and admission sees every sighting, as on one rank. Four collectives and three host syncs
 per step (the split sizes, and the owner's find_or_insert), whatever the number of tables.
+
+The owner's side is table-batched wherever ``EmbeddingCollection``'s own step would be
+(grouped.py: one find-or-insert launch and one optimizer launch for all tables; the rows
+and the gradients of all tables as one tensor each, indexed in the order the ids arrived,
+so neither is regrouped by table), else table by table (``find_or_insert_each``), with
+the same host syncs. Why: the step is bound by its host thread, and table by table the
+owner pays each table's launches, buffers and small ops on both verbs. The requester's
+rows are one tensor as well (one autograd leaf; each table's embeddings are views of it).
 Tables must share one dim (the rows travel as one tensor). Inference is never sharded: it
 reads an ``EmbeddingCollection`` loaded from a published version.
 """
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.distributed as dist
 
+from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
 from streamrec.embedding.table import BatchRows
 
 if TYPE_CHECKING:
@@ -63,9 +72,12 @@ class Route:
 class ShardedRows:
     """``ShardedCollection.find_or_insert``'s rows: what the requester got, and what the owner must update."""
 
-    embeddings: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]; requires grad
+    embeddings: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]; views of ``leaf``
+    leaf: torch.Tensor  # requester: those rows, tables one after another [sum n_t, dim]; requires grad
     route: Route
-    owned: dict[str, BatchRows]  # owner: its find_or_insert of what it received
+    owned: dict[str, BatchRows]  # owner: its find_or_insert of what it received, per table
+    grouped: GroupedRows | None = None  # owner: the same, table-batched (``owned`` then holds views of it)
+    served: torch.Tensor | None = None  # owner, table-batched: each received id's row in ``grouped.rows``, in received order
 
 
 class ShardedCollection:
@@ -83,21 +95,37 @@ class ShardedCollection:
 
     def find_or_insert(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> ShardedRows:
         """Rows for ``ids`` (table -> int64 [n]) from their owners, created/admitted there;
-        one row per input id (float32 [n, dim], on this rank's device)."""
+        one row per input id (float32 [n, dim], on this rank's device). The owner's
+        find_or_insert is table-batched where ``EmbeddingCollection.find_or_insert`` would be
+        (``grouped.groupable``, decided each step), else table by table; the same host syncs."""
         route, wanted = self._send_ids(ids)
         # the owner's unique counts and created rows: the other two host syncs on CUDA
-        owned = self.local.find_or_insert_each(wanted, now_ms)
-        rows = self._send_rows(route, [owned[n].embeddings() for n in route.names])
-        return ShardedRows({name: r.detach().requires_grad_(True) for name, r in rows.items()}, route, owned)
+        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
+        served = None
+        if grouped is not None:
+            # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
+            # rank), so the rows go out and the gradients come back without a regrouping by table
+            served = torch.empty_like(grouped.inverse).index_copy_(0, route.by_table, grouped.inverse)
+            owned, outgoing = grouped.by_table, grouped.rows.index_select(0, served)
+        else:
+            owned = self.local.find_or_insert_each(wanted, now_ms)
+            outgoing = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
+            outgoing[route.by_table] = torch.cat([owned[n].embeddings() for n in route.names])
+        leaf = self._send_rows(route, outgoing).requires_grad_(True)
+        return ShardedRows(dict(zip(route.names, leaf.split(route.sizes))), leaf, route, owned, grouped, served)
 
     def apply_gradients(self, rows: ShardedRows) -> None:
-        """Send each table's gradient of each input id's row (zeros where backward left none)
-        to the owners, which apply the optimizers."""
-        route = rows.route
-        parts = [r.grad if r.grad is not None else torch.zeros_like(r) for r in rows.embeddings.values()]
-        sent = torch.cat(parts).index_select(0, route.order) if parts else torch.empty(0, self.dim, device=self.device)
+        """Send the gradient of each input id's row (zeros where backward left none) to the
+        owners, which sum them per key, average them over ranks and apply the optimizers
+        (one launch for all tables where ``find_or_insert`` was table-batched)."""
+        route, grad = rows.route, rows.leaf.grad
+        sent = grad.index_select(0, route.order) if grad is not None else torch.zeros_like(rows.leaf)
         received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
         dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
+        if rows.grouped is not None:
+            summed = torch.zeros(len(rows.grouped.rows), self.dim, device=received.device).index_add_(0, rows.served, received)
+            apply_gradients_grouped(rows.grouped, summed.div_(self.world))
+            return
         for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
             owned = rows.owned[name]
             summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
@@ -129,13 +157,10 @@ class ShardedCollection:
         wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
         return Route(names, sizes, order, send_splits, recv_splits, by_table, table_sizes), wanted
 
-    def _send_rows(self, route: Route, served: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The owner's rows for what it received (``served``: one tensor per table, in
-        ``route.names`` order) back to the requesters: one row per input id of each table."""
-        rows_by_table = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
-        rows_by_table[route.by_table] = torch.cat(served)
+    def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
+        """The owner's rows for what it received (``outgoing``: one per id received, in the
+        order received) back to the requesters: one row per input id, tables one after
+        another (``route.sizes``)."""
         back = torch.empty(sum(route.sizes), self.dim, device=self.device)
-        dist.all_to_all_single(back, rows_by_table, route.send_splits, route.recv_splits, group=self.group)
-        rows = torch.empty_like(back)
-        rows[route.order] = back
-        return dict(zip(route.names, torch.split(rows, route.sizes)))
+        dist.all_to_all_single(back, outgoing, route.send_splits, route.recv_splits, group=self.group)
+        return torch.empty_like(back).index_copy_(0, route.order, back)
