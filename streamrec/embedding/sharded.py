@@ -13,7 +13,7 @@ step, for all tables at once::
     ... forward, backward on the requester ...
     all_to_all  the gradient of each id                      -> owners
     owner:      sums the gradients of each key (over its ids from every rank), averages
-                over ranks (as DDP averages dense gradients), applies the optimizer
+                over ranks (as the dense gradients are averaged), applies the optimizer
 
 The requester sends its ids as they are, not de-duplicated: the owner has to de-duplicate
 what several ranks sent anyway, and one de-duplication means one host sync less per step

@@ -10,9 +10,10 @@ before and give the same numbers.
 A graph holds one shape: that of a full batch (``batch_size`` samples), captured when
 the object is made, before the trainer starts the threads that use the device (a capture
 fails if another thread touches the device meanwhile). Other shapes (a partial batch released by
-``max_batch_delay_ms``, the last batch of a file) run eagerly. Used on CUDA with one rank
-(DDP's gradient hooks are not captured), for a model without dropout or batch norm (the
-graph is the training-mode forward; CTRModel has neither).
+``max_batch_delay_ms``, the last batch of a file) run eagerly. Used on CUDA, on one rank or
+several (their gradients are averaged after the replay: trainer/distributed.py
+``DenseGradients``), for a model without dropout or batch norm (the graph is the
+training-mode forward; CTRModel has neither).
 """
 
 from __future__ import annotations

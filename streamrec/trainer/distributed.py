@@ -5,7 +5,8 @@ One process per GPU (or per CPU share), started by torch's elastic launcher
 (``streamrec train --nproc-per-node N``, or ``torchrun ... -m streamrec.cli train``
 across nodes). Three process groups:
 
-- ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (embedding/sharded.py) and DDP;
+- ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (embedding/sharded.py) and the
+  dense gradients' all-reduce (:class:`DenseGradients`);
 - ``control`` (gloo): the per-step agreement, on the training thread;
 - ``publish`` (gloo): the version writer threads (a group per thread, so their
   collectives never interleave with the training thread's).
@@ -35,6 +36,34 @@ from streamrec.trainer.publisher import PoisonedModel
 log = logging.getLogger(__name__)
 WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher starts
 
+
+
+class DenseGradients:
+    """The dense model's gradients averaged over the ranks: one ``all_reduce`` of all of them,
+    flattened, after backward. In place of DDP so that each rank's forward and backward can
+    replay as CUDA graphs (trainer/dense_graph.py: DDP's gradient hooks cannot be captured);
+    the dense model is small, so the reduction not overlapping the backward costs little.
+    The ranks start from rank 0's parameters and buffers (broadcast when this is made)."""
+
+    def __init__(self, model: torch.nn.Module, group: Any) -> None:
+        self.group = group
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0, group=group)
+
+    def all_reduce(self, world: int) -> None:
+        """Average every parameter's gradient over ``world`` ranks (a parameter without one,
+        e.g. on a rank whose batch was empty, counts as zeros)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= world
+        for p, reduced in zip(self.params, flat.split([g.numel() for g in grads])):
+            if p.grad is None:
+                p.grad = reduced.view_as(p).clone()
+            else:
+                p.grad.copy_(reduced.view_as(p))
 
 class RankFailure(RuntimeError):
     """Another rank died or stopped answering: this one stops too."""

@@ -18,7 +18,8 @@ On several ranks (trainer/distributed.py) the loop is the same on every rank: be
 step the ranks agree (one small all_gather) on how many samples the step has, the step's
 clock, whether to stop, and rank 0's word on publishing and checkpointing, so every rank
 calls the same collectives in the same order. A rank without a batch steps with an empty
-one. Embeddings are sharded by key (embedding/sharded.py), dense parameters replicated (DDP).
+one. Embeddings are sharded by key (embedding/sharded.py), dense parameters replicated (their
+gradients averaged after backward: distributed.DenseGradients).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from streamrec.embedding.budget import tier_usage
 from streamrec.embedding.collection import training_collection
@@ -39,7 +39,7 @@ from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
 from streamrec.trainer.dense_graph import GraphedDense
-from streamrec.trainer.distributed import Agreed, Publish, ShardedVersionWriter, agree
+from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
 from streamrec.trainer.prefetch import END, Prefetcher, Skipped
 from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
@@ -54,12 +54,10 @@ DRAIN_EVERY = 16  # steps between host syncs of losses and scores
 
 
 def _dense_forward(session: TrainingSession) -> Callable[..., torch.Tensor]:
-    """The dense model as the step calls it: under DDP on several ranks (parameters
-    replicated, gradients all-reduced), as CUDA graphs on one GPU (captured here, so before
-    any other thread uses the device), else eager."""
+    """The dense model as the step calls it: as CUDA graphs on a GPU (captured here, so
+    before any other thread uses the device), else eager. On several ranks the same, its
+    gradients averaged after backward (``DenseGradients``, made before this)."""
     model, device, tcfg = session.model, session.device, session.cfg.trainer
-    if session.ranks.distributed:
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if device.type == "cuda" and tcfg.cuda_graphs:
         return GraphedDense(model, tcfg.batch_size, device)
     return model
@@ -114,6 +112,7 @@ class TrainingLoop:
         self.started, self.samples_at_start = time.monotonic(), self.state["global_samples"]  # set again when run starts
         self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
         self.sparse = SparseFeatures(training_collection(self.embeddings, ranks.distributed, ranks.group))
+        self.dense_gradients = DenseGradients(session.model, ranks.group) if ranks.distributed else None  # ranks start equal
         self.forward = _dense_forward(session)  # before any other thread starts
         self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
         truth = open_truth(opts.truth, cfg.kafka.bootstrap_servers, cfg.topics.truth, cfg.kafka.connect_timeout_s)
@@ -231,8 +230,8 @@ class TrainingLoop:
         logits = self.forward(*inputs.as_args())
         n = len(batch)
         if self.ranks.distributed:
-            # the mean over the step's samples on all ranks: DDP averages gradients over
-            # ranks, so each rank's share is scaled by world / total (empty batches add 0)
+            # the mean over the step's samples on all ranks: the dense gradients are averaged
+            # over ranks, so each rank's share is scaled by world / total (empty batches add 0)
             summed = F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
             loss = summed * (self.ranks.world / agreed.samples)
             reported = summed.detach() / max(1, n)
@@ -241,6 +240,8 @@ class TrainingLoop:
             reported = loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.dense_gradients is not None:
+            self.dense_gradients.all_reduce(self.ranks.world)
         if sync:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
