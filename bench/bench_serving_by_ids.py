@@ -44,6 +44,7 @@ import pyarrow as pa
 from bench_serving import best_point, load, model_status, start_server
 from bench_trainer import make_samples
 from output import write_result
+from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import ENTITIES, Watermarks
 from streamrec.plumbing.config import load_config
 from streamrec.serving.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot
@@ -64,12 +65,12 @@ def _times(rng: np.random.Generator, counts: np.ndarray, now: int, span_ms: int)
     return flat[np.lexsort((flat, owner))]
 
 
-def synth_snapshot(path: Path, topic: str, users: int, items: int, categories: int, history: int, windows_ms: list[int],
+def synth_snapshot(path: Path, topic: str, users: int, items: int, categories: int, history: int, spec: FeatureSpec,
                    seed: int = 5) -> dict:
     """A snapshot of ``users`` users, ``items`` items and ``categories`` categories, built in numpy."""
     rng = np.random.default_rng(seed)
     now = int(time.time() * 1000)
-    span = max(windows_ms)
+    span = max(spec.windows_s) * 1000
     item_category = rng.integers(1, categories + 1, items + 1)
     batches = []
 
@@ -95,7 +96,8 @@ def synth_snapshot(path: Path, topic: str, users: int, items: int, categories: i
     for stage in ENTITIES:
         marks.marks[(0, stage, 0)] = now - 1000
         marks.parallelism[stage] = 1
-    size = write_snapshot(path, SnapshotHeader(topic, 1, {0: 0}, marks), batches)
+    size = write_snapshot(path, SnapshotHeader(topic, 1, {0: 0}, marks, {"windows_s": list(spec.windows_s), "history_len": spec.history_len}),
+                          batches)
     return {"users": users, "items": items, "categories": categories, "history": history, "bytes": size,
             "event_times": int(sum(b.column(2).values.__len__() + b.column(3).values.__len__() for b in batches)),
             "item_category": item_category}
@@ -162,8 +164,7 @@ def main() -> None:
                            cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         snapshot = Path(tmp) / "features.arrow"
         t0 = time.monotonic()
-        made = synth_snapshot(snapshot, load_config().topics.features, args.users, args.items, args.categories, args.history,
-                              [w * 1000 for w in spec.windows_s])
+        made = synth_snapshot(snapshot, load_config().topics.features, args.users, args.items, args.categories, args.history, spec)
         item_category = made.pop("item_category")
         result["snapshot"] = {**made, "build_s": round(time.monotonic() - t0, 1)}
         print(f"snapshot: {made['users']:,} users, {made['items']:,} items, {made['event_times']:,} event times, "

@@ -47,7 +47,7 @@ def main() -> None:
     served.catch_up()
     current = served.current
     with tempfile.TemporaryDirectory() as tmp:
-        made = synth_snapshot(Path(tmp) / "f.arrow", cfg.topics.features, args.users, args.items, 1000, 50, [w * 1000 for w in cfg.features.windows_s])
+        made = synth_snapshot(Path(tmp) / "f.arrow", cfg.topics.features, args.users, args.items, 1000, 50, cfg.features)
         features = OnlineFeatures("127.0.0.1:9", cfg.topics.features, cfg.features, 65536, Path(tmp) / "spill")
         t0 = time.perf_counter()
         features.load_snapshot(Path(tmp) / "f.arrow")
