@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import orjson
 import pyarrow as pa
 import pytest
+from kafka import TopicPartition
 
 from conftest import REPO, free_port, read_topic as _read, run_cli
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
@@ -21,7 +23,8 @@ from streamrec.generator.sinks import decode_truth_message
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.pipelines.samples import SampleBuilder
-from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.broker import EmbeddedBroker, port_in_use
+from streamrec.plumbing.bus.clients import make_consumer, make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import load_config
 from streamrec.demo.resources import process_tree, threads_cpu_seconds
@@ -297,13 +300,14 @@ def _submit_in_background(env, *flags) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_for(predicate, timeout_s, what):
+def _wait_for(predicate, timeout_s, what, context=None, poll_s=0.5):
+    """Poll ``predicate`` until it holds; on a timeout, ``context()`` says what else was seen."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}" + (f" ({context()})" if context else ""))
 
 
 def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, tmp_path):
@@ -316,14 +320,22 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     assert gen.returncode == 0, gen.stderr
     job = _submit_in_background(env, "--fresh")
     try:
-        # kill -9 mid-stream: after a checkpoint completed and some samples are committed, before the end
-        _wait_for(lambda: len(_read(broker, f"{name}.samples")) > 1000, 240, "committed samples")
-        assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "no completed checkpoint before the kill"
+        FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180)
         # the mini-cluster's JVM runs with flink.jvm_options (the default's parallel GC)
         jvm_options = load_config().flink.jvm_options.encode()
         assert any(jvm_options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in process_tree(job.pid))
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(30)
+        # kill -9 mid-stream: once checkpoints have committed some 1,000 samples, while the samples
+        # sink has a transaction open or pre-committed (records written, not yet committed)
+        with _EndOffsets(broker, f"{name}.samples") as ends:
+            def committed_and_open() -> bool:
+                high, stable = ends.offsets()
+                return sum(stable.values()) > 1000 and any(high[tp] > stable[tp] for tp in ends.parts)
+
+            _wait_for(committed_and_open, 240, "an open transaction after 1,000 committed samples", poll_s=0.05)
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+            assert ends.transaction_open(), "the kill landed between two transactions"  # none is ended now
+        assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "no completed checkpoint before the kill"
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -355,6 +367,106 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
         assert store.status()["corrupt"] == 0 and mismatches(store, rows, _clicks(rows), SPEC) == []
     finally:
         store.close()
+
+
+class _EndOffsets:
+    """A topic's end offsets as read_uncommitted (the high watermark) and read_committed (the last
+    stable offset) consumers see them; the two differ while a transaction has records on it."""
+
+    def __init__(self, broker: str, topic: str) -> None:
+        self.consumers = [make_consumer(broker, group_id=None, isolation_level=level)
+                          for level in ("read_uncommitted", "read_committed")]
+        self.parts = [TopicPartition(topic, p) for p in sorted(self.consumers[0].partitions_for_topic(topic) or [])]
+
+    def offsets(self) -> tuple[dict, dict]:
+        """(high watermarks, last stable offsets) by partition, read in that order: a transaction
+        that commits in between cannot make a partition look open."""
+        high, stable = (consumer.end_offsets(self.parts) for consumer in self.consumers)
+        return high, stable
+
+    def transaction_open(self) -> bool:
+        """Some partition holds records of a transaction not yet committed or aborted."""
+        high, stable = self.offsets()
+        return any(high[tp] > stable[tp] for tp in self.parts)
+
+    def __enter__(self) -> "_EndOffsets":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for consumer in self.consumers:
+            consumer.close()
+
+
+def test_the_job_recovers_by_itself_after_a_broker_kill_9(tmp_path):
+    """The broker is killed with SIGKILL while the job writes and restarted on the same port and
+    data: the job that was submitted once recovers without a resubmit and turns the events that
+    follow into exactly the reference samples. The broker loses the tail it had not saved, so on
+    its return the sinks' producers fail (out-of-order sequence) and the job restarts from its last
+    checkpoint; a sink whose close fails too is fatal to the mini-cluster's only TaskManager."""
+    kafka = EmbeddedBroker(tmp_path / "kafka", port=free_port())  # its own: the shared one must live
+    kafka.up(timeout_s=30)
+    broker = f"{kafka.host}:{kafka.port}"
+    name = f"bk-{uuid.uuid4().hex[:8]}"
+    env = {**_env(broker, tmp_path, name), "FLINK_LOG_DIR": str(tmp_path / "flink-log")}
+    rest_port = env["STREAMREC_FLINK__REST_PORT"]
+    rest = FlinkRest(f"127.0.0.1:{rest_port}")
+    # a backlog, written (and saved by the broker) before the job starts, so the broker dies while
+    # the job's sinks write and its input stands still; the job works through it in seconds
+    gen = run_cli("generate", "--duration", "30", "--rate", "1500", "--fast", "--no-truth", env=env)
+    assert gen.returncode == 0, gen.stderr
+    ensure_topics(broker, [f"{name}.samples"], 4)  # watched from the start
+    job = _submit_in_background(env, "--fresh")
+    try:
+        # the kill comes after a few checkpoints, right after samples went into an open transaction
+        # (the broker has not saved them yet, so its restart fails the sink's producer)
+        with _EndOffsets(broker, f"{name}.samples") as ends:
+            last = {tp: 0 for tp in ends.parts}
+
+            def writing_after_some_commits() -> bool:
+                high, stable = ends.offsets()
+                grew = [tp for tp in ends.parts if high[tp] > max(last[tp], stable[tp])]
+                last.update(high)
+                return sum(stable.values()) > 3000 and bool(grew)
+
+            _wait_for(writing_after_some_commits, 180, "the job writing samples after a few checkpoints", poll_s=0.05)
+        os.killpg(kafka.status().pid, signal.SIGKILL)
+        job_id = next(j.job_id for j in rest.jobs() if j.name == name)
+        _wait_for(lambda: kafka.status() is None and not port_in_use(kafka.host, kafka.port), 30, "the broker gone")
+        time.sleep(10)  # the outage, long enough for every Kafka client of the job to notice it
+        kafka.up(timeout_s=30)
+
+        # new events, after the backlog's in event time (--fast runs ahead of the clock)
+        backlog = _read(broker, f"{name}.events", committed=False)
+        seen = {orjson.loads(r.value)["event_id"] for r in backlog}
+        gen = run_cli("generate", "--duration", "5", "--rate", "500", "--seed", "8", "--fast", "--no-truth",
+                      "--start-ms", str(_max_plausible_ts(backlog) + 1000), env=env)
+        assert gen.returncode == 0, gen.stderr
+        want, _ = _flush_then_oracle(broker, name)
+        want = want.filter(pa.compute.invert(pa.compute.is_in(want.column("event_id"), pa.array(sorted(seen)))))
+        assert want.num_rows > 1000
+
+        def samples_after_the_restart() -> pa.Table:
+            got = _samples(broker, f"{name}.samples")
+            return got.filter(pa.compute.is_in(got.column("event_id"), want.column("event_id")))
+
+        def seen_instead() -> str:
+            with _EndOffsets(broker, f"{name}.samples") as ends:
+                high, stable = ends.offsets()
+            return (f"jobs {rest.jobs()}, cluster {rest.overview()}, samples' high watermarks {list(high.values())} "
+                    f"and last stable offsets {list(stable.values())}, Flink log in {env['FLINK_LOG_DIR']}")
+
+        _wait_for(lambda: samples_after_the_restart().num_rows >= want.num_rows, 180, "the samples of the new events",
+                  seen_instead)
+        _assert_same(samples_after_the_restart(), want)
+        status = run_cli("pipeline", "status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        assert [(j["job_id"], j["state"]) for j in json.loads(status.stdout)] == [(job_id, "RUNNING")]
+        with urllib.request.urlopen(f"http://127.0.0.1:{rest_port}/jobs/{job_id}/metrics?get=numRestarts") as response:
+            assert int(json.loads(response.read())[0]["value"]) >= 1, "the broker's outage never failed the job"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+        kafka.down()
 
 
 def _flush_then_oracle(broker, name):

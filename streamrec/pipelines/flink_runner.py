@@ -9,7 +9,9 @@ PyFlink JVM and serves Flink's REST API on ``127.0.0.1:<rest_port>``, so `status
 
 Recovery: checkpoints (RocksDB, incremental) go to ``checkpoint_dir/<job id>/chk-N`` and
 are kept on cancel and on failure; a new submission resumes from the newest complete one
-unless told to start fresh.
+unless told to start fresh. A failing job restarts from its last checkpoint without end
+(exponential delay, capped at ``restart_max_backoff_s``), and on the embedded mini-cluster
+:class:`TaskManagerKeeper` replaces a TaskManager that a fatal task error stopped.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RunOptions:
     resume: bool = True  # from the newest complete checkpoint (`submit --fresh`: False)
     watermark_interval_ms: int = 200
     buffer_timeout_ms: int = 100
+    restart_max_backoff_s: float = 10.0  # the longest wait between two restarts of a failing job
 
     @classmethod
     def from_config(cls, cfg, fresh: bool = False) -> "RunOptions":
@@ -51,7 +54,7 @@ class RunOptions:
                    parallelism=f.parallelism, checkpoint_interval_ms=int(f.checkpoint_interval_s * 1000),
                    state_backend=f.state_backend, jobmanager=f.jobmanager, rest_port=f.rest_port,
                    jvm_options=f.jvm_options, resume=not fresh, watermark_interval_ms=f.watermark_interval_ms,
-                   buffer_timeout_ms=f.buffer_timeout_ms)
+                   buffer_timeout_ms=f.buffer_timeout_ms, restart_max_backoff_s=f.restart_max_backoff_s)
 
 
 def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
@@ -62,6 +65,8 @@ def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
     if opts.watermark_interval_ms < 1 or opts.buffer_timeout_ms < 1:
         raise ValueError(f"flink.watermark_interval_ms and flink.buffer_timeout_ms must be >= 1 (0 flushes every record), "
                          f"got {opts.watermark_interval_ms} and {opts.buffer_timeout_ms}")
+    if opts.restart_max_backoff_s < 1:
+        raise ValueError(f"flink.restart_max_backoff_s must be >= 1, got {opts.restart_max_backoff_s}")
     conf = {
         "execution.runtime-mode": "streaming",
         "pipeline.name": opts.job_name,
@@ -82,6 +87,12 @@ def flink_config(opts: RunOptions, restore_from: str | None) -> dict[str, str]:
         "execution.checkpointing.dir": checkpoint_uri(opts.checkpoint_dir, for_flink=True),
         "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
         "execution.checkpointing.min-pause": f"{max(100, opts.checkpoint_interval_ms // 4)} ms",
+        # a broker outage fails the job's Kafka clients: restart from the last checkpoint for as
+        # long as it lasts, and at most restart_max_backoff_s after the broker is back
+        "restart-strategy.type": "exponential-delay",
+        "restart-strategy.exponential-delay.initial-backoff": "1 s",
+        "restart-strategy.exponential-delay.max-backoff": f"{int(opts.restart_max_backoff_s * 1000)} ms",
+        "restart-strategy.exponential-delay.attempts-before-reset-backoff": str(2**31 - 1),
     }
     if opts.jobmanager:
         host, _, port = opts.jobmanager.rpartition(":")
@@ -161,3 +172,41 @@ def submit(spec: JobSpec, opts: RunOptions):
     log.info("submitting %s (parallelism %d, %s state, resume from %s)", opts.job_name, opts.parallelism,
              opts.state_backend, restore or "nothing")
     return env.execute_async(opts.job_name), restore
+
+
+class TaskManagerKeeper:
+    """Starts a new TaskManager in the embedded mini-cluster for each one that stopped.
+
+    Flink takes an exception thrown while a failed task closes its operators as fatal to the
+    TaskManager, and the Kafka sink throws one when the broker comes back without the tail it
+    had not saved (a kill -9 of the embedded broker): its producers fail with out-of-order
+    sequence numbers, and the writer rethrows a later record's failure when it is closed. A
+    cluster's TaskManager process exits and its supervisor starts a new one; the mini-cluster
+    only stops it, and the job then restarts forever without a slot (NoResourceAvailableException).
+    The mini-cluster is reached through the job client's private field (no public accessor).
+    """
+
+    def __init__(self, client) -> None:
+        """``client``: the PyFlink JobClient of a job on the embedded mini-cluster."""
+        self._cluster = _private_field(client._j_job_client, "miniCluster")
+        self._task_managers = _private_field(self._cluster, "taskManagers")  # stopped ones stay listed
+        self._wanted = self._running()
+
+    def _running(self) -> int:
+        return sum(not tm.getTerminationFuture().isDone() for tm in self._task_managers)
+
+    def replace_stopped(self) -> int:
+        """Start as many TaskManagers as have stopped since the job started; returns that number."""
+        if not self._cluster.isRunning():  # the job ended and its cluster is shutting down
+            return 0
+        missing = self._wanted - self._running()
+        for _ in range(missing):
+            self._cluster.startTaskManager()
+        return max(missing, 0)
+
+
+def _private_field(obj, name: str):
+    """The value of a private field of a Java object, through PyFlink's gateway."""
+    field = obj.getClass().getDeclaredField(name)
+    field.setAccessible(True)
+    return field.get(obj)

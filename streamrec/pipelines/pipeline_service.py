@@ -21,7 +21,7 @@ from pathlib import Path
 
 from streamrec.pipelines.checkpoints import checkpoint_uri, is_local
 from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
-from streamrec.pipelines.flink_runner import RunOptions, submit
+from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, submit
 from streamrec.pipelines.job import JobSpec
 
 log = logging.getLogger("streamrec.pipeline")
@@ -69,6 +69,7 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
         raise PipelineError(f"a Flink REST endpoint already answers at {rest_address(cfg)}: is a pipeline running? "
                            "(`streamrec pipeline status`, `streamrec pipeline cancel`)")
     client, restored = submit(spec, opts)
+    keeper = TaskManagerKeeper(client)
     _warn_if_bounded_restore(spec, restored)
     job_id = str(client.get_job_id())
     print(f"pipeline job {job_id} submitted to the embedded mini-cluster "
@@ -96,6 +97,9 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
                 client.cancel().result()
                 done.wait(60)
                 break
+            if keeper.replace_stopped():
+                print("a TaskManager of the mini-cluster stopped on a fatal task error (the Flink log says which): "
+                      "started a new one; the job restarts from its last checkpoint", flush=True)
             if time.monotonic() - last >= interval_s:
                 last = time.monotonic()
                 try:

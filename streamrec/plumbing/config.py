@@ -81,6 +81,7 @@ class FlinkConfig:
     out_of_orderness_ms: int
     watermark_interval_ms: int
     buffer_timeout_ms: int
+    restart_max_backoff_s: float
     idle_timeout_s: float
     source_idle_backoff_ms: int
     feature_state: bool
@@ -456,8 +457,14 @@ def validate(config: Config) -> None:
     for name in ("watermark_interval_ms", "buffer_timeout_ms"):
         if getattr(f, name) < 1:  # 0 would flush or emit per record: a severe throughput loss
             problems.append(f"flink.{name} must be >= 1, got {getattr(f, name)}")
+    if f.restart_max_backoff_s < 1:
+        problems.append(f"flink.restart_max_backoff_s must be >= 1, got {f.restart_max_backoff_s}")
     if s.feature_store_memory_mb < 1:
         problems.append(f"serving.feature_store_memory_mb must be >= 1, got {s.feature_store_memory_mb}")
+    if s.features_max_lag_s <= 0:
+        problems.append(f"serving.features_max_lag_s must be > 0, got {s.features_max_lag_s}")
+    if s.feature_snapshot_interval_s < 0:
+        problems.append(f"serving.feature_snapshot_interval_s must be >= 0 (0: only at shutdown), got {s.feature_snapshot_interval_s}")
     if s.switch_interval_us <= 0:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
