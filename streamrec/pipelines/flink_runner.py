@@ -197,12 +197,13 @@ class TaskManagerKeeper:
 
     def replace_stopped(self) -> int:
         """Start as many TaskManagers as have stopped since the job started; returns that number."""
-        if not self._cluster.isRunning():  # the job ended and its cluster is shutting down
-            return 0
         missing = self._wanted - self._running()
+        # asked second: a cluster that closes (the job ended) says so before its TaskManagers stop
+        if missing <= 0 or not self._cluster.isRunning():
+            return 0
         for _ in range(missing):
             self._cluster.startTaskManager()
-        return max(missing, 0)
+        return missing
 
 
 def _private_field(obj, name: str):
