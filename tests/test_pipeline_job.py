@@ -316,11 +316,15 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
     # and all but 50 of the category stage's waiting samples move to RocksDB, the rest are
     # checkpointed (and restored) with the stage's event buffer
     env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__STATE_CACHE_KEYS": "50"}
-    gen = run_cli("generate", "--duration", "25", "--rate", "1000", "--bad-fraction", "0.01", "--fast", env=env)
-    assert gen.returncode == 0, gen.stderr
     job = _submit_in_background(env, "--fresh")
+    gen = None
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180)
+        # paced, while the job runs: samples keep flowing, so the sink's transactions hold records
+        # (a backlog is all committed within a few checkpoints, then the transactions are empty)
+        gen = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--duration", "25", "--rate", "1000",
+                                "--bad-fraction", "0.01"], cwd=REPO, env={**os.environ, **env},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         # the mini-cluster's JVM runs with flink.jvm_options (the default's parallel GC)
         jvm_options = load_config().flink.jvm_options.encode()
         assert any(jvm_options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in process_tree(job.pid))
@@ -336,9 +340,12 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
             job.wait(30)
             assert ends.transaction_open(), "the kill landed between two transactions"  # none is ended now
         assert list((tmp_path / "checkpoints").glob("*/chk-*/_metadata")), "no completed checkpoint before the kill"
+        assert gen.wait(120) == 0, gen.stderr.read()  # every event written before the restart
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+        if gen is not None and gen.poll() is None:
+            gen.kill()
     committed_before = len(_read(broker, f"{name}.samples"))
 
     # Restart unbounded: partitions restored from a checkpoint keep the stopping offsets of the
