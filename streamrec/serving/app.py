@@ -28,7 +28,7 @@ from streamrec.serving.routes.predict import add_predict_routes
 def create_app(engine: ServingEngine, frontends: FrontendPlan | None = None) -> FastAPI:
     """The engine's API; with ``frontends`` it also starts those processes and answers the
     predict requests they send over the Unix socket (serving/frontend.py)."""
-    link = EngineLink(frontends.socket_path, engine.hello, engine.score, engine.score_by_ids) if frontends else None
+    link = EngineLink(frontends.socket_path, engine.hello, engine.enqueue) if frontends else None
     app = FastAPI(title="streamrec serving", version=__version__, lifespan=_lifespan(engine, link, frontends),
                   description="Online CTR predictions from a continuously updated model.")
     app.state.engine = engine

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -44,10 +44,21 @@ class Shed(Exception):
         self.reason = reason
 
 
+class Reply(Protocol):
+    """Where a request's outcome goes: an asyncio.Future, or anything with the same three
+    methods (the front-end link answers without a future or task per request)."""
+
+    def done(self) -> bool: ...  # True: answered, or its caller is gone (it is not run)
+
+    def set_result(self, result: "BatchResult") -> None: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
 @dataclass
 class _Request:
     payload: list  # one item per instance
-    future: asyncio.Future
+    reply: Reply
     timeout_s: float  # dropped unrun once it has waited this long
     asked: bool  # the timeout is the client's own (shorter than serving.queue_timeout_ms)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -164,12 +175,19 @@ class RequestBatcher:
                                      "retry shortly or elsewhere")
 
     async def submit(self, payload: list, timeout_s: float | None = None) -> BatchResult:
-        """Queue one request (cheap: no task or timer per request) and wait for its outcome;
-        :class:`Shed` at once when the queue is full, or when the request waits past its
-        deadline: ``timeout_s`` (the client's) if shorter than ``queue_timeout_s``."""
+        """Queue one request and wait for its outcome (see :meth:`enqueue`)."""
+        future = asyncio.get_running_loop().create_future()
+        self.enqueue(payload, future, timeout_s)
+        return await future
+
+    def enqueue(self, payload: list, reply: Reply, timeout_s: float | None = None) -> None:
+        """Queue one request (cheap: no task or timer per request); its outcome goes to
+        ``reply``. :class:`Shed` at once when the queue is full; a request that waits past its
+        deadline, ``timeout_s`` (the client's) if shorter than ``queue_timeout_s``, gets
+        :class:`Shed` through ``reply``. Called on the event loop's thread."""
         self.check_room(len(payload))
         asked = timeout_s is not None and timeout_s < self.queue_timeout_s
-        request = _Request(payload, asyncio.get_running_loop().create_future(), timeout_s if asked else self.queue_timeout_s, asked)
+        request = _Request(payload, reply, timeout_s if asked else self.queue_timeout_s, asked)
         heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
         if self._last_arrival:
             self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
@@ -181,7 +199,6 @@ class RequestBatcher:
             self._full.set()
         if request.deadline < self._waiting_until:
             self._wake.set()
-        return await request.future
 
     async def _loop(self) -> None:
         """Close a batch when a worker is free and the oldest pending request has waited
@@ -232,11 +249,11 @@ class RequestBatcher:
                 continue
             request.out = True
             self._pending_rows -= len(request.payload)
-            if not request.future.done():  # (one whose caller is gone is not counted)
+            if not request.reply.done():  # (one whose caller is gone is not counted)
                 self.stats.shed["deadline"] += 1
                 limit = (f"its x-request-timeout-ms ({request.timeout_s * 1000:,.0f})" if request.asked
                          else f"serving.queue_timeout_ms ({self.queue_timeout_s * 1000:,.0f})")
-                request.future.set_exception(Shed("deadline", f"overloaded: this request waited {(now - request.enqueued) * 1000:,.0f} ms "
+                request.reply.set_exception(Shed("deadline", f"overloaded: this request waited {(now - request.enqueued) * 1000:,.0f} ms "
                                                               f"for a batch, past {limit}; it was not run, retry shortly"))
         self._settle()
 
@@ -276,7 +293,7 @@ class RequestBatcher:
             request = lane.popleft()
             request.out = True
             self._pending_rows -= len(request.payload)
-            if request.future.done():  # its caller is gone (cancelled): nothing to run it for
+            if request.reply.done():  # its caller is gone (cancelled): nothing to run it for
                 return 0
             batch.append(request)
             rows += len(request.payload)
@@ -298,16 +315,16 @@ class RequestBatcher:
             outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, [r.payload for r in batch])
             self.stats.add(batch, rows, started, time.perf_counter())
             for r, outcome in zip(batch, outcomes):
-                if r.future.done():
+                if r.reply.done():
                     continue
                 if isinstance(outcome, Exception):
-                    r.future.set_exception(outcome)
+                    r.reply.set_exception(outcome)
                 else:
-                    r.future.set_result(BatchResult(outcome[0], outcome[1], started - r.enqueued, rows))
+                    r.reply.set_result(BatchResult(outcome[0], outcome[1], started - r.enqueued, rows))
         except Exception as exc:  # every request of the batch learns why
             for r in batch:
-                if not r.future.done():
-                    r.future.set_exception(exc)
+                if not r.reply.done():
+                    r.reply.set_exception(exc)
         finally:
             self._free += 1
             self._wake.set()

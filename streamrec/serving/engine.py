@@ -21,10 +21,11 @@ from streamrec.model.batch import batch_from_columns
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.batcher import RequestBatcher, Shed
+from streamrec.serving.batcher import BatchResult, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json, query_of
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded, unknown_model
-from streamrec.serving.messages import PROTOCOL, Scored, Welcome
+from streamrec.serving.ipc import Outbox
+from streamrec.serving.messages import PROTOCOL, Failed, Scored, Welcome
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.pauses import GcPauses
@@ -54,6 +55,33 @@ class ByIdsScores:
 
     def _features_json(self) -> bytes | None:
         return orjson.dumps(self.features) if self.features is not None else None
+
+
+class LinkReply:
+    """Where a front-end request's outcome goes (the batcher's ``Reply``): its answer message
+    into the link's outbox, counted in the metrics; no future or task per request."""
+
+    __slots__ = ("engine", "id", "outbox", "rows", "started", "answered")
+
+    def __init__(self, engine: "ServingEngine", request_id: int, outbox: Outbox, rows: int, started: float) -> None:
+        self.engine, self.id, self.outbox, self.rows, self.started = engine, request_id, outbox, rows, started
+        self.answered = False
+
+    def done(self) -> bool:
+        return self.answered or self.outbox.closed
+
+    def set_result(self, result: BatchResult) -> None:
+        self.answered = True
+        scores = result.scores
+        message = (scores.message(self.id) if isinstance(scores, ByIdsScores)
+                   else Scored(self.id, result.version, np.asarray(scores, np.float32).tobytes()))
+        self.engine.count_answer(self.started, self.rows, result.queued_s)
+        self.outbox.put(message)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.answered = True
+        error = self.engine.failure(exc, self.started)
+        self.outbox.put(Failed(self.id, error.status, error.message, spec_changed=isinstance(error, SpecChanged)))
 
 
 class ServingEngine:
@@ -120,11 +148,15 @@ class ServingEngine:
 
     async def score_by_ids(self, query: ByIdsQuery, timeout_s: float | None = None) -> ByIdsScores:
         """One by-ids request's scores, its features assembled in its batch (``execute``)."""
+        self.check_horizon(query)
+        return (await self.score(query, timeout_s))[1]
+
+    def check_horizon(self, query: ByIdsQuery) -> None:
+        """A 400 for a ``ts`` further in the past than the online features keep event times."""
         as_of = self.check_features().as_of()
         if as_of is not None and query.ts < as_of - REPLAY_HORIZON_MS:
             raise ApiError(400, f"'ts' {query.ts} is {as_of - query.ts:,} ms before the feature store's state ({as_of}); "
                                 f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
-        return (await self.score(query, timeout_s))[1]
 
     def ready(self, form: str | None = None) -> str | None:
         """Why the node is not ready for ``form`` ("instances", "by_ids"; None: for every form
@@ -163,21 +195,50 @@ class ServingEngine:
         """One request's (version, scores) through the batcher, counted in the metrics. A
         payload is a request's decoded instances or, from a front-end process, its columns;
         ``timeout_s`` is the client's own queueing deadline, if it sent one."""
-        t0 = time.perf_counter()
-        status = "error"
+        started = time.perf_counter()
         try:
             result = await self.batcher.submit(payload, timeout_s)
-            self.metrics.queued.observe(result.queued_s)
-            self.metrics.instances.inc(len(payload))
-            status = "ok"
-            return result.version, result.scores
+        except Exception as exc:
+            raise self.failure(exc, started) from None
+        self.count_answer(started, len(payload), result.queued_s)
+        return result.version, result.scores
+
+    def enqueue(self, payload: FeatureColumns | ByIdsQuery, timeout_s: float | None, request_id: int, outbox: Outbox) -> None:
+        """A front-end's request (serving/ipc.py): queued for a batch, its answer put into
+        ``outbox`` when the batch is done. Raises ApiError if refused at once."""
+        started = time.perf_counter()
+        if self.served.current is None:
+            raise not_loaded()
+        if isinstance(payload, ByIdsQuery):
+            self.check_horizon(payload)
+        try:
+            self.batcher.enqueue(payload, LinkReply(self, request_id, outbox, len(payload), started), timeout_s)
         except Shed as exc:
+            raise self.failure(exc, started) from None
+
+    def count_answer(self, started: float, rows: int, queued_s: float) -> None:
+        metrics = self.metrics
+        metrics.queued.observe(queued_s)
+        metrics.instances.inc(rows)
+        metrics.requests.labels("ok").inc()
+        metrics.latency.observe(time.perf_counter() - started)
+
+    def failure(self, exc: BaseException, started: float) -> ApiError:
+        """The ApiError a request gets for ``exc``, counted in the metrics: 429 when the queue
+        is full, 503 past its deadline, 500 for the unexpected (logged)."""
+        status = "error"
+        if isinstance(exc, Shed):
             status = "shed"
             self.metrics.shed.labels(exc.reason).inc()
-            raise ApiError(429 if exc.reason == "queue_full" else 503, str(exc)) from None
-        finally:
-            self.metrics.requests.labels(status).inc()
-            self.metrics.latency.observe(time.perf_counter() - t0)
+            error = ApiError(429 if exc.reason == "queue_full" else 503, str(exc))
+        elif isinstance(exc, ApiError):
+            error = exc
+        else:
+            log.error("unexpected error scoring a request", exc_info=exc)
+            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        self.metrics.requests.labels(status).inc()
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return error
 
     def execute(self, payloads: list) -> list:
         """Check, convert and score every request of a batch in one pass (a batcher worker).

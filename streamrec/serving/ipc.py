@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from typing import Awaitable, Callable
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -24,7 +24,7 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import INT_COLUMNS
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError, SpecChanged
-from streamrec.serving.messages import Failed, Hello, PredictByIds, PredictColumns, Scored, ToEngine, ToFrontend, Welcome
+from streamrec.serving.messages import Answers, Failed, Hello, PredictByIds, PredictColumns, Scored, ToEngine, ToFrontend, Welcome
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")
@@ -73,16 +73,49 @@ def unpack_columns(n: int, m: int, k: int, data: bytes) -> FeatureColumns:
                           hist_items=flat[at: at + m], hist_categories=flat[at + m: at + 2 * m], hist_lengths=lengths)
 
 
-class EngineLink:
-    """Engine side: answers the front-ends' predict messages through ``score(columns)`` and
-    ``score_by_ids(query)`` (serving/engine.py)."""
+class Outbox:
+    """One front-end connection's answers not sent yet: written as one :class:`Answers`
+    frame at the end of the event loop's turn (a finished batch answers many requests of
+    each front-end at once). Used on the event loop's thread only."""
 
-    def __init__(self, path: str, hello: Callable[[], Welcome], score: Callable[[FeatureColumns, float | None], Awaitable[tuple]],
-                 score_by_ids: Callable[[ByIdsQuery, float | None], Awaitable]) -> None:
-        self.path, self.hello, self.score, self.score_by_ids = path, hello, score, score_by_ids
+    __slots__ = ("writer", "items", "scheduled")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.items: list[Scored | Failed] = []
+        self.scheduled = False
+
+    @property
+    def closed(self) -> bool:
+        """The front-end went away: its queued requests need not run."""
+        return self.writer.is_closing()
+
+    def put(self, answer: Scored | Failed) -> None:
+        self.items.append(answer)
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        items, self.items, self.scheduled = self.items, [], False
+        if items and not self.writer.is_closing():
+            self.writer.write(frame(Answers(items)))
+
+
+Payload = FeatureColumns | ByIdsQuery
+Enqueue = Callable[[Payload, float | None, int, Outbox], None]
+
+
+class EngineLink:
+    """Engine side of the front-ends' links: turns their messages into payloads and hands
+    each to ``enqueue(payload, timeout_s, request_id, outbox)`` (serving/engine.py), which
+    queues it for a batch and later puts its :class:`Scored` or :class:`Failed` into the
+    outbox; a request refused at once (ApiError) is answered here."""
+
+    def __init__(self, path: str, hello: Callable[[], Welcome], enqueue: Enqueue) -> None:
+        self.path, self.hello, self.enqueue = path, hello, enqueue
         self.connected = 0
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -94,15 +127,15 @@ class EngineLink:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connected += 1
+        outbox = Outbox(writer)
         try:
             while True:
                 message = await read_frame(reader, TO_ENGINE)
                 if isinstance(message, Hello):
                     writer.write(frame(self.hello()))
-                else:
-                    task = asyncio.create_task(self._answer(writer, message))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    continue
+                for request in message.items:
+                    self._take(request, outbox)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front-end went away; its in-flight answers are dropped with it
         except Exception:  # noqa: BLE001 -- a broken front-end must not take the engine down
@@ -111,20 +144,16 @@ class EngineLink:
             self.connected -= 1
             writer.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, message: PredictColumns | PredictByIds) -> None:
+    def _take(self, message: PredictColumns | PredictByIds, outbox: Outbox) -> None:
         try:
             if isinstance(message, PredictByIds):
                 candidates = np.frombuffer(message.candidates, np.int64).reshape(-1, 4)
-                query = ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
-                answer = (await self.score_by_ids(query, message.timeout_s)).message(message.id)
+                payload = ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
             else:
-                columns = unpack_columns(message.rows, message.history_ids, message.counters, message.packed)
-                version, scores = await self.score(columns, message.timeout_s)
-                answer = Scored(message.id, version, np.asarray(scores, np.float32).tobytes())
+                payload = unpack_columns(message.rows, message.history_ids, message.counters, message.packed)
+            self.enqueue(payload, message.timeout_s, message.id, outbox)
         except ApiError as exc:
-            answer = Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged))
+            outbox.put(Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged)))
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer
             log.exception("unexpected error")
-            answer = Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}")
-        if not writer.is_closing():
-            writer.write(frame(answer))
+            outbox.put(Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}"))

@@ -4,16 +4,21 @@ checks every predict body itself, so the engine gets ready-made requests: featur
 (``PredictColumns``) or ids to assemble in its next batch (``PredictByIds``). Arrays travel
 as raw int64/float32 bytes.
 
-front-end -> engine: :class:`Hello`, :class:`PredictColumns`, :class:`PredictByIds`;
-engine -> front-end: :class:`Welcome`, :class:`Scored`, :class:`Failed`. Answers come in
-completion order, matched by ``id``.
+front-end -> engine: :class:`Hello`, :class:`Requests` (of :class:`PredictColumns`,
+:class:`PredictByIds`); engine -> front-end: :class:`Welcome`, :class:`Answers` (of
+:class:`Scored`, :class:`Failed`). Answers come in completion order, matched by ``id``.
+
+Requests and answers travel in groups: a side sends, once per turn of its event loop, every
+message that turn produced (the engine: every answer of a finished batch) in one frame. The
+engine's per-request work is then a few list operations, not a frame, a task and a write
+each: its event loop shares one GIL with the batch worker, so that work delays every batch.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL = 1  # both sides of a link speak the same; a front-end started from other code refuses to run
+PROTOCOL = 2  # both sides of a link speak the same; a front-end started from other code refuses to run
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -72,5 +77,13 @@ class Failed(msgspec.Struct, tag="failed"):
     spec_changed: bool = False  # the served feature spec may have changed: send Hello again
 
 
-ToEngine = Hello | PredictColumns | PredictByIds
-ToFrontend = Welcome | Scored | Failed
+class Requests(msgspec.Struct, tag="requests"):
+    items: list[PredictColumns | PredictByIds]
+
+
+class Answers(msgspec.Struct, tag="answers"):
+    items: list[Scored | Failed]
+
+
+ToEngine = Hello | Requests
+ToFrontend = Welcome | Answers
