@@ -32,9 +32,18 @@ run first fills the on-disk kernel caches, so no measured run compiles more than
 every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
 by the trainer itself (from its first step), so the launcher's start is not counted. CPU ranks get
 ``cores // N`` threads each, the lone process all cores' worth of them as 1 rank would.
+Per rank of each run (the trainer's summary, ``step_by_rank``): ms per phase of the step
+(input, agree, lookup, forward_backward, all_reduce, update, evaluate, publish) and of the
+exchange inside lookup and update (ids out, the owner's find_or_insert, rows back, gradients
+out, the owner's update), the bytes the exchange sent to other ranks per step, the ids each
+owner received per step, and their imbalance (max / mean over the ranks). Unless
+``--no-split``, each configuration runs a second time with ``streamrec train --sync-timings``
+(the device drained at every phase boundary): those are the per-rank phase times printed,
+exact but from slower steps; the throughput figures come from the unsynced run, whose own
+per-rank host times are in the JSON too.
 
 Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
-       python bench/bench_trainer.py --nproc-per-node 2 [--samples ...] [--batch 4096] [--steps 300] [--device cuda]
+       python bench/bench_trainer.py --nproc-per-node 1 2 4 [--samples ...] [--batch 4096] [--steps 600] [--device cuda] [--no-split]
 (without --samples: 60 s of generated traffic, made into samples by the reference pipeline)
 Writes bench/out/trainer-<device>-<time>.json.
 """
@@ -258,15 +267,18 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
             "slices": len(pauses), "bare_copy_ms": 1000 * bare, "ratio_to_bare_copy": total / bare}
 
 
-def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path) -> dict:
+def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path,
+              sync_timings: bool = False) -> dict:
     """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher,
-    collectives in place even for one rank); its summary's throughput."""
+    collectives in place even for one rank); its summary's throughput and every rank's step
+    figures (``sync_timings``: the device drained between phases)."""
     import os
 
-    name = f"{nproc}-{'launched' if launcher else 'lone'}"
+    name = f"{nproc}-{'launched' if launcher else 'lone'}{'-synced' if sync_timings else ''}"
     argv = ["train", "--samples", samples, "--loop", "--max-samples", str(nproc * batch * steps), "--batch-size", str(batch),
             "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
-            "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work")]
+            "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work"),
+            *(["--sync-timings"] if sync_timings else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "streamrec.cli", *argv] \
         if launcher else [sys.executable, "-m", "streamrec.cli", *argv]
@@ -276,9 +288,42 @@ def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, 
     if done.returncode != 0:
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-3000:]}")
     summary = json.loads(done.stdout)
+    by_rank = summary["step_by_rank"]
     return {"ranks": nproc, "launcher": launcher, "samples": summary["samples_this_run"], "elapsed_s": summary["elapsed_s"],
             "samples_per_s": summary["samples_per_s"], "samples_per_s_per_rank": summary["samples_per_s"] / nproc,
-            "ms_per_step": summary["ms_per_step"], "auc_online": summary.get("auc_online")}
+            "ms_per_step": summary["ms_per_step"], "auc_online": summary.get("auc_online"), "by_rank": by_rank,
+            "ids_received_imbalance": imbalance(by_rank)}
+
+
+def imbalance(by_rank: list[dict]) -> float | None:
+    """max / mean over the ranks of the ids each owner received per step (None on a lone process)."""
+    received = [r["exchange"]["ids_received"] for r in by_rank if "exchange" in r]
+    return max(received) / (sum(received) / len(received)) if received and sum(received) else None
+
+
+SHOWN_PHASES = (("input", "input"), ("agree", "agree"), ("lookup", "lookup"), ("fwd_bwd", "forward_backward"),
+                ("reduce", "all_reduce"), ("update", "update"), ("eval", "evaluate"), ("publish", "publish"))
+SHOWN_EXCHANGE = (("x.ids", "ids"), ("x.find", "owner_find_or_insert"), ("x.rows", "rows"), ("x.grads", "grads"),
+                  ("x.apply", "owner_update"))
+
+
+def rank_table(run: dict) -> str:
+    """One line per rank: ms/step per phase and per part of the exchange (x.*), KiB the
+    exchange sent to other ranks per step (ids, rows back, gradients), ids received per step."""
+    head = [name for name, _ in SHOWN_PHASES + SHOWN_EXCHANGE] + ["KiB.ids", "KiB.row", "KiB.grd", "ids.in"]
+    lines = ["  rank " + " ".join(f"{h:>7}" for h in head)]
+    for r in run["by_rank"]:
+        cells = [f"{r['ms_per_step'][key]:7.2f}" for _, key in SHOWN_PHASES]
+        x = r.get("exchange")
+        if x:
+            cells += [f"{x['ms'][key]:7.2f}" for _, key in SHOWN_EXCHANGE]
+            cells += [f"{x['bytes_out'][k] / 1024:7.1f}" for k in ("ids", "rows", "grads")] + [f"{x['ids_received']:7.0f}"]
+        else:
+            cells += [f"{'-':>7}"] * (len(SHOWN_EXCHANGE) + 4)
+        lines.append(f"  {r['rank']:>4} " + " ".join(cells))
+    if run["ids_received_imbalance"] is not None:
+        lines.append(f"  ids received, max / mean over ranks: {run['ids_received_imbalance']:.3f}")
+    return "\n".join(lines)
 
 
 def scaling(args: argparse.Namespace) -> None:
@@ -297,6 +342,14 @@ def scaling(args: argparse.Namespace) -> None:
             run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp))
             result["runs"].append(run)
             print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
+            if args.split:
+                print("  again with the device drained between phases (per-rank split) ...", flush=True)
+                synced = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), sync_timings=True)
+                run["split"] = {k: synced[k] for k in ("samples_per_s", "by_rank", "ids_received_imbalance")}
+            shown = run.get("split", run)
+            print(f"  per rank, ms/step{' (device drained between phases)' if 'split' in run else ''}, "
+                  "exchange KiB sent to other ranks per step, ids received per step:", flush=True)
+            print(rank_table(shown), flush=True)
     lone = result["runs"][0]["samples_per_s"]
     for run in result["runs"]:
         run["speedup_over_lone"] = run["samples_per_s"] / lone
@@ -330,6 +383,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     parser.add_argument("--nproc-per-node", type=int, nargs="+", default=[], metavar="N",
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
+    parser.add_argument("--no-split", dest="split", action="store_false",
+                        help="scaling: skip the second run of each configuration with the device drained between phases")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.per_table and args.nproc_per_node:

@@ -7,7 +7,7 @@ which a restart ends exactly where an uninterrupted run ends."""
 
 import json
 import os
-from dataclasses import replace
+from dataclasses import asdict, replace
 import signal
 import subprocess
 import sys
@@ -71,7 +71,7 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
         torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
         sharded.apply_gradients(pulled)
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
-    torch.save({"pulled": pulled_rows, "rows": rows}, out)
+    torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats)}, out)
     dist.destroy_process_group()
 
 
@@ -113,6 +113,18 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         for k, v, owner in zip(keys.tolist(), values, owner_of(keys, 2).tolist()):
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
             torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=tol)
+
+    # the exchange's counts: every id asked for, served by its owner, and the bytes that crossed to the other rank
+    asked = [sum(len(ids) for batch in per_rank[r] for ids in batch.values()) for r in range(2)]
+    off_rank = [sum(int((owner_of(ids, 2) != r).sum()) for batch in per_rank[r] for ids in batch.values()) for r in range(2)]
+    stats = [g["stats"] for g in got]
+    assert [s["steps"] for s in stats] == [6, 6] and [s["ids_sent"] for s in stats] == asked
+    assert sum(s["ids_received"] for s in stats) == sum(asked) and all(s["ids_received"] > 0 for s in stats)
+    for r in range(2):
+        row_bytes = 4 * 4  # dim 4, float32
+        assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + 2 * 6)  # int64 ids, and each step a count per table for the other rank
+        assert stats[r]["grads_bytes_out"] == row_bytes * off_rank[r]
+        assert stats[1 - r]["rows_bytes_out"] == row_bytes * off_rank[r]  # the other owner answered each of them
 
 
 def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -343,6 +355,11 @@ def test_two_ranks_learn_as_well_as_one_on_the_same_data(runs, sample_run):
     shares = [sum(r["table_rows"].values()) for r in two["ranks"]]
     assert min(shares) > 0.9 * max(shares), shares
     assert sum(two["table_rows"].values()) == sum(one["table_rows"].values())  # the same keys, each on one rank
+    # each rank's step figures: its samples, and what its exchange sent the other
+    by_rank = two["step_by_rank"]
+    assert [r["rank"] for r in by_rank] == [0, 1] and sum(r["samples"] for r in by_rank) == rows
+    assert all(r["exchange"]["bytes_out"]["rows"] > 0 and r["exchange"]["ids_received"] > 0 for r in by_rank)
+    assert [r["samples"] for r in one["step_by_rank"]] == [rows] and "exchange" not in one["step_by_rank"][0]
 
 
 @pytest.mark.slow

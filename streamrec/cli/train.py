@@ -42,6 +42,8 @@ def add_parser(commands: Commands) -> None:
     train.add_argument("--no-frozen", action="store_true", help="don't keep a frozen baseline (trainer.frozen_baseline)")
     train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
     train.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    train.add_argument("--sync-timings", action="store_true",
+                       help="wait for the device between the step's phases: exact ms per phase in the summary, slower steps (benchmarks)")
     train.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                        help="train on N local ranks (one per GPU; gloo ranks on CPU) with sharded embeddings, "
                             "through torch's elastic launcher; across nodes use `torchrun ... -m streamrec.cli train`")
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         return launch(args.nproc_per_node, without_option(args.argv, "--nproc-per-node"))
     opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
                         idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None,
-                        loop_files=args.loop)
+                        loop_files=args.loop, sync_timings=args.sync_timings)
     summary = train(cfg, opts)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for all

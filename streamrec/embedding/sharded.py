@@ -29,12 +29,18 @@ owner pays each table's launches, buffers and small ops on both verbs. The reque
 rows are one tensor as well (one autograd leaf; each table's embeddings are views of it).
 Tables must share one dim (the rows travel as one tensor). Inference is never sharded: it
 reads an ``EmbeddingCollection`` loaded from a published version.
+
+``ShardedCollection.stats`` counts what each rank's exchange sent and received, from the
+split sizes the step brings to the host anyway (no device sync of its own), and the host
+time of each part of the exchange (exact per part with ``sync_timings``, which waits for
+the device at each boundary; benchmarks only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,7 @@ from streamrec.embedding.table import BatchRows
 if TYPE_CHECKING:
     from streamrec.embedding.collection import EmbeddingCollection
 
+EXCHANGE_PARTS = ("ids", "owner_find_or_insert", "rows", "grads", "owner_update")
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
 
 
@@ -80,6 +87,29 @@ class ShardedRows:
     served: torch.Tensor | None = None  # owner, table-batched: each received id's row in ``grouped.rows``, in received order
 
 
+@dataclass
+class ExchangeStats:
+    """One rank's exchange, summed over steps. Bytes count what left this rank for the other
+    ranks (what it sends itself is a local copy); ids count every id, its own included, so
+    that ``ids_received`` across ranks shows how evenly the owners are loaded."""
+
+    steps: int = 0
+    ids_sent: int = 0  # ids this rank asked their owners for
+    ids_received: int = 0  # ids this rank served as their owner
+    ids_bytes_out: int = 0  # ids and their counts to the other owners
+    rows_bytes_out: int = 0  # rows this owner sent back to the other requesters
+    grads_bytes_out: int = 0  # gradients this requester sent to the other owners
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXCHANGE_PARTS, 0.0))
+
+    def per_step(self) -> dict[str, Any]:
+        """The figures of an average step (bytes and ids per step, host ms per part)."""
+        steps = max(1, self.steps)
+        return {"steps": self.steps, "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
+                "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
+                              "grads": self.grads_bytes_out / steps},
+                "ms": {part: 1000 * s / steps for part, s in self.seconds.items()}}
+
+
 class ShardedCollection:
     """The tables of ``local`` (this rank's shard) as one logical collection over ``group``
     (the default group when None). Every verb is collective: every rank calls it every step."""
@@ -91,14 +121,28 @@ class ShardedCollection:
         self.local, self.group = local, group
         self.dim = dims.pop()
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.device = local.device
+        self.stats = ExchangeStats()
+        self.sync_timings = False  # wait for the device at each part's end: exact times, slower steps
+
+    def _lap(self, part: str, since: float) -> float:
+        """Add the time since ``since`` to ``part`` (after the device's queue drains, with
+        ``sync_timings`` on CUDA); returns now, the next part's start."""
+        if self.sync_timings and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stats.seconds[part] += now - since
+        return now
 
     def find_or_insert(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> ShardedRows:
         """Rows for ``ids`` (table -> int64 [n]) from their owners, created/admitted there;
         one row per input id (float32 [n, dim], on this rank's device). The owner's
         find_or_insert is table-batched where ``EmbeddingCollection.find_or_insert`` would be
         (``grouped.groupable``, decided each step), else table by table; the same host syncs."""
+        t0 = time.perf_counter()
         route, wanted = self._send_ids(ids)
+        t1 = self._lap("ids", t0)
         # the owner's unique counts and created rows: the other two host syncs on CUDA
         grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
         served = None
@@ -111,25 +155,35 @@ class ShardedCollection:
             owned = self.local.find_or_insert_each(wanted, now_ms)
             outgoing = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
             outgoing[route.by_table] = torch.cat([owned[n].embeddings() for n in route.names])
+        t2 = self._lap("owner_find_or_insert", t1)
         leaf = self._send_rows(route, outgoing).requires_grad_(True)
+        self._lap("rows", t2)
         return ShardedRows(dict(zip(route.names, leaf.split(route.sizes))), leaf, route, owned, grouped, served)
 
     def apply_gradients(self, rows: ShardedRows) -> None:
         """Send the gradient of each input id's row (zeros where backward left none) to the
         owners, which sum them per key, average them over ranks and apply the optimizers
         (one launch for all tables where ``find_or_insert`` was table-batched)."""
+        t0 = time.perf_counter()
         route, grad = rows.route, rows.leaf.grad
         sent = grad.index_select(0, route.order) if grad is not None else torch.zeros_like(rows.leaf)
         received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
         dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
+        self.stats.grads_bytes_out += self._off_rank(route.send_splits) * self.dim * received.element_size()
+        t1 = self._lap("grads", t0)
         if rows.grouped is not None:
             summed = torch.zeros(len(rows.grouped.rows), self.dim, device=received.device).index_add_(0, rows.served, received)
             apply_gradients_grouped(rows.grouped, summed.div_(self.world))
-            return
-        for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
-            owned = rows.owned[name]
-            summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
-            self.local[name].apply_gradients(owned, summed.div_(self.world))
+        else:
+            for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
+                owned = rows.owned[name]
+                summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
+                self.local[name].apply_gradients(owned, summed.div_(self.world))
+        self._lap("owner_update", t1)
+
+    def _off_rank(self, splits: list[int]) -> int:
+        """The rows of ``splits`` (one count per rank) that go to or come from other ranks."""
+        return sum(splits) - splits[self.rank]
 
     def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
         """Every id to its owner: (the route, what this rank owns of every rank's ids, by table)."""
@@ -155,6 +209,11 @@ class ShardedCollection:
         by_table = torch.argsort(recv_table, stable=True)
         table_sizes = counts[1].sum(0).tolist()
         wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
+        stats = self.stats
+        stats.steps += 1
+        stats.ids_sent += sum(send_splits)
+        stats.ids_received += sum(recv_splits)
+        stats.ids_bytes_out += (self._off_rank(send_splits) + (world - 1) * n_tables) * keys.element_size()
         return Route(names, sizes, order, send_splits, recv_splits, by_table, table_sizes), wanted
 
     def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
@@ -163,4 +222,5 @@ class ShardedCollection:
         another (``route.sizes``)."""
         back = torch.empty(sum(route.sizes), self.dim, device=self.device)
         dist.all_to_all_single(back, outgoing, route.send_splits, route.recv_splits, group=self.group)
+        self.stats.rows_bytes_out += self._off_rank(route.recv_splits) * self.dim * outgoing.element_size()
         return torch.empty_like(back).index_copy_(0, route.order, back)

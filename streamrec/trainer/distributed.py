@@ -48,6 +48,7 @@ class DenseGradients:
     def __init__(self, model: torch.nn.Module, group: Any) -> None:
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bytes = sum(p.numel() * p.element_size() for p in self.params)  # one all_reduce's payload
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0, group=group)

@@ -3,8 +3,10 @@
 Per step (the embedding tables are single-writer)::
 
     batch  <- prefetch queue (decoded, batched, pinned by a background thread)
+    the ranks agree on the step (several ranks)        -- "agree"
     find_or_insert sparse rows (unique ids per table)  -- "lookup"
     forward + backward                                 -- "forward_backward"
+    dense gradients averaged over ranks                -- "all_reduce"
     dense optimizer step + fused sparse updates        -- "update"
     keep loss and scores on the device; every DRAIN_EVERY steps check the losses are
     finite (else stop, never publish) and score them   -- "evaluate"
@@ -19,7 +21,9 @@ step the ranks agree (one small all_gather) on how many samples the step has, th
 clock, whether to stop, and rank 0's word on publishing and checkpointing, so every rank
 calls the same collectives in the same order. A rank without a batch steps with an empty
 one. Embeddings are sharded by key (embedding/sharded.py), dense parameters replicated (their
-gradients averaged after backward: distributed.DenseGradients).
+gradients averaged after backward: distributed.DenseGradients). Each rank's phase times
+and exchange figures (``ShardedCollection.stats``) are gathered when the run ends, into the
+summary's ``step_by_rank``.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ import torch.nn.functional as F
 
 from streamrec.embedding.budget import tier_usage
 from streamrec.embedding.collection import training_collection
+from streamrec.embedding.sharded import ShardedCollection
 from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
 from streamrec.trainer.dense_graph import GraphedDense
-from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree
+from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
 from streamrec.trainer.prefetch import END, Prefetcher, Skipped
 from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
@@ -49,7 +54,7 @@ from streamrec.trainer.session import TrainingSession
 from streamrec.trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource
 
 log = logging.getLogger("streamrec.trainer")
-PHASES = ("input", "lookup", "forward_backward", "update", "evaluate", "publish")
+PHASES = ("input", "agree", "lookup", "forward_backward", "all_reduce", "update", "evaluate", "publish")
 DRAIN_EVERY = 16  # steps between host syncs of losses and scores
 
 
@@ -109,9 +114,15 @@ class TrainingLoop:
         self.model, self.optimizer, self.embeddings = session.model, session.optimizer, session.embeddings
         self.rejected = session.rejected
         self.times = {p: 0.0 for p in PHASES}  # seconds spent in each phase of the step
-        self.started, self.samples_at_start = time.monotonic(), self.state["global_samples"]  # set again when run starts
+        self.started = time.monotonic()  # these four are set again when run starts
+        self.samples_at_start, self.steps_at_start, self.rank_samples_at_start = self._counts()
         self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
-        self.sparse = SparseFeatures(training_collection(self.embeddings, ranks.distributed, ranks.group))
+        collection = training_collection(self.embeddings, ranks.distributed, ranks.group)
+        self.exchange = collection if isinstance(collection, ShardedCollection) else None
+        if self.exchange is not None:
+            self.exchange.sync_timings = opts.sync_timings
+        self.sparse = SparseFeatures(collection)
+        self.by_rank: list[dict[str, Any]] | None = None  # every rank's step figures, once the run has ended
         self.dense_gradients = DenseGradients(session.model, ranks.group) if ranks.distributed else None  # ranks start equal
         self.forward = _dense_forward(session)  # before any other thread starts
         self.prom = TrainerMetrics(tcfg.metrics_port + ranks.rank if tcfg.metrics_port else 0, tcfg.metrics_host)
@@ -129,6 +140,10 @@ class TrainingLoop:
             self._load_frozen(self.state["frozen_version"])
         self.reporter = ProgressReporter(tcfg.progress_interval_s, session.home / "eval.jsonl") if opts.progress and ranks.rank == 0 else None
 
+    def _counts(self) -> tuple[int, int, int]:
+        """Samples of all ranks, steps and this rank's samples so far (a run's figures count from them)."""
+        return self.state["global_samples"], self.state["step"], self.state["samples"]
+
     def _load_frozen(self, version: int) -> None:
         if self.evaluation.load_frozen(version):
             self.state["frozen_version"] = version
@@ -145,7 +160,7 @@ class TrainingLoop:
         self.started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
-        self.samples_at_start = self.state["global_samples"]
+        self.samples_at_start, self.steps_at_start, self.rank_samples_at_start = self._counts()
         self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
         try:
             self._train(source, prefetch)
@@ -174,8 +189,10 @@ class TrainingLoop:
                 bool(opts.max_seconds and time.monotonic() - self.started >= opts.max_seconds) or \
                 bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
             publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
+            t1 = time.perf_counter()
             agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
                            batch.max_ts() if batch is not None else 0, publish, checkpoint)
+            self.times["agree"] += time.perf_counter() - t1
             if agreed.samples:
                 self._last_data = time.monotonic()
                 self._step(batch if batch is not None else _empty_batch(self.session), agreed)
@@ -193,6 +210,7 @@ class TrainingLoop:
             self._begin_publish()
             self.publisher.flush()
         self.checkpoint(source)
+        self.by_rank = gather_to_all(self.ranks, self.step_figures())
         if self.publisher.failures:  # what was trained last is not in the store: not a clean stop
             raise PublishFailed(f"the last publish failed ({self.publisher.last_error}); the checkpoint holds what "
                                 "was trained, and the next run publishes it as a full version")
@@ -240,6 +258,9 @@ class TrainingLoop:
             reported = loss.detach()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if sync:
+            torch.cuda.synchronize()
+        t_reduce = time.perf_counter()
         if self.dense_gradients is not None:
             self.dense_gradients.all_reduce(self.ranks.world)
         if sync:
@@ -258,7 +279,8 @@ class TrainingLoop:
             self._drain()
         t4 = time.perf_counter()
         self.times["lookup"] += t1 - t0
-        self.times["forward_backward"] += t2 - t1
+        self.times["forward_backward"] += t_reduce - t1
+        self.times["all_reduce"] += t2 - t_reduce
         self.times["update"] += t3 - t2
         self.times["evaluate"] += t4 - t3
         self.state["step"] += 1
@@ -335,6 +357,19 @@ class TrainingLoop:
         return path
 
     # ------------------------------------------------------------------ reporting
+    def step_figures(self) -> dict[str, Any]:
+        """This rank's average step of this run: ms per phase, and on several ranks what its
+        exchange sent and received and the dense all_reduce's payload (host-side counts)."""
+        steps = self.state["step"] - self.steps_at_start
+        out: dict[str, Any] = {"rank": self.ranks.rank, "steps": steps, "samples": self.state["samples"] - self.rank_samples_at_start,
+                               "sync_timings": self.opts.sync_timings,
+                               "ms_per_step": {p: 1000 * t / max(1, steps) for p, t in self.times.items()}}
+        if self.exchange is not None:
+            out["exchange"] = self.exchange.stats.per_step()
+        if self.dense_gradients is not None:
+            out["all_reduce_bytes"] = self.dense_gradients.bytes
+        return out
+
     def status(self, source: SampleSource | None = None) -> dict[str, Any]:
         """This rank's view (on several ranks: the metrics of its own samples)."""
         out = {
@@ -349,6 +384,8 @@ class TrainingLoop:
             **self.evaluation.metrics.summary(),
         }
         out["tiers"] = {name: tier_usage(table) for name, table in self.embeddings.tables.items()}
+        if self.by_rank is not None:
+            out["step_by_rank"] = self.by_rank
         self.prom.observe(out, {name: len(table) for name, table in self.embeddings.tables.items()})
         return out
 
