@@ -55,6 +55,10 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1 and "WORLD_SIZE" in os.environ and not os.environ.get(WORKER_ENV):
+        # under torchrun already: a launcher of our own would start ranks inside each rank
+        raise ValueError(f"this process is already rank {os.environ.get('RANK', '?')} of {os.environ['WORLD_SIZE']} under a launcher "
+                         "(torchrun): give --nproc-per-node to torchrun, not to `streamrec train`")
     if args.nproc_per_node > 1 and not os.environ.get(WORKER_ENV):
         return launch(args.nproc_per_node, without_option(args.argv, "--nproc-per-node"))
     opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
