@@ -337,3 +337,39 @@ def test_cancelled_callers_are_skipped_in_both_lanes():
 
     result, queued = run(main())
     assert recorder.batches == [[1], [8]] and result.scores.tolist() == [8] * 8 and queued == 0
+
+
+def test_with_no_workers_batches_run_on_the_event_loop_and_what_came_meanwhile_is_one_batch():
+    """``workers = 0``: each batch runs on the event loop's thread; requests sent while it runs
+    (from another thread: the loop is busy) are read after it and ride together in the next."""
+    threads: list[int] = []
+
+    class OnLoop(Recorder):
+        def __call__(self, payloads):
+            threads.append(threading.get_ident())
+            if len(self.batches) == 0:  # the first batch: five more requests arrive while it runs
+                for i in range(5):
+                    loop.call_soon_threadsafe(lambda i=i: later.append(asyncio.ensure_future(batcher.submit([-1] if i == 2 else [10 + i]))))
+                time.sleep(0.2)
+            return super().__call__(payloads)
+
+    recorder, later = OnLoop(), []
+
+    async def main():
+        nonlocal loop, batcher
+        loop = asyncio.get_running_loop()
+        batcher = RequestBatcher(recorder, max_batch=64, max_delay_us=0, workers=0, **ROOMY)
+        await batcher.start()
+        first = await batcher.submit([1, 2])
+        await until(lambda: len(later) == 5, "the requests sent during the first batch")
+        outcomes = await asyncio.gather(*later, return_exceptions=True)
+        await batcher.stop()
+        return threading.get_ident(), first, outcomes
+
+    loop = batcher = None
+    loop_thread, first, outcomes = run(main())
+    assert threads == [loop_thread, loop_thread]
+    assert recorder.batches == [[2], [1, 1, 1, 1, 1]]
+    assert first.scores.tolist() == [2, 4]
+    assert [o.scores.tolist() for k, o in enumerate(outcomes) if k != 2] == [[20], [22], [26], [28]]
+    assert isinstance(outcomes[2], ValueError) and "bad -1" in str(outcomes[2])

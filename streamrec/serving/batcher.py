@@ -3,7 +3,9 @@
 Requests wait in a queue; a batch closes when it holds ``max_batch`` instances or its
 oldest request has waited ``max_delay_us`` (and a worker is free). Up to ``workers``
 batches run at once on a thread pool (decoding and the model run outside the event loop, so the server keeps
-accepting requests). ``run_batch`` gets every request's payload at once — so the batch
+accepting requests meanwhile); ``workers = 0`` runs each batch on the event loop's own thread,
+so no second Python thread takes the GIL from it mid-batch (requests that arrive meanwhile
+wait in their sockets, and are read together after it). ``run_batch`` gets every request's payload at once — so the batch
 is decoded, checked and scored in one pass, whatever the number of requests — and
 returns one outcome per request: its scores, or the exception that request gets.
 
@@ -124,13 +126,13 @@ class RequestBatcher:
 
     def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
                  workers: int, *, max_queue_instances: int, queue_timeout_s: float) -> None:
-        if max_batch < 1 or max_delay_us < 0 or workers < 1 or max_queue_instances < 1 or queue_timeout_s <= 0:
-            raise ValueError("serving.max_batch, serving.workers and serving.max_queue_instances must be >= 1, "
+        if max_batch < 1 or max_delay_us < 0 or workers < 0 or max_queue_instances < 1 or queue_timeout_s <= 0:
+            raise ValueError("serving.max_batch and serving.max_queue_instances must be >= 1, serving.workers and "
                              "serving.max_delay_us >= 0, serving.queue_timeout_ms > 0")
         self.run_batch = run_batch
         self.max_batch, self.max_delay_s, self.workers = max_batch, max_delay_us / 1e6, workers
         self.max_queue_instances, self.queue_timeout_s = max_queue_instances, queue_timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch")
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serving-batch") if workers else None
         self.small_rows = max(1, max_batch // 16)  # a request of at most this many instances is small
         self._big: deque[_Request] = deque()  # arrival order; entries with ``out`` set are skipped
         self._small: deque[_Request] = deque()  # the same, small requests
@@ -141,7 +143,7 @@ class RequestBatcher:
         self._gap_s = 0.0  # moving average of the time between requests
         self._waiting: asyncio.Event | None = None  # a request is pending
         self._full: asyncio.Event | None = None  # max_batch instances are pending
-        self._free = workers  # workers not running a batch
+        self._free = max(workers, 1)  # workers not running a batch
         self._wake: asyncio.Event | None = None  # a worker freed, or a request came with a sooner deadline
         self._waiting_until = float("inf")  # the deadline the loop sleeps towards while every worker is busy
         self._task: asyncio.Task | None = None
@@ -159,7 +161,8 @@ class RequestBatcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     @property
     def queued_instances(self) -> int:
@@ -232,7 +235,10 @@ class RequestBatcher:
             if not batch:
                 self._free += 1
                 continue
-            asyncio.create_task(self._run(batch, rows))
+            if self._executor is None:
+                self._run_here(batch, rows)
+            else:
+                asyncio.create_task(self._run(batch, rows))
 
     def _next_deadline(self) -> float:
         """The earliest deadline of a request still queued (stale heap entries are dropped)."""
@@ -313,6 +319,27 @@ class RequestBatcher:
         started = time.perf_counter()
         try:
             outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self.run_batch, [r.payload for r in batch])
+        except Exception as exc:  # every request of the batch learns why
+            outcomes = exc
+        self._answer(batch, rows, started, outcomes)
+
+    def _run_here(self, batch: list[_Request], rows: int) -> None:
+        """Run a batch on the event loop's thread (``workers = 0``)."""
+        started = time.perf_counter()
+        try:
+            outcomes = self.run_batch([r.payload for r in batch])
+        except Exception as exc:  # noqa: BLE001 -- every request of the batch learns why
+            outcomes = exc
+        self._answer(batch, rows, started, outcomes)
+
+    def _answer(self, batch: list[_Request], rows: int, started: float, outcomes: list | Exception) -> None:
+        """Each request's outcome (or the batch's exception) to its reply; the worker is free again."""
+        try:
+            if isinstance(outcomes, Exception):
+                for r in batch:
+                    if not r.reply.done():
+                        r.reply.set_exception(outcomes)
+                return
             self.stats.add(batch, rows, started, time.perf_counter())
             for r, outcome in zip(batch, outcomes):
                 if r.reply.done():
@@ -321,10 +348,6 @@ class RequestBatcher:
                     r.reply.set_exception(outcome)
                 else:
                     r.reply.set_result(BatchResult(outcome[0], outcome[1], started - r.enqueued, rows))
-        except Exception as exc:  # every request of the batch learns why
-            for r in batch:
-                if not r.reply.done():
-                    r.reply.set_exception(exc)
         finally:
             self._free += 1
             self._wake.set()
