@@ -1,6 +1,7 @@
 """The online features against the real Flink job: the features they assemble for an
 impression equal the job's sample for it (generated traffic and hand-built edge cases), a
-restart rebuilds them from the topic without loss (spilling to RocksDB on the way), and
+restart rebuilds them from the topic without loss (or, past a small memory budget, exactly
+for the entities it admitted), and
 predict by ids works over real HTTP against online features fed by the live job."""
 
 import os
@@ -19,7 +20,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import Candidate, differing_features, entity_partition
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.pipelines.flink_rest import FlinkRest
-from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
@@ -157,23 +158,31 @@ def test_online_features_equal_the_samples(broker, bounded_run):
         features.close()
 
 
-def test_a_restart_rebuilds_the_online_features_from_the_topic_spilling_past_its_budget(broker, bounded_run, tmp_path):
-    """A second OnlineFeatures (a restarted node) with a 1 MiB budget: most entities go to RocksDB and
-    come back on use; every sample's features are still identical."""
+def test_a_restart_past_its_memory_budget_keeps_the_entities_it_admitted_exact(broker, bounded_run, tmp_path):
+    """A second OnlineFeatures (a restarted node) with a 1 MiB budget: past it, new entities
+    are refused (cold-start features); every sample whose user, item and category it
+    admitted still gets the job's features, identically."""
     rows = bounded_run.rows
     features = materialise(broker, f"{bounded_run.name}.features", memory_mb=1, spill_dir=tmp_path / "spill")
     try:
-        assert features.status()["spilled"] > 1000 and features.status()["memory_bytes"] <= 2**20
-        assert mismatches(features, rows[::7], _clicks(rows)) == []
-        assert features.status()["reloads"] > 0
+        status = features.status()
+        assert status["over_budget"] and status["refused"] > 1000 and status["memory_bytes"] <= 2 * 2**20
+        store = features.store
+        admitted = [r for r in rows if store.slot("user", r["user_id"]) >= 0 and store.slot("item", r["item_id"]) >= 0
+                    and store.slot("category", r["category_id"]) >= 0]
+        assert len(admitted) > 100
+        assert mismatches(features, admitted, _clicks(rows)) == []
+        refused = next(r for r in rows if store.slot("user", r["user_id"]) < 0)
+        cold = assembled(features, refused)
+        assert cold["hist_item_ids"] == [] and cold["user_imps_600s"] == 0
     finally:
         features.close()
-    assert not (tmp_path / "spill").exists()  # scratch: removed at close
 
 
 def test_a_snapshot_start_equals_a_full_topic_replay(broker, bounded_run, tmp_path):
     """A node that starts from a snapshot of the first half of every partition and tails the
-    rest holds, entity by entity, what a full replay of the topic holds."""
+    rest holds, entity by entity, what a full replay of the topic holds (each cut to the
+    replay horizon, which is all a request can see)."""
     topic = f"{bounded_run.name}.features"
     records = read_topic(broker, topic)
     by_partition: dict[int, list] = {}
@@ -196,13 +205,13 @@ def test_a_snapshot_start_equals_a_full_topic_replay(broker, bounded_run, tmp_pa
         assert started.wait_ready(120) and started.snapshot_as_of is not None
         assert started.counts["messages"] < len(records)  # it read only the tail
         assert started.as_of() == full.as_of()
-        keys = sorted(full.memory.keys())
-        assert sorted(started.memory.keys()) == keys and len(keys) > 1000
+        keys = sorted(full.store.keys())
+        assert sorted(started.store.keys()) == keys and len(keys) > 1000
+        cutoff = full.as_of() - REPLAY_HORIZON_MS  # both cut to the horizon: what any request may still see
+        for features in (full, started):
+            features.store.expire_all(cutoff - full.max_window_ms, cutoff)
         for key in keys:
-            a, b = full.memory.read(key), started.memory.read(key)
-            assert (list(a.counts.imps) if a.counts else None) == (list(b.counts.imps) if b.counts else None), key
-            assert (list(a.counts.clicks) if a.counts else None) == (list(b.counts.clicks) if b.counts else None), key
-            assert (list(a.history.flat) if a.history else None) == (list(b.history.flat) if b.history else None), key
+            assert full.store.read(*key) == started.store.read(*key), key
     finally:
         started.close()
         full.close()

@@ -3,10 +3,11 @@ the topic positions it is complete to, in one Arrow IPC file. A node starts from
 tails the features topic from those positions instead of replaying the whole topic, and
 keeps serving by ids from it when the broker cannot be reached at start.
 
-Columns, one row per entity: ``kind`` (user | item | category), ``id`` (int64), ``imps`` and
-``clicks`` (list<int64>: absolute event times, ascending; null: no counters), ``history``
-(list<int64>: the user's clicks as flat (item_id, category_id, ts) triples, most recent
-first; null: none). Schema metadata ``streamrec``: JSON with ``format``, ``topic``,
+Columns, one row per entity, each batch of one kind: ``kind`` (user | item | category),
+``id`` (int64), ``imps`` and ``clicks`` (list<int64>: absolute event times, ascending; null or
+empty: none), ``history`` (list<int64>: the user's clicks as flat (item_id, category_id, ts)
+triples, most recent first, as the node kept them: serving/history_rows.py; null: none).
+Written and read as whole columns (serving/entity_store.py), never entity by entity. Schema metadata ``streamrec``: JSON with ``format``, ``topic``,
 ``positions`` {partition: next offset}, ``partitions``, ``watermarks``
 [[partition, stage, subtask, wm], ...] with ``parallelism`` {stage: n}, and ``spec``
 {windows_s, history_len}: a node with other windows or history length cannot start from it
@@ -23,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 import orjson
@@ -53,25 +54,27 @@ class SnapshotHeader:
     spec: dict  # {"windows_s": [...], "history_len": n} of the feature spec the state was kept for
 
 
-def _lists(parts: list[np.ndarray | None]) -> pa.ListArray:
-    """A list<int64> column of ``parts`` (None: a null list), built from one flat buffer."""
-    lengths = np.fromiter((0 if p is None else len(p) for p in parts), np.int64, len(parts))
-    offsets = np.zeros(len(parts) + 1, np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    present = [p for p in parts if p is not None and len(p)]
-    values = pa.array(np.concatenate(present) if present else np.zeros(0, np.int64), pa.int64())
-    mask = pa.array([p is None for p in parts], pa.bool_())
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values, mask=mask)
+def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    """A list<int64> column: per row ``lengths[k]`` values of ``values`` (back to back); a
+    negative length: a null list."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(np.maximum(lengths, 0), out=offsets[1:])
+    if offsets[-1] < 2**31:
+        offsets = offsets.astype(np.int32)
+    else:
+        raise ValueError("a snapshot batch holds more than 2**31 values: write fewer entities a batch")
+    mask = pa.array(lengths < 0, pa.bool_()) if (lengths < 0).any() else None
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, pa.int64()), mask=mask)
 
 
-def entity_batch(kinds: list[str], ids: np.ndarray, imps: list, clicks: list, histories: list) -> pa.RecordBatch:
-    """One record batch of entity rows (arrays of times per entity, or None)."""
-    as_np = lambda xs: [None if x is None else np.frombuffer(x, np.int64) if not isinstance(x, (np.ndarray, list))  # noqa: E731
-                        else np.asarray(x, np.int64) for x in xs]
-    codes = {kind: k for k, kind in enumerate(ENTITIES)}
-    kind = pa.DictionaryArray.from_arrays(pa.array([codes[k] for k in kinds], pa.int8()), _KINDS)  # one dictionary for every batch
-    return pa.record_batch([kind, pa.array(ids, pa.int64()),
-                            _lists(as_np(imps)), _lists(as_np(clicks)), _lists(as_np(histories))], schema=SCHEMA)
+def entity_batch(kind: str, ids: np.ndarray, imps: tuple[np.ndarray, np.ndarray], clicks: tuple[np.ndarray, np.ndarray],
+                 history: tuple[np.ndarray, np.ndarray] | None) -> pa.RecordBatch:
+    """One record batch of entities of one kind; each list column as (lengths, flat values),
+    a length of -1 a null list (a user without history; no history column: all null)."""
+    codes = np.full(len(ids), ENTITIES.index(kind), np.int8)
+    kinds = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int8()), _KINDS)  # one dictionary for every batch
+    hist = _lists(*history) if history is not None else pa.nulls(len(ids), pa.list_(pa.int64()))
+    return pa.record_batch([kinds, pa.array(ids, pa.int64()), _lists(*imps), _lists(*clicks), hist], schema=SCHEMA)
 
 
 def write_snapshot(path: str | Path, header: SnapshotHeader, batches: Iterable[pa.RecordBatch]) -> int:
@@ -106,7 +109,7 @@ def remove_stale_temporaries(path: str | Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, Iterator[pa.RecordBatch]]:
+def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, list[pa.RecordBatch]]:
     """The header and the entity batches of a snapshot; CorruptSnapshot says what is wrong."""
     try:
         reader = ipc.open_file(pa.memory_map(str(path)))
@@ -124,22 +127,35 @@ def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, Iterator[pa.RecordB
     marks.parallelism.update(meta["parallelism"])
     header = SnapshotHeader(meta["topic"], meta["partitions"], {int(p): o for p, o in meta["positions"].items()}, marks,
                             meta.get("spec", {}))
-    return header, (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return header, [reader.get_batch(i) for i in range(reader.num_record_batches)]  # views of the mapped file
 
 
-def batch_rows(batch: pa.RecordBatch) -> Iterator[tuple[str, int, np.ndarray | None, np.ndarray | None, np.ndarray | None]]:
-    """(kind, id, imps, clicks, history) per row; arrays are views of the batch's buffers."""
-    kinds = batch.column(0).to_pylist()
-    ids = batch.column(1).to_numpy()
+ListColumn = tuple[np.ndarray, np.ndarray, np.ndarray]  # offsets [n + 1], valid [n], values (offsets index them)
+
+
+def batch_columns(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray, list[ListColumn]]:
+    """A batch as numpy: kind per row (an index into ENTITIES), ids, and the imps, clicks
+    and history columns (views of the batch's buffers)."""
+    codes = _kind_codes(batch)
     columns = []
     for j in (2, 3, 4):
         column = batch.column(j)
-        offsets = column.offsets.to_numpy()
-        values = column.values.to_numpy()
         valid = np.asarray(column.is_valid().to_numpy(zero_copy_only=False))
-        columns.append((offsets, values, valid))
-    for r in range(len(ids)):
-        out = []
-        for offsets, values, valid in columns:
-            out.append(values[offsets[r]: offsets[r + 1]] if valid[r] else None)
-        yield kinds[r], int(ids[r]), out[0], out[1], out[2]
+        columns.append((column.offsets.to_numpy(), valid, column.values.to_numpy()))
+    return codes, batch.column(1).to_numpy(), columns
+
+
+def kind_counts(batches: Iterable[pa.RecordBatch]) -> dict[str, int]:
+    """Entities per kind in ``batches``."""
+    counts = np.zeros(len(ENTITIES), np.int64)
+    for batch in batches:
+        counts += np.bincount(_kind_codes(batch), minlength=len(ENTITIES))
+    return {kind: int(n) for kind, n in zip(ENTITIES, counts)}
+
+
+def _kind_codes(batch: pa.RecordBatch) -> np.ndarray:
+    kind = batch.column(0)
+    names = kind.dictionary.to_pylist()
+    if any(name not in ENTITIES for name in names):
+        raise CorruptSnapshot(f"entity kinds {names} are not {list(ENTITIES)}")
+    return np.array([ENTITIES.index(name) for name in names], np.int64)[kind.indices.to_numpy(zero_copy_only=False)]

@@ -4,9 +4,9 @@ materialised in the node, so that :predict can take a user id and candidate ads.
 A consumer thread reads every partition of the compacted topic from its beginning
 (read_committed: only checkpointed state) and keeps each entity's state
 (contracts/feature_state.py): counter event times by bucket, the user's click history,
-and each stage's watermark per partition. Entities live in an :class:`EntityMemory`
-(serving/entity_memory.py: memory up to a budget, spilled to RocksDB past it). A corrupt
-message is counted and skipped.
+and each stage's watermark per partition. Entities live in an :class:`EntityStore`
+(serving/entity_store.py: columns in memory, up to a budget). A corrupt message is
+counted and skipped.
 
 :meth:`OnlineFeatures.assemble` computes one request's features with the samples'
 semantics (events strictly before ``ts``, the spec's windows and history length); they
@@ -16,11 +16,10 @@ equal the job's sample for an impression at ``ts`` whenever ``ts <= as_of``.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
-from array import array
 import time
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,19 +29,20 @@ from kafka import TopicPartition
 
 from streamrec.model.columns import FeatureColumns, device_hashes
 from streamrec.contracts.feature_spec import INT_COLUMNS, FeatureSpec
-from streamrec.contracts.feature_state import (CorruptFeatureMessage, CounterBucket, EntityCounts, History, StageWatermark, UserHistory,
-                                               Watermarks, decode_message)
+from streamrec.contracts.feature_state import (ENTITIES, CorruptFeatureMessage, CounterBucket, History, StageWatermark, Watermarks,
+                                               decode_message)
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
-from streamrec.serving.entity_memory import EntityMemory, EntityState
-from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_rows, entity_batch, read_snapshot,
+from streamrec.serving.entity_store import EntityStore
+from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_columns, entity_batch, kind_counts, read_snapshot,
                                                 remove_stale_temporaries, write_snapshot)
 
 log = logging.getLogger("streamrec.serving.features")
 # How far before ``features_as_of`` a request's ts may lie and still get the samples' exact
 # features: event times are kept this much longer than the largest window.
 REPLAY_HORIZON_MS = 120_000
+_NO_TIMES = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -67,7 +67,11 @@ class Assembled:
 
 class OnlineFeatures:
     """The feature state of every entity, kept up to date from the features topic; the
-    features of a request at any time from ``as_of`` - REPLAY_HORIZON_MS on."""
+    features of a request at any time from ``as_of`` - REPLAY_HORIZON_MS on.
+
+    ``memory_mb``: the store's budget (entity_store.py: once reached, new entities are
+    refused, and logged). ``spill_dir``: scratch that a node which spilled its state may have left;
+    removed at start."""
 
     def __init__(self, bootstrap: str, topic: str, spec: FeatureSpec, memory_mb: int, spill_dir: str | Path,
                  connect_timeout_s: float = 20.0, snapshot: str | Path | None = None, snapshot_interval_s: float = 0.0) -> None:
@@ -80,11 +84,13 @@ class OnlineFeatures:
         self._snapshot_thread: threading.Thread | None = None
         self.snapshot_interval_s = snapshot_interval_s
         self._next_snapshot_at = time.monotonic() + snapshot_interval_s
-        self.memory = EntityMemory(memory_mb * 2**20, spill_dir)
+        self.store = EntityStore(spec.history_len, memory_mb * 2**20)
+        self.spill_dir = Path(spill_dir)
+        self._refusals_logged = 0
+        self._retrimmed_at: int | None = None  # the history cutoff of the last retrim of the store's side table
         self.connect_timeout_s = connect_timeout_s
         self.windows_ms = tuple(w * 1000 for w in spec.windows_s)
         self.max_window_ms = max(self.windows_ms)
-        self.keep_history = 2 * spec.history_len  # the job's list plus what it dropped since: see UserHistory
         self._lock = threading.Lock()
         self.watermarks = Watermarks()
         self._counters = {kind: CounterCache(2 * len(self.windows_ms)) for kind in ("item", "category")}  # candidates' entities
@@ -102,7 +108,7 @@ class OnlineFeatures:
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "OnlineFeatures":
         """Start reading (from the snapshot first, when there is one) on a thread of its own."""
-        self.memory.clear_spill()  # scratch of an earlier run
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
         if self.snapshot is not None:
             remove_stale_temporaries(self.snapshot)
         self._thread.start()
@@ -125,7 +131,7 @@ class OnlineFeatures:
         except CorruptSnapshot:
             self._forget()
             raise
-        except (pa.ArrowException, OSError, KeyError, ValueError) as exc:  # a torn or damaged file
+        except (pa.ArrowException, OSError, KeyError, ValueError, IndexError) as exc:  # a torn or damaged file
             self._forget()
             raise CorruptSnapshot(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
         log.info("online features: %s entities from %s in %.1f s, as of %s; tailing %s from there", f"{entities:,}", path,
@@ -138,63 +144,61 @@ class OnlineFeatures:
         spec = {"windows_s": list(self.spec.windows_s), "history_len": self.spec.history_len}
         if header.spec != spec:  # other windows or history: the times and lists it kept are not enough
             raise CorruptSnapshot(f"{path} was written for feature spec {header.spec}, this node serves {spec}")
+        as_of = header.watermarks.as_of(header.partitions) if header.partitions else None
+        cutoff = as_of - REPLAY_HORIZON_MS if as_of is not None else None
         entities = 0
         with self._lock:
+            self.store.reserve(kind_counts(batches))
             for batch in batches:
-                for kind, entity_id, imps, clicks, history in batch_rows(batch):
-                    entity = EntityState()
-                    if imps is not None:
-                        entity.counts = EntityCounts(array("q", imps.tobytes()), array("q", clicks.tobytes() if clicks is not None else b""))
-                    if history is not None:
-                        entity.history = UserHistory(array("q", history.tobytes()))
-                    self.memory.put((kind, entity_id), entity)
-                    entities += 1
-                self.memory.evict()
+                batch.validate(full=True)  # offsets within their values: a damaged file fails here, not in an index
+                codes, _, _ = batch_columns(batch)
+                for k, kind in enumerate(ENTITIES):
+                    part = batch if (codes == k).all() else batch.filter(pa.array(codes == k)) if (codes == k).any() else None
+                    if part is not None:
+                        _, ids, (imps, clicks, history) = batch_columns(part)
+                        entities += self.store.load(kind, ids, imps, clicks, history if kind == "user" else None, cutoff)
             self.watermarks, self.partitions = header.watermarks, header.partitions
             self._positions = dict(header.positions)
             self.snapshot_as_of, self.started_from_snapshot = self.as_of(), True
+        self._log_refusals()
         return entities
 
     def _forget(self) -> None:
         """Back to an empty state (a snapshot that failed halfway): the topic is replayed."""
         with self._lock:
-            self.memory.clear()
+            self.store.clear()
             self.watermarks, self.partitions, self._positions = Watermarks(), 0, {}
             for cache in self._counters.values():
                 cache.clear()
 
-    def save_snapshot(self, path: Path, chunk: int = 2_000) -> int:
-        """Write the state to ``path`` (atomically), ``chunk`` entities per lock hold so
-        requests keep being answered. The positions and watermarks are taken first: entities
-        written later may be newer, which a replay from those positions makes consistent.
-        One writer at a time."""
+    def save_snapshot(self, path: Path, chunk: int = 32_768) -> int:
+        """Write the state to ``path`` (atomically), ``chunk`` entities per lock hold (copied
+        out as columns) so requests keep being answered. The positions and watermarks are
+        taken first: entities written later may be newer, which a replay from those
+        positions makes consistent. One writer at a time."""
         with self._snapshot_writer:
             with self._lock:
                 header = SnapshotHeader(self.topic, self.partitions, dict(self._positions),
                                         Watermarks(dict(self.watermarks.marks), dict(self.watermarks.parallelism)),
                                         {"windows_s": list(self.spec.windows_s), "history_len": self.spec.history_len})
-                keys = self.memory.keys()
+                counts = self.store.entities()
 
             def batches():
-                for at in range(0, len(keys), chunk):
-                    rows = []
-                    with self._lock:
-                        for key in keys[at: at + chunk]:
-                            entity = self.memory.read(key)
-                            if entity is not None:
-                                c, h = entity.counts, entity.history
-                                rows.append((key, None if c is None else array("q", c.imps).tobytes(),
-                                             None if c is None else array("q", c.clicks).tobytes(), None if h is None else h.flat.tobytes()))
-                    if rows:
-                        yield entity_batch([k[0] for k, *_ in rows], np.array([k[1] for k, *_ in rows], np.int64),
-                                           [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
+                for kind in ENTITIES:
+                    for lo in range(0, counts[kind], chunk):
+                        with self._lock:
+                            columns = self.store.export(kind, lo, min(counts[kind], lo + chunk))
+                        history = columns.get("history")
+                        if history is not None:
+                            history = (np.where(history[0] < 0, -1, 3 * history[0]), history[1])
+                        yield entity_batch(kind, columns["ids"], columns["imps"], columns["clicks"], history)
             return write_snapshot(path, header, batches())
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self.caught_up.wait(timeout_s)
 
     def close(self) -> None:
-        """Stop reading; write the snapshot (if configured) and drop the spill."""
+        """Stop reading; write the snapshot (if configured)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
@@ -203,7 +207,6 @@ class OnlineFeatures:
             writer.join()  # a periodic snapshot in progress: finish it (the final one follows)
         if self.snapshot is not None and self.partitions:
             self._write_snapshot()
-        self.memory.clear_spill()
 
     def _periodic_snapshot(self) -> None:
         try:
@@ -298,9 +301,11 @@ class OnlineFeatures:
                 log.info("online features caught up: %s", self.summary())
 
     def _apply_records(self, records: Sequence) -> None:
-        memory = self.memory
+        store = self.store
         with self._lock:
             as_of = self.as_of()  # once a batch: the expiry horizon moves with the watermarks, not per record
+            expire_at = as_of - self.max_window_ms - REPLAY_HORIZON_MS if as_of is not None else None
+            cutoff = as_of - REPLAY_HORIZON_MS if as_of is not None else None
             for record in records:
                 self.counts["messages"] += 1
                 try:
@@ -314,22 +319,31 @@ class OnlineFeatures:
                 if isinstance(message, StageWatermark):
                     self.watermarks.put(message)
                 elif isinstance(message, CounterBucket):
-                    entity = memory.for_update((message.entity, message.entity_id))
-                    if entity.counts is None:
-                        entity.counts = EntityCounts()
-                    entity.counts.put(message)
+                    slot = store.slot_for_update(message.entity, message.entity_id)
+                    if slot < 0:
+                        continue
+                    imps = np.frombuffer(message.imps, np.int64) if message.imps is not None else _NO_TIMES
+                    clicks = np.frombuffer(message.clicks, np.int64) if message.clicks is not None else _NO_TIMES
+                    store.put_bucket(message.entity, slot, imps, clicks, expire_at)
                     if message.entity in self._counters:
                         self._counters[message.entity].invalidate(message.entity_id)
-                    if as_of is not None:
-                        entity.counts.expire(as_of - self.max_window_ms - REPLAY_HORIZON_MS)
-                    memory.resized(entity)
                 elif isinstance(message, History):
-                    entity = memory.for_update(("user", message.user_id))
-                    if entity.history is None:
-                        entity.history = UserHistory()
-                    entity.history.put(message, self.keep_history)
-                    memory.resized(entity)
-            memory.evict()
+                    slot = store.slot_for_update("user", message.user_id)
+                    if slot >= 0:
+                        store.put_history(slot, np.array(message.clicks, np.int64).reshape(-1, 3), cutoff)
+            if cutoff is not None and (self._retrimmed_at is None or cutoff - self._retrimmed_at >= REPLAY_HORIZON_MS // 4):
+                store.history.retrim_overflow(cutoff)
+                self._retrimmed_at = cutoff
+        self._log_refusals()
+
+    def _log_refusals(self) -> None:
+        """A warning at the first entity refused over budget, then at every tenfold more."""
+        refused = self.store.refused
+        if refused and refused >= 10 * self._refusals_logged:
+            self._refusals_logged = max(1, refused)
+            log.warning("online features: over the memory budget (serving.feature_store_memory_mb, %.0f of %.0f MiB): "
+                        "%s records of new entities refused so far; requests for them get cold-start features",
+                        self.store.nbytes / 2**20, self.store.budget / 2**20, f"{refused:,}")
 
     # ------------------------------------------------------------------ requests
     def as_of(self) -> int | None:
@@ -337,21 +351,19 @@ class OnlineFeatures:
 
     def assemble_batch(self, queries: Sequence[ByIdsQuery]) -> AssembledBatch:
         """The features of every candidate of ``queries``, as one block of columns (rows in
-        query order). Per query: the user's counts and history (O(1) Python); per batch: the
-        items' and categories' counts, gathered from :class:`CounterCache` in numpy. Unknown
+        query order). The users' slots, counts and histories in numpy for the whole batch;
+        the items' and categories' counts gathered from :class:`CounterCache`. Unknown
         entities get cold-start features (zero counters, empty history)."""
-        w2, windows, peek = 2 * len(self.windows_ms), self.windows_ms, self.memory.peek
-        sizes = np.fromiter(map(len, queries), np.int64, len(queries))
+        windows, store, nq = self.windows_ms, self.store, len(queries)
+        sizes = np.fromiter(map(len, queries), np.int64, nq)
         ids = np.concatenate([q.candidates for q in queries]) if queries else np.zeros((0, 4), np.int64)
-        ts = np.repeat(np.fromiter((q.ts for q in queries), np.int64, len(queries)), sizes)
-        user_counts, histories = np.zeros((len(queries), w2), np.int64), []
+        query_ts = np.fromiter((q.ts for q in queries), np.int64, nq)
+        user_ids = np.fromiter((q.user_id for q in queries), np.int64, nq)
+        ts = np.repeat(query_ts, sizes)
         with self._lock:
-            for k, q in enumerate(queries):
-                user = peek(("user", q.user_id))
-                if user is not None and user.counts is not None:
-                    user_counts[k] = user.counts.counts(q.ts, windows)
-                histories.append(user.history.before(q.ts, self.spec.history_len) if user is not None and user.history is not None
-                                 else ([], []))
+            users = store.user_slots(user_ids)
+            user_counts = store.user_counts(users, query_ts, windows)
+            hist_items, hist_categories, lengths = store.histories_before(users, query_ts)
             items = self._counters["item"].gather(ids[:, 0], ts, self._compute_for("item"))
             categories = self._counters["category"].gather(ids[:, 1], ts, self._compute_for("category"))
             as_of = self.as_of()
@@ -362,24 +374,23 @@ class OnlineFeatures:
         grid[:, :, 1, :] = items.reshape(n, w, 2)
         grid[:, :, 2, :] = categories.reshape(n, w, 2)
         counters = grid.reshape(n, w * 6)
-        lengths = np.fromiter((len(h[0]) for h in histories), np.int64, len(queries))
         source = {  # a new integer input fails here (KeyError) rather than reaching the model unset
-            "ts": ts, "user_id": np.repeat(np.fromiter((q.user_id for q in queries), np.int64, len(queries)), sizes),
+            "ts": ts, "user_id": np.repeat(user_ids, sizes),
             "item_id": ids[:, 0], "position": ids[:, 3],
-            "local_hour": np.repeat(np.fromiter((q.local_hour for q in queries), np.int64, len(queries)), sizes),
+            "local_hour": np.repeat(np.fromiter((q.local_hour for q in queries), np.int64, nq), sizes),
             "category_id": ids[:, 1], "advertiser_id": ids[:, 2],
         }
         columns = FeatureColumns(
             ints={name: source[name] for name in INT_COLUMNS}, counters=counters,
             device_hash=np.repeat(device_hashes([q.device for q in queries]), sizes),
-            hist_items=np.fromiter(chain.from_iterable(h[0] for h in histories), np.int64, int(lengths.sum())),
-            hist_categories=np.fromiter(chain.from_iterable(h[1] for h in histories), np.int64, int(lengths.sum())),
-            hist_lengths=lengths, hist_group=np.repeat(np.arange(len(queries), dtype=np.int64), sizes))
+            hist_items=hist_items, hist_categories=hist_categories,
+            hist_lengths=lengths, hist_group=np.repeat(np.arange(nq, dtype=np.int64), sizes))
         features: list[list[dict[str, Any]] | None] = []
-        at = 0
-        for q, (hist_items, hist_categories), m in zip(queries, histories, sizes.tolist()):
-            features.append(self._named(q, hist_items, hist_categories, counters[at: at + m]) if q.return_features else None)
-            at += m
+        at, hist_at = 0, 0
+        for q, m, k in zip(queries, sizes.tolist(), lengths.tolist()):
+            features.append(self._named(q, hist_items[hist_at: hist_at + k].tolist(), hist_categories[hist_at: hist_at + k].tolist(),
+                                        counters[at: at + m]) if q.return_features else None)
+            at, hist_at = at + m, hist_at + k
         return AssembledBatch(columns, as_of, features)
 
     def assemble(self, user_id: int, ts: int, device: str, local_hour: int, candidates: Sequence, with_features: bool = False) -> Assembled:
@@ -390,11 +401,11 @@ class OnlineFeatures:
         return Assembled(batch.columns, ts, batch.as_of, batch.features[0])
 
     def _compute_for(self, kind: str):
-        peek, windows = self.memory.peek, self.windows_ms
+        store, windows = self.store, self.windows_ms
 
         def compute(entity_id: int, ts: int) -> tuple[list[int], int] | None:
-            entity = peek((kind, entity_id))
-            return entity.counts.counts_until(ts, windows) if entity is not None and entity.counts is not None else None
+            slot = store.slot(kind, entity_id)
+            return store.counts_until(kind, slot, ts, windows) if slot >= 0 else None
         return compute
 
     def _named(self, q: ByIdsQuery, items: list[int], categories: list[int], counters: np.ndarray) -> list[dict[str, Any]]:
@@ -418,14 +429,16 @@ class OnlineFeatures:
         return sum(max(0, end - self._positions.get(p, 0)) for p, end in self._ends.items())
 
     def status(self) -> dict[str, Any]:
-        as_of, memory = self.as_of(), self.memory
+        as_of, store = self.as_of(), self.store
+        entities = store.entities()
         return {
             "topic": self.topic, "ready": self.serves_by_ids(), "caught_up": self.caught_up.is_set(), "error": self.error,
             "features_as_of": as_of, "lag_ms": int(time.time() * 1000) - as_of if as_of is not None else None,
             "lag_records": self.lag_records(), "partitions": self.partitions,
-            "entities": dict(memory.entities_by_kind), "in_memory": memory.in_memory, "spilled": memory.spilled,
-            "memory_bytes": memory.bytes, "memory_budget_bytes": memory.budget, **self.counts, "spills": memory.spills,
-            "reloads": memory.reloads, "last_corrupt": self.last_corrupt,
+            "entities": entities, "in_memory": sum(entities.values()), "spilled": 0,
+            "memory_bytes": store.nbytes, "memory_budget_bytes": store.budget, "over_budget": store.refusing,
+            "refused": store.refused, "history_overflow": len(store.history.overflow), **self.counts,
+            "last_corrupt": self.last_corrupt,
             "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
             "counter_cache": {kind: {"entities": len(c), "bytes": c.nbytes, "hits": c.hits, "misses": c.misses}
                               for kind, c in self._counters.items()},
@@ -435,4 +448,4 @@ class OnlineFeatures:
         s = self.status()
         return (f"{s['messages']:,} messages, {sum(s['entities'].values()):,} entities "
                 f"({', '.join(f'{k} {v:,}' for k, v in s['entities'].items())}), {s['memory_bytes'] / 2**20:.1f} MiB, "
-                f"{s['spilled']:,} spilled, {s['corrupt']} corrupt, as of {s['features_as_of']}")
+                f"{s['refused']:,} refused over budget, {s['corrupt']} corrupt, as of {s['features_as_of']}")
