@@ -128,6 +128,17 @@ def instance_bodies(port: int, bodies: list[bytes]) -> list[bytes]:
     return out
 
 
+def level_batching(before: dict, after: dict, wall_s: float) -> dict:
+    """The batcher's figures over one load level (``wall_s`` between its two readings): the
+    difference of its cumulative counters; ``busy``: the share of that time a batch ran."""
+    batches, requests = after["batches"] - before["batches"], after["requests"] - before["requests"]
+    run_s, queued_s = after["run_s"] - before["run_s"], after["queued_s"] - before["queued_s"]
+    return {"batches": batches, "requests": requests, "requests_per_batch": round(requests / max(batches, 1), 2),
+            "run_ms_per_batch": round(run_s / max(batches, 1) * 1000, 3),
+            "queued_ms_per_request": round(queued_s / max(requests, 1) * 1000, 3), "run_s": round(run_s, 3),
+            "busy": run_s / wall_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet to train the model on (default: generate one)")
@@ -195,17 +206,20 @@ def main() -> None:
                 work = instances if name == "instances" else bodies
                 load(port, work, 8, 2.0, args.client_processes)  # warm-up
                 rows = []
+                before, read_at = model_status(port)["batching"], time.monotonic()
                 for c in args.concurrency:
                     row = load(port, work, c, args.seconds, args.client_processes)
                     row["candidates_per_s"] = row["qps"] * args.candidates
                     status = model_status(port)
-                    row["server"] = {"batching": status["batching"], "features": {k: status["features"].get(k) for k in
-                                                                                  ("entities", "memory_bytes", "lag_ms", "counter_cache")}}
+                    level = level_batching(before, status["batching"], time.monotonic() - read_at)
+                    before, read_at = status["batching"], time.monotonic()
+                    row["server"] = {"batching": status["batching"], "level": level,
+                                     "features": {k: status["features"].get(k) for k in ("entities", "memory_bytes", "lag_ms", "counter_cache")}}
                     rows.append(row)
                     print(f"{name:12s} c={c:4d}: {row['qps']:8.0f} req/s {row['candidates_per_s']:10.0f} candidates/s "
                           f"p50 {row['p50_ms']:6.2f} ms p99 {row['p99_ms']:6.2f} ms errors {row['errors']}  "
-                          f"({status['batching']['requests_per_batch']} req/batch, run {status['batching']['run_ms_per_batch']} ms/batch, "
-                          f"queued {status['batching']['queued_ms_per_request']} ms/request)", flush=True)
+                          f"(this level: {level['requests_per_batch']} req/batch, run {level['run_ms_per_batch']} ms/batch, "
+                          f"queued {level['queued_ms_per_request']} ms/request, engine busy {level['busy']:.0%})", flush=True)
                 result[name] = {"ready_after_s": round(started, 1), "workers": workers, "levels": rows}
             finally:
                 proc.terminate()

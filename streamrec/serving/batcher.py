@@ -144,6 +144,8 @@ class RequestBatcher:
         self._waiting: asyncio.Event | None = None  # a request is pending
         self._full: asyncio.Event | None = None  # max_batch instances are pending
         self._free = max(workers, 1)  # workers not running a batch
+        self._arrivals = 0  # requests queued so far
+        self._backlog = False  # what is queued arrived while a batch ran on the loop: it has waited already
         self._wake: asyncio.Event | None = None  # a worker freed, or a request came with a sooner deadline
         self._waiting_until = float("inf")  # the deadline the loop sleeps towards while every worker is busy
         self._task: asyncio.Task | None = None
@@ -195,6 +197,7 @@ class RequestBatcher:
         if self._last_arrival:
             self._gap_s += 0.2 * (request.enqueued - self._last_arrival - self._gap_s)
         self._last_arrival = request.enqueued
+        self._arrivals += 1
         (self._small if len(payload) <= self.small_rows else self._big).append(request)
         self._pending_rows += len(payload)
         self._waiting.set()
@@ -225,7 +228,7 @@ class RequestBatcher:
             free_at = time.perf_counter()
             # the batching window: never past a queued request's deadline (the window is our choice, not overload)
             left = min(self._oldest()[0].enqueued + self.max_delay_s, self._next_deadline()) - free_at
-            if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s:
+            if left > 0 and self._pending_rows < self.max_batch and self._gap_s < self.max_delay_s and not self._backlog:
                 try:
                     await asyncio.wait_for(self._full.wait(), left)
                 except asyncio.TimeoutError:
@@ -237,6 +240,7 @@ class RequestBatcher:
                 continue
             if self._executor is None:
                 self._run_here(batch, rows)
+                self._backlog = await self._read_backlog()
             else:
                 asyncio.create_task(self._run(batch, rows))
 
@@ -331,6 +335,20 @@ class RequestBatcher:
         except Exception as exc:  # noqa: BLE001 -- every request of the batch learns why
             outcomes = exc
         self._answer(batch, rows, started, outcomes)
+
+    async def _read_backlog(self, turns: int = 3, most_s: float = 0.001) -> bool:
+        """After a batch ran on the loop (``workers = 0``): let the loop read the requests that
+        arrived meanwhile, until ``turns`` turns bring no new one (a request's bytes take two
+        turns to become a queued request) or ``most_s`` passes. Whether any are queued: they
+        have waited a whole batch already, so the next one closes without a window."""
+        ends = time.perf_counter() + most_s
+        while time.perf_counter() < ends and self._pending_rows < self.max_batch:
+            seen = self._arrivals
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if self._arrivals == seen:
+                break
+        return self._pending_rows > 0
 
     def _answer(self, batch: list[_Request], rows: int, started: float, outcomes: list | Exception) -> None:
         """Each request's outcome (or the batch's exception) to its reply; the worker is free again."""
