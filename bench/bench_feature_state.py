@@ -35,15 +35,55 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_serving_by_ids import synth_snapshot  # noqa: E402
+from bench_serving_by_ids import _lists, _times  # noqa: E402
 from output import write_result  # noqa: E402
 
+import pyarrow as pa  # noqa: E402
+
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
+from streamrec.contracts.feature_state import ENTITIES, Watermarks  # noqa: E402
+from streamrec.serving.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot  # noqa: E402
 from streamrec.serving.by_ids import ByIdsQuery  # noqa: E402
 from streamrec.serving.online_features import OnlineFeatures  # noqa: E402
 
 SPEC = FeatureSpec()
 TOPIC = "bench.features"
+
+
+def synth_snapshot(path: Path, users: int, items: int, categories: int, history: int, seed: int = 5) -> int:
+    """bench_serving_by_ids.synth_snapshot's state (the same draws, in the same order: the
+    same file), its batches made while they are written: 10M users' never all in memory."""
+    rng = np.random.default_rng(seed)
+    now = int(time.time() * 1000)
+    span = max(SPEC.windows_s) * 1000
+    item_category = rng.integers(1, categories + 1, items + 1)
+
+    def batch(kind: str, ids: np.ndarray, imps: np.ndarray, clicks: np.ndarray, hist: pa.Array | None) -> pa.RecordBatch:
+        it, ct = _times(rng, imps, now, span), _times(rng, clicks, now, span)
+        kinds = pa.DictionaryArray.from_arrays(pa.array(np.full(len(ids), ENTITIES.index(kind), np.int8)), pa.array(list(ENTITIES)))
+        return pa.record_batch([kinds, pa.array(ids), _lists(imps, it), _lists(clicks, ct),
+                                hist if hist is not None else pa.nulls(len(ids), pa.list_(pa.int64()))], schema=SCHEMA)
+
+    def batches():
+        for start in range(0, users, 200_000):
+            ids = np.arange(start + 1, min(users, start + 200_000) + 1, dtype=np.int64)
+            n = len(ids)
+            clicked = rng.zipf(1.3, n * history) % items + 1
+            ts = now - 1 - np.sort(rng.integers(0, 86_400_000, (n, history)), axis=1)
+            triples = np.stack([clicked.reshape(n, history), item_category[clicked].reshape(n, history), ts], axis=2).reshape(-1)
+            imps = rng.poisson(8, n)
+            yield batch("user", ids, imps, np.minimum(imps, rng.poisson(1, n)), _lists(np.full(n, 3 * history), triples))
+        hot = np.minimum((50_000 / np.arange(1, items + 1) ** 0.9).astype(np.int64), 5_000)
+        yield batch("item", np.arange(1, items + 1, dtype=np.int64), hot, hot // 30, None)
+        per_category = np.minimum(np.bincount(item_category[1:], weights=hot, minlength=categories + 1)[1:].astype(np.int64), 20_000)
+        yield batch("category", np.arange(1, categories + 1, dtype=np.int64), per_category, per_category // 30, None)
+
+    marks = Watermarks()
+    for stage in ENTITIES:
+        marks.marks[(0, stage, 0)] = now - 1000
+        marks.parallelism[stage] = 1
+    spec = {"windows_s": list(SPEC.windows_s), "history_len": SPEC.history_len}
+    return write_snapshot(path, SnapshotHeader(TOPIC, 1, {0: 0}, marks, spec), batches())
 
 
 def _rss_anon_mb() -> float:
@@ -131,8 +171,8 @@ def main() -> None:
         snapshot = Path(args.dir) / f"users-{users}-items-{args.items}-h{args.history}.arrow"
         if not snapshot.exists():
             t0 = time.perf_counter()
-            made = synth_snapshot(snapshot, TOPIC, users, args.items, args.categories, args.history, SPEC)
-            print(f"made {snapshot} ({made['bytes'] / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+            size = synth_snapshot(snapshot, users, args.items, args.categories, args.history)
+            print(f"made {snapshot} ({size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", flush=True)
         child = subprocess.run([sys.executable, __file__, "--child", str(snapshot), "--users", str(users), "--items", str(args.items),
                                 "--apply-users", str(args.apply_users), "--repeat", str(args.repeat)],
                                capture_output=True, text=True)

@@ -13,90 +13,80 @@ before the one they were computed at. Not thread-safe: the owner's lock guards i
 
 from __future__ import annotations
 
-from itertools import repeat
 from typing import Callable
 
 import numpy as np
+
+from streamrec.serving.id_index import _grown
 
 INT64_MIN = np.iinfo(np.int64).min
 
 
 class CounterCache:
-    """Per entity of one kind: counts ``[2W]`` at ``computed_at``, valid before ``valid_until``.
+    """Per entity slot of one kind (serving/entity_store.py): counts ``[2W]`` at
+    ``computed_at``, valid before ``valid_until``.
 
-    Memory: ``8 * (2W + 2)`` bytes per cached entity plus a dict entry (:attr:`nbytes`); only
-    entities that exist in the feature state are cached (an unknown id gets zeros and no
-    row), so a client cannot grow it with made-up ids; past ``max_entities`` it starts over
-    (the entities requested since come back at their first request)."""
+    Indexed by the store's slots, so a batch's candidates are looked up in numpy (the
+    store's id index), not a dict per id. Memory: ``8 * (2W + 2)`` bytes per slot up to the
+    highest one requested (:attr:`nbytes`); the store's own budget bounds the slots, and an
+    unknown id gets zeros and no row, so a client cannot grow it with made-up ids."""
 
-    def __init__(self, width: int, capacity: int = 1024, max_entities: int = 1 << 20) -> None:
-        self.width, self.max_entities = width, max_entities
-        self._rows: dict[int, int] = {}
+    def __init__(self, width: int, capacity: int = 1024) -> None:
+        self.width = width
         self._counts = np.zeros((capacity, width), np.int64)
         self._computed_at = np.zeros(capacity, np.int64)
         self._valid_until = np.full(capacity, INT64_MIN, np.int64)
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return int(np.count_nonzero(self._valid_until != INT64_MIN))
 
     @property
     def nbytes(self) -> int:
-        return self._counts.nbytes + self._computed_at.nbytes + self._valid_until.nbytes + 100 * len(self._rows)
+        return self._counts.nbytes + self._computed_at.nbytes + self._valid_until.nbytes
 
     def clear(self) -> None:
         """Forget every entity's counts."""
-        self._rows.clear()
         self._valid_until[:] = INT64_MIN
 
-    def invalidate(self, entity_id: int) -> None:
+    def invalidate(self, slot: int) -> None:
         """The entity changed: its cached counts no longer hold."""
-        row = self._rows.get(entity_id)
-        if row is not None:
-            self._valid_until[row] = INT64_MIN
+        if slot < len(self._valid_until):
+            self._valid_until[slot] = INT64_MIN
 
-    def gather(self, ids: np.ndarray, ts: np.ndarray, compute: Callable[[int, int], tuple[list[int], int] | None]) -> np.ndarray:
-        """``[n, width]`` counts of entities ``ids`` ``[n]`` at times ``ts`` ``[n]`` (int64).
-
-        ``compute(id, ts)`` gives (counts, valid until) from the entity's state, or None for an
-        entity the state does not have (zeros)."""
-        n = len(ids)
-        rows = np.fromiter(map(self._rows.get, ids.tolist(), repeat(-1)), np.int64, n)
-        known = rows >= 0
-        safe = np.where(known, rows, 0)
+    def gather(self, slots: np.ndarray, ts: np.ndarray, compute: Callable[[int, int], tuple[list[int], int]]) -> np.ndarray:
+        """``[n, width]`` counts of the entities in ``slots`` ``[n]`` (-1: unknown, zeros)
+        at times ``ts`` ``[n]`` (int64). ``compute(slot, ts)`` gives (counts, valid until)
+        from the entity's state."""
+        n = len(slots)
+        if n and int(slots.max()) >= len(self._valid_until):
+            self._grow(int(slots.max()) + 1)
+        known = slots >= 0
+        safe = np.where(known, slots, 0)
         fresh = known & (self._computed_at[safe] <= ts) & (ts < self._valid_until[safe])
         out = self._counts[safe]
-        stale = np.flatnonzero(~fresh)
+        out[~known] = 0
+        stale = np.flatnonzero(known & ~fresh)
         self.hits += n - len(stale)
         self.misses += len(stale)
         if len(stale):
             done: dict[tuple[int, int], np.ndarray] = {}
-            for i, entity_id, at in zip(stale.tolist(), ids[stale].tolist(), ts[stale].tolist()):
-                got = done.get((entity_id, at))
+            for i, slot, at in zip(stale.tolist(), slots[stale].tolist(), ts[stale].tolist()):
+                got = done.get((slot, at))
                 if got is None:
-                    got = done[(entity_id, at)] = self._refresh(entity_id, at, compute)
+                    got = done[(slot, at)] = self._refresh(slot, at, compute)
                 out[i] = got
         return out
 
-    def _refresh(self, entity_id: int, ts: int, compute: Callable[[int, int], tuple[list[int], int] | None]) -> np.ndarray:
-        result = compute(entity_id, ts)
-        if result is None:
-            return np.zeros(self.width, np.int64)
-        counts, until = result
-        row = self._rows.get(entity_id)
-        if row is None:
-            if len(self._rows) >= self.max_entities:
-                self.clear()
-            row = self._rows[entity_id] = len(self._rows)
-            if row == len(self._counts):
-                self._grow()
+    def _refresh(self, slot: int, ts: int, compute: Callable[[int, int], tuple[list[int], int]]) -> np.ndarray:
+        counts, until = compute(slot, ts)
         values = np.asarray(counts, np.int64)
-        if ts >= self._computed_at[row] or self._valid_until[row] == INT64_MIN:  # keep the later of two requests' times
-            self._counts[row], self._computed_at[row], self._valid_until[row] = values, ts, until
+        if ts >= self._computed_at[slot] or self._valid_until[slot] == INT64_MIN:  # keep the later of two requests' times
+            self._counts[slot], self._computed_at[slot], self._valid_until[slot] = values, ts, until
         return values
 
-    def _grow(self) -> None:
-        capacity = 2 * len(self._counts)
-        self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
-        self._computed_at = np.concatenate([self._computed_at, np.zeros(capacity // 2, np.int64)])
-        self._valid_until = np.concatenate([self._valid_until, np.full(capacity // 2, INT64_MIN, np.int64)])
+    def _grow(self, need: int) -> None:
+        old = len(self._valid_until)
+        self._counts, self._computed_at = _grown(self._counts, need), _grown(self._computed_at, need)
+        self._valid_until = _grown(self._valid_until, need)
+        self._valid_until[old:] = INT64_MIN

@@ -22,6 +22,9 @@ from streamrec.serving.id_index import IdIndex
 from streamrec.serving.time_lists import TimeLists, segment_index
 
 
+_CHECK_EVERY = 16
+
+
 class KindState:
     """One kind's entities: id -> slot, and per slot impression and click times."""
 
@@ -55,15 +58,22 @@ class EntityStore:
         self.history = HistoryRows(history_len)
         self.refused = 0  # records of entities not admitted (over budget)
         self.refusing = False  # the budget was reached: no new entity from then on
+        self._unchecked = 0  # entities admitted since the budget was last checked
 
     # ------------------------------------------------------------------ accounting
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes for k in self.kinds.values()) + self.history.nbytes
 
-    def _admits(self) -> bool:
-        if not self.refusing and self.nbytes > self.budget:
-            self.refusing = True
+    def _admits(self, check: bool = False) -> bool:
+        """Whether a new entity may come in; the size is summed once per ``_CHECK_EVERY``
+        entities (a few KiB past the budget at most), or when ``check``."""
+        if self.refusing:
+            return False
+        self._unchecked -= 1
+        if self._unchecked < 0 or check:
+            self._unchecked = _CHECK_EVERY
+            self.refusing = self.nbytes > self.budget
         return not self.refusing
 
     def entities(self) -> dict[str, int]:
@@ -72,7 +82,7 @@ class EntityStore:
     def clear(self) -> None:
         self.kinds = {kind: KindState() for kind in ENTITIES}
         self.history = HistoryRows(self.history_len)
-        self.refused, self.refusing = 0, False
+        self.refused, self.refusing, self._unchecked = 0, False, 0
 
     # ------------------------------------------------------------------ one entity
     def slot(self, kind: str, entity_id: int) -> int:
@@ -143,8 +153,9 @@ class EntityStore:
         return imps.tolist(), clicks.tolist(), None if history is None else history.reshape(-1).tolist()
 
     # ------------------------------------------------------------------ many users
-    def user_slots(self, ids: np.ndarray) -> np.ndarray:
-        return self.kinds["user"].index.lookup(ids)
+    def slots(self, kind: str, ids: np.ndarray) -> np.ndarray:
+        """The slots of ``ids`` (-1: unknown), in numpy."""
+        return self.kinds[kind].index.lookup(ids)
 
     def user_counts(self, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> np.ndarray:
         """``[n, 2W]``: per (user slot, ts), ``EntityCounts.counts``; zeros for -1."""
@@ -184,7 +195,7 @@ class EntityStore:
         per column (offsets, valid, values) of its list column. Returns those admitted
         (none past the budget)."""
         state = self.kinds[kind]
-        if not self._admits():
+        if not self._admits(check=True):
             self.refused += len(ids)
             return 0
         if len(np.unique(ids)) != len(ids) or (state.index.lookup(ids) >= 0).any():

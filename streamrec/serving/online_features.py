@@ -326,7 +326,7 @@ class OnlineFeatures:
                     clicks = np.frombuffer(message.clicks, np.int64) if message.clicks is not None else _NO_TIMES
                     store.put_bucket(message.entity, slot, imps, clicks, expire_at)
                     if message.entity in self._counters:
-                        self._counters[message.entity].invalidate(message.entity_id)
+                        self._counters[message.entity].invalidate(slot)
                 elif isinstance(message, History):
                     slot = store.slot_for_update("user", message.user_id)
                     if slot >= 0:
@@ -361,11 +361,11 @@ class OnlineFeatures:
         user_ids = np.fromiter((q.user_id for q in queries), np.int64, nq)
         ts = np.repeat(query_ts, sizes)
         with self._lock:
-            users = store.user_slots(user_ids)
+            users = store.slots("user", user_ids)
             user_counts = store.user_counts(users, query_ts, windows)
             hist_items, hist_categories, lengths = store.histories_before(users, query_ts)
-            items = self._counters["item"].gather(ids[:, 0], ts, self._compute_for("item"))
-            categories = self._counters["category"].gather(ids[:, 1], ts, self._compute_for("category"))
+            items = self._counters["item"].gather(store.slots("item", ids[:, 0]), ts, self._compute_for("item"))
+            categories = self._counters["category"].gather(store.slots("category", ids[:, 1]), ts, self._compute_for("category"))
             as_of = self.as_of()
         n, w = len(ids), len(windows)
         # counter columns: for each window, for user, item, category: (imps, clicks)
@@ -403,9 +403,8 @@ class OnlineFeatures:
     def _compute_for(self, kind: str):
         store, windows = self.store, self.windows_ms
 
-        def compute(entity_id: int, ts: int) -> tuple[list[int], int] | None:
-            slot = store.slot(kind, entity_id)
-            return store.counts_until(kind, slot, ts, windows) if slot >= 0 else None
+        def compute(slot: int, ts: int) -> tuple[list[int], int]:
+            return store.counts_until(kind, slot, ts, windows)
         return compute
 
     def _named(self, q: ByIdsQuery, items: list[int], categories: list[int], counters: np.ndarray) -> list[dict[str, Any]]:
