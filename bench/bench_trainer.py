@@ -40,7 +40,9 @@ owner received per step, and their imbalance (max / mean over the ranks). Unless
 ``--no-split``, each configuration runs a second time with ``streamrec train --sync-timings``
 (the device drained at every phase boundary): those are the per-rank phase times printed,
 exact but from slower steps; the throughput figures come from the unsynced run, whose own
-per-rank host times are in the JSON too.
+per-rank host times are in the JSON too. The ranks pipeline their exchange as configured
+(``trainer.pipeline_exchange``; ``STREAMREC_TRAINER__PIPELINE_EXCHANGE=false`` for the
+unpipelined step), and the JSON says which.
 
 Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
        python bench/bench_trainer.py --nproc-per-node 1 2 4 [--samples ...] [--batch 4096] [--steps 600] [--device cuda] [--no-split]
@@ -322,7 +324,9 @@ def rank_table(run: dict) -> str:
             cells += [f"{'-':>7}"] * (len(SHOWN_EXCHANGE) + 4)
         lines.append(f"  {r['rank']:>4} " + " ".join(cells))
     if run["ids_received_imbalance"] is not None:
-        lines.append(f"  ids received, max / mean over ranks: {run['ids_received_imbalance']:.3f}")
+        first = run["by_rank"][0]
+        lines.append(f"  ids received, max / mean over ranks: {run['ids_received_imbalance']:.3f}; steps whose exchange went ahead: "
+                     f"{first['exchange']['ahead']} of {first['steps']} (the owner's find_or_insert too: {first['exchange']['found_ahead']})")
     return "\n".join(lines)
 
 
@@ -330,7 +334,8 @@ def scaling(args: argparse.Namespace) -> None:
     device = args.device
     result = {"bench": "trainer_scaling", "device": device, "batch_per_rank": args.batch, "steps": args.steps,
               "samples_file": args.samples, "host": platform.node(), "torch": torch.__version__,
-              "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+              "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "pipeline_exchange": load_config().trainer.pipeline_exchange}  # the ranks' config: this environment's
     with tempfile.TemporaryDirectory() as tmp:
         print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
         run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")

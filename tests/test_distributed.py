@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, make_sample_run, run_cli
 from streamrec.model.batch import batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.model.sparse import SparseFeatures
@@ -31,6 +31,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.sharded import ShardedCollection, owner_of
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
+from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.distributed import agree
@@ -125,6 +126,103 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
         assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + 2 * 6)  # int64 ids, and each step a count per table for the other rank
         assert stats[r]["grads_bytes_out"] == row_bytes * off_rank[r]
         assert stats[1 - r]["rows_bytes_out"] == row_bytes * off_rank[r]  # the other owner answered each of them
+
+
+def _rows_of(store: EmbeddingCollection) -> dict[str, dict[int, tuple]]:
+    """Every row of every table: key -> (weights, optimizer state, clock), on the host."""
+    return {n: {k: (w, s, seen) for keys, weights, state, last_seen in t.export_all(with_state=True)
+                for k, w, s, seen in zip(keys.tolist(), weights, state, last_seen.tolist())} for n, t in store.tables.items()}
+
+
+def _pipelined_worker(rank: int, world: int, init: str, out: str, root: str, backend: str = "gloo") -> None:
+    """Per table set, two identical shards over the same ranks and steps: one steps in turn
+    (find_or_insert, backward, apply_gradients), one pipelined (the next step's prefetch
+    between find_or_insert and apply_gradients, as the trainer does). Saves, per step, the
+    rows each pulled and every row each owns after its update and the next find_or_insert,
+    and the exchange counters."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    gpu = backend == "nccl"
+    cache = 4096 if gpu else 0
+    # on the GPU the owner's find_or_insert runs ahead where every row stays in the cache (the
+    # table-batched path); on CPU where rows live in DRAM without a budget, admission included
+    admit = 1 if gpu else 2
+    sets = {  # the owner's find_or_insert runs ahead / it waits its turn (rows may move: a DRAM budget, an admission sketch)
+        "ahead": [TableConfig("a", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache),
+                  TableConfig("b", 4, optimizer="adam", lr=0.05, admit_after=admit, gpu_cache_rows=cache)],
+        "budget": [TableConfig("a", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache),
+                   TableConfig("b", 4, optimizer="adam", lr=0.05, admit_after=2, gpu_cache_rows=cache),
+                   TableConfig("c", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=20 if gpu else 0, dram_rows=0 if gpu else 12)],
+    }
+    g = torch.Generator().manual_seed(200 + rank)
+    steps = [{"a": torch.randint(0, 40, (30,), generator=g) * 7919, "b": torch.randint(0, 12, (9,), generator=g),
+              "c": torch.randint(0, 60, (12,), generator=g)} for _ in range(8)]  # steps share most keys
+    result = {}
+    for name, configs in sets.items():
+        stores = {mode: EmbeddingCollection(configs, device, Path(root) / f"{name}-{mode}-{rank}", seed=1000 * rank)
+                  for mode in ("in_turn", "pipelined")}
+        sharded = {mode: ShardedCollection(store) for mode, store in stores.items()}
+        batches = [{n: t.to(device) for n, t in ids.items() if n in stores["in_turn"].tables} for ids in steps]
+        seen, current = {mode: [] for mode in stores}, {mode: [] for mode in stores}
+        for mode, collection in sharded.items():
+            pulled = collection.find_or_insert(batches[0], now_ms=1000)
+            for step, ids in enumerate(batches):
+                if mode == "pipelined" and step + 1 < len(batches):
+                    with collection.ahead_stream():
+                        collection.prefetch(batches[step + 1], now_ms=1000 * (step + 2))
+                    # where nothing moved, this step's rows keep their slots: its update needs no lookup by key
+                    current[mode].append(all(stores[mode][n].current(pulled.owned[n]) for n in ids))
+                grads = [torch.stack([(t % 11) - 5, t % 3, torch.full_like(t, step), torch.ones_like(t)], 1).float() * 0.01
+                         for t in ids.values()]
+                torch.autograd.backward([pulled.embeddings[n] for n in ids], grads)
+                collection.apply_gradients(pulled)
+                rows = {n: pulled.embeddings[n].detach().cpu() for n in ids}
+                if step + 1 < len(batches):  # the rows are compared once both orders have made the next step's
+                    pulled = collection.find_or_insert(batches[step + 1], now_ms=1000 * (step + 2))
+                seen[mode].append((rows, _rows_of(stores[mode])))
+        result[name] = {"seen": seen, "current": current["pipelined"], "stats": {mode: asdict(c.stats) for mode, c in sharded.items()}}
+        for store in stores.values():
+            store.close()
+    torch.save(result, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pipelined_exchange_trains_exactly_as_steps_in_turn(tmp_path, backend):
+    """Two ranks, the next step's ids exchanged (and its rows created by their owners) before
+    this step's update: at every step, the rows each rank pulled, and every row each owner
+    holds once the next step's rows exist (weights, optimizer state, clock), equal those of
+    steps taken in turn, with the
+    owner's find_or_insert ahead where no row can move, and in its turn under a DRAM budget."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=_pipelined_worker,
+                                             args=(r, 2, init, str(tmp_path / f"out{r}"), str(tmp_path), backend))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    tol = 0.0 if backend == "gloo" else 1e-6
+    for r in range(2):
+        got = torch.load(tmp_path / f"out{r}", weights_only=False)
+        for name, run in got.items():
+            stats = run["stats"]
+            assert stats["pipelined"]["ahead"] == 7 and stats["in_turn"]["ahead"] == 0, (name, stats)
+            assert stats["pipelined"]["found_ahead"] == (7 if name == "ahead" else 0), (name, stats)
+            assert run["current"] == [True] * 7, (name, run["current"])
+            for step, ((pulled, rows), (pulled_in_turn, rows_in_turn)) in enumerate(zip(run["seen"]["pipelined"], run["seen"]["in_turn"])):
+                for n, want in pulled_in_turn.items():
+                    torch.testing.assert_close(pulled[n], want, rtol=0, atol=tol, msg=lambda m: f"{name} rank {r} step {step} {n}: {m}")
+                for n, table in rows_in_turn.items():
+                    assert rows[n].keys() == table.keys() and len(table) > 0, (name, r, step, n)
+                    for k, (w, s, seen) in table.items():
+                        torch.testing.assert_close(rows[n][k][0], w, rtol=0, atol=tol)
+                        torch.testing.assert_close(rows[n][k][1], s, rtol=0, atol=tol)
+                        assert rows[n][k][2] == seen, (name, r, step, n, k)
 
 
 def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
@@ -487,3 +585,67 @@ def test_a_killed_rank_fails_cleanly_and_a_restart_ends_where_an_unbroken_run_en
     other = run_cli("train", "--samples", str(sample_run), "--model-store", str(tmp_path / "models"), "--work-dir", str(work),
                     "--device", "cpu", "--no-frozen")
     assert other.returncode != 0 and "written by 2 rank(s)" in other.stderr and "--nproc-per-node 2" in other.stderr
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    return make_sample_run(tmp_path_factory.mktemp("small") / "run", 10)
+
+
+def _final_state(work: Path) -> list[tuple[dict, dict, dict]]:
+    """Per rank, from its last checkpoint: every row (weights, optimizer state, clock), the
+    dense model and optimizer state, and state.json."""
+    out = []
+    for rank in range(2):
+        ckpt = Checkpointer(work / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
+        store, _ = EmbeddingCollection.restore(ckpt / "sparse")
+        rows = _rows_of(store)
+        store.close()
+        out.append((rows, torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False),
+                    json.loads((ckpt / "state.json").read_text())))
+    return out
+
+
+@pytest.mark.slow
+def test_the_pipelined_trainer_ends_where_the_unpipelined_one_ends(small_run, tmp_path):
+    """`streamrec train` on 2 ranks over the same samples with ``trainer.pipeline_exchange``
+    on and off, publishing every 0.2 s (a step before a publish does not look ahead): the
+    same samples, and bit for bit the same last version, rows (weights, optimizer state,
+    clocks) and dense model and optimizer state on each rank."""
+    runs = {}
+    for pipelined in (True, False):
+        name = "pipelined" if pipelined else "in_turn"
+        done = run_cli("train", "--samples", str(small_run), "--model-store", str(tmp_path / name / "models"), "--work-dir",
+                       str(tmp_path / name / "work"), "--device", "cpu", "--no-frozen", "--publish-interval", "0.2", "--json",
+                       "--batch-size", "512", "--nproc-per-node", "2",
+                       env={"STREAMREC_TRAINER__PIPELINE_EXCHANGE": str(pipelined).lower(), "OMP_NUM_THREADS": "1"}, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = json.loads(done.stdout)
+    rows = pq.ParquetFile(small_run / "samples.parquet").metadata.num_rows
+    assert runs["pipelined"]["samples"] == runs["in_turn"]["samples"] == rows
+    ahead = [r["exchange"]["ahead"] for r in runs["pipelined"]["step_by_rank"]]
+    steps = runs["pipelined"]["step_by_rank"][0]["steps"]
+    assert 0 < ahead[0] == ahead[1] < steps, (ahead, steps)  # most steps looked ahead; the first could not
+    assert [r["exchange"]["found_ahead"] for r in runs["pipelined"]["step_by_rank"]] == ahead
+    assert all(r["exchange"]["ahead"] == 0 for r in runs["in_turn"]["step_by_rank"])
+
+    last = {name: ModelStore(str(tmp_path / name / "models"), "ctr").load() for name in runs}
+    for table, (keys, values) in last["in_turn"].tables.items():
+        got_keys, got_values = last["pipelined"].tables[table]
+        order, got_order = np.argsort(keys), np.argsort(got_keys)
+        assert np.array_equal(got_keys[got_order], keys[order]) and np.array_equal(got_values[got_order], values[order]), table
+    for name, value in last["in_turn"].dense.items():
+        assert torch.equal(last["pipelined"].dense[name], value), name
+    for rank, ((rows_p, dense_p, state_p), (rows_t, dense_t, state_t)) in enumerate(
+            zip(_final_state(tmp_path / "pipelined" / "work"), _final_state(tmp_path / "in_turn" / "work"))):
+        assert state_p["step"] == state_t["step"] and state_p["positions"] == state_t["positions"]
+        for table, want in rows_t.items():
+            assert rows_p[table].keys() == want.keys(), (rank, table)
+            for k, (w, s, seen) in want.items():
+                got = rows_p[table][k]
+                assert torch.equal(got[0], w) and torch.equal(got[1], s) and got[2] == seen, (rank, table, k)
+        for key, value in dense_t["model"].items():
+            assert torch.equal(dense_p["model"][key], value), (rank, key)
+        for param, state in dense_t["optimizer"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(dense_p["optimizer"]["state"][param][key]), torch.as_tensor(value)), (rank, param, key)

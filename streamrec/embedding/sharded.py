@@ -30,6 +30,15 @@ rows are one tensor as well (one autograd leaf; each table's embeddings are view
 Tables must share one dim (the rows travel as one tensor). Inference is never sharded: it
 reads an ``EmbeddingCollection`` loaded from a published version.
 
+Pipelined (``prefetch``): the next step's ids go to their owners while this step's dense
+work runs, and each owner's find_or_insert for them (rows created, slots taken) runs then
+too, where it cannot move a row of this step (``_rows_stay``); the next step's rows are
+read again, and sent, only by its own find_or_insert, after this step's update has landed.
+So a step's rows, updates and created rows are those of the unpipelined step: the same
+find_or_inserts in the same order, with the same random draws. On CUDA the work ahead runs
+on a side stream that waits for this step's rows exchange only (not the dense work queued
+after it), and the device's stream waits for it before anything it queues later.
+
 ``ShardedCollection.stats`` counts what each rank's exchange sent and received, from the
 split sizes the step brings to the host anyway (no device sync of its own), and the host
 time of each part of the exchange (exact per part with ``sync_timings``, which waits for
@@ -38,9 +47,11 @@ the device at each boundary; benchmarks only).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -50,6 +61,8 @@ from streamrec.embedding.table import BatchRows
 
 if TYPE_CHECKING:
     from streamrec.embedding.collection import EmbeddingCollection
+
+log = logging.getLogger(__name__)
 
 EXCHANGE_PARTS = ("ids", "owner_find_or_insert", "rows", "grads", "owner_update")
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
@@ -88,6 +101,17 @@ class ShardedRows:
 
 
 @dataclass
+class Ahead:
+    """A step's ids sent to their owners before its turn (``ShardedCollection.prefetch``)."""
+
+    route: Route
+    wanted: dict[str, torch.Tensor]  # owner: what it received, by table
+    now_ms: int
+    owned: dict[str, BatchRows] | None = None  # owner: its find_or_insert, when that ran ahead too
+    grouped: GroupedRows | None = None
+
+
+@dataclass
 class ExchangeStats:
     """One rank's exchange, summed over steps. Bytes count what left this rank for the other
     ranks (what it sends itself is a local copy); ids count every id, its own included, so
@@ -99,12 +123,15 @@ class ExchangeStats:
     ids_bytes_out: int = 0  # ids and their counts to the other owners
     rows_bytes_out: int = 0  # rows this owner sent back to the other requesters
     grads_bytes_out: int = 0  # gradients this requester sent to the other owners
+    ahead: int = 0  # steps whose ids went to their owners during the step before (prefetch)
+    found_ahead: int = 0  # of those, steps whose owner's find_or_insert ran then too
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXCHANGE_PARTS, 0.0))
 
     def per_step(self) -> dict[str, Any]:
         """The figures of an average step (bytes and ids per step, host ms per part)."""
         steps = max(1, self.steps)
-        return {"steps": self.steps, "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
+        return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead,
+                "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
                 "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
                               "grads": self.grads_bytes_out / steps},
                 "ms": {part: 1000 * s / steps for part, s in self.seconds.items()}}
@@ -125,6 +152,10 @@ class ShardedCollection:
         self.device = local.device
         self.stats = ExchangeStats()
         self.sync_timings = False  # wait for the device at each part's end: exact times, slower steps
+        self._ahead: Ahead | None = None  # the next step's exchange, begun by prefetch
+        self._pending: ShardedRows | None = None  # the rows handed out whose gradients have not come back
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._sent: torch.cuda.Event | None = None  # on CUDA: the last step's rows have gone out
 
     def _lap(self, part: str, since: float) -> float:
         """Add the time since ``since`` to ``part`` (after the device's queue drains, with
@@ -139,26 +170,126 @@ class ShardedCollection:
         """Rows for ``ids`` (table -> int64 [n]) from their owners, created/admitted there;
         one row per input id (float32 [n, dim], on this rank's device). The owner's
         find_or_insert is table-batched where ``EmbeddingCollection.find_or_insert`` would be
-        (``grouped.groupable``, decided each step), else table by table; the same host syncs."""
+        (``grouped.groupable``, decided each step), else table by table; the same host syncs.
+        After a ``prefetch``, ``ids`` must be the ids prefetched: their exchange is finished."""
+        ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
-        route, wanted = self._send_ids(ids)
-        t1 = self._lap("ids", t0)
-        # the owner's unique counts and created rows: the other two host syncs on CUDA
-        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
+        if ahead is None:
+            route, wanted = self._send_ids(ids)
+            t0 = self._lap("ids", t0)
+            owned, grouped = self._owner_find_or_insert(wanted, now_ms)
+        else:
+            route, wanted = self._check_ahead(ahead, ids, now_ms), ahead.wanted
+            if ahead.owned is None:
+                owned, grouped = self._owner_find_or_insert(wanted, now_ms)
+            else:
+                owned, grouped = ahead.owned, ahead.grouped
+                self._read_again(owned, grouped)
         served = None
         if grouped is not None:
             # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
             # rank), so the rows go out and the gradients come back without a regrouping by table
             served = torch.empty_like(grouped.inverse).index_copy_(0, route.by_table, grouped.inverse)
-            owned, outgoing = grouped.by_table, grouped.rows.index_select(0, served)
+            outgoing = grouped.rows.index_select(0, served)
         else:
-            owned = self.local.find_or_insert_each(wanted, now_ms)
             outgoing = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
             outgoing[route.by_table] = torch.cat([owned[n].embeddings() for n in route.names])
-        t2 = self._lap("owner_find_or_insert", t1)
+        t1 = self._lap("owner_find_or_insert", t0)
         leaf = self._send_rows(route, outgoing).requires_grad_(True)
-        self._lap("rows", t2)
-        return ShardedRows(dict(zip(route.names, leaf.split(route.sizes))), leaf, route, owned, grouped, served)
+        self._lap("rows", t1)
+        if self._side is not None:
+            self._sent = torch.cuda.Event()
+            self._sent.record(torch.cuda.current_stream(self.device))
+        self._pending = ShardedRows(dict(zip(route.names, leaf.split(route.sizes))), leaf, route, owned, grouped, served)
+        return self._pending
+
+    @contextlib.contextmanager
+    def ahead_stream(self) -> Iterator[None]:
+        """Where to run a ``prefetch`` (and the copy of its batch to the device): on CUDA a
+        side stream that waits for the last step's rows exchange only, so it overlaps the
+        dense work queued since; the device's stream waits for all of it afterwards. On CPU,
+        in program order."""
+        if self._side is None:
+            yield
+            return
+        if self._sent is not None:
+            self._side.wait_event(self._sent)
+        with torch.cuda.stream(self._side):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def prefetch(self, ids: Mapping[str, torch.Tensor], now_ms: int) -> None:
+        """Begin the next step's ``find_or_insert`` now, between this step's find_or_insert
+        and its apply_gradients (collective: every rank calls it at the same point): its ids
+        go to their owners, and each owner runs its find_or_insert of them now where no row
+        can move by it (``_rows_stay``; else that waits for the next find_or_insert). The
+        rows are read again, and sent, by the next find_or_insert, which must be of these
+        ``ids`` at this ``now_ms``."""
+        if self._ahead is not None:
+            raise RuntimeError("a prefetch is pending already: find_or_insert its ids first")
+        t0 = time.perf_counter()
+        route, wanted = self._send_ids(ids)
+        t1 = self._lap("ids", t0)
+        self.stats.ahead += 1
+        self._ahead = Ahead(route, wanted, now_ms)
+        if not self._rows_stay(wanted):
+            return
+        pending = self._pending
+        current = {n: self.local[n].current(r) for n, r in pending.owned.items()} if pending is not None else {}
+        moves = self._moves()
+        self._ahead.owned, self._ahead.grouped = self._owner_find_or_insert(wanted, now_ms)
+        self.stats.found_ahead += 1
+        if self._moves() != moves:  # _rows_stay promised otherwise: the update goes the tables' own slower way
+            log.warning("a find_or_insert run ahead moved rows; the step in flight updates them by key")
+        elif pending is not None:
+            for name, is_current in current.items():  # its slots still hold its rows: its update needs no lookup
+                if is_current:
+                    pending.owned[name].generation = self._ahead.owned[name].generation
+        self._lap("owner_find_or_insert", t1)
+
+    def _owner_find_or_insert(self, wanted: dict[str, torch.Tensor], now_ms: int) -> tuple[dict[str, BatchRows], GroupedRows | None]:
+        """The owner's find_or_insert of what it received: table-batched where it can be (the
+        owner's unique counts and created rows: the step's other two host syncs on CUDA)."""
+        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
+        if grouped is not None:
+            return grouped.by_table, grouped
+        return self.local.find_or_insert_each(wanted, now_ms), None
+
+    def _check_ahead(self, ahead: Ahead, ids: Mapping[str, torch.Tensor], now_ms: int) -> Route:
+        """The prefetched exchange's route, once ``ids`` are seen to be those prefetched (by
+        their shapes: a check of their values would cost a device sync)."""
+        sizes = [ids[n].numel() for n in ahead.route.names] if list(ids) == ahead.route.names else None
+        if sizes != ahead.route.sizes or now_ms != ahead.now_ms:
+            raise RuntimeError("find_or_insert after a prefetch must be of the prefetched ids, at the prefetched time")
+        return ahead.route
+
+    def _rows_stay(self, wanted: Mapping[str, torch.Tensor]) -> bool:
+        """Whether a find_or_insert of ``wanted`` leaves every existing row where it is: each
+        table either keeps all its rows in one tier without a budget, or creates its new rows
+        in free slots of a GPU cache that holds every row (``inserts_on_device``: no eviction)."""
+        for name, keys in wanted.items():
+            table = self.local[name]
+            if not (table.tiers.cache is None and not table.config.dram_rows) and not table.inserts_on_device(len(keys)):
+                return False
+        return True
+
+    def _moves(self) -> int:
+        """Rows moved between tiers so far (evicted from the GPU cache, spilled to SSD), all tables."""
+        return sum(t.stats["evicted"] + t.stats["spilled"] for t in self.local.tables.values())
+
+    def _read_again(self, owned: dict[str, BatchRows], grouped: GroupedRows | None) -> None:
+        """The rows of a find_or_insert that ran ahead, read again from their slots now that
+        the update before them has landed (what it read may predate that update)."""
+        if grouped is not None:
+            slots = grouped.slots.split(grouped.key_counts)
+            grouped.rows.copy_(torch.cat([t.tiers.top.weights.index_select(0, s) for t, s in zip(grouped.tables, slots)]))
+            return
+        for name, rows in owned.items():
+            weights = self.local[name].tiers.top.weights
+            if rows.all_admitted:
+                rows.rows.copy_(weights.index_select(0, rows.slots))
+            elif len(rows.slots):
+                rows.rows[rows.admitted] = weights.index_select(0, rows.slots).to(rows.rows.device)
 
     def apply_gradients(self, rows: ShardedRows) -> None:
         """Send the gradient of each input id's row (zeros where backward left none) to the
@@ -180,6 +311,8 @@ class ShardedCollection:
                 summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
                 self.local[name].apply_gradients(owned, summed.div_(self.world))
         self._lap("owner_update", t1)
+        if rows is self._pending:
+            self._pending = None
 
     def _off_rank(self, splits: list[int]) -> int:
         """The rows of ``splits`` (one count per rank) that go to or come from other ranks."""

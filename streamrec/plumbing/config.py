@@ -216,6 +216,7 @@ class TrainerConfig:
     metrics_host: str
     progress_interval_s: float
     collective_timeout_s: float
+    pipeline_exchange: bool
     lease_s: float
     max_publish_failures: int
     rejected_keep_mb: int

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +57,18 @@ from streamrec.trainer.sources import FileSampleSource, KafkaSampleSource, Sampl
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "agree", "lookup", "forward_backward", "all_reduce", "update", "evaluate", "publish")
 DRAIN_EVERY = 16  # steps between host syncs of losses and scores
+EXPIRE_EVERY = 100  # steps between expiries of unseen rows (model.ttl_s)
+
+
+@dataclass
+class Turn:
+    """A step as the ranks agreed it: this rank's batch (None: it has none this step), the
+    agreement, whether this rank's source has ended, and how long it has had no samples."""
+
+    batch: SampleBatch | None
+    agreed: Agreed
+    ended: bool
+    idle_s: float
 
 
 def _dense_forward(session: TrainingSession) -> Callable[..., torch.Tensor]:
@@ -121,6 +134,7 @@ class TrainingLoop:
         self.exchange = collection if isinstance(collection, ShardedCollection) else None
         if self.exchange is not None:
             self.exchange.sync_timings = opts.sync_timings
+        self.pipelined = self.exchange is not None and tcfg.pipeline_exchange  # _look_ahead
         self.sparse = SparseFeatures(collection)
         self.by_rank: list[dict[str, Any]] | None = None  # every rank's step figures, once the run has ended
         self.dense_gradients = DenseGradients(session.model, ranks.group) if ranks.distributed else None  # ranks start equal
@@ -170,39 +184,67 @@ class TrainingLoop:
             source.close()
 
     def _train(self, source: SampleSource, prefetch: Prefetcher) -> None:
-        opts, ended = self.opts, False
+        opts, ended, ahead = self.opts, False, None
         while True:
-            t0 = time.perf_counter()
-            # files never idle: wait for the batch, so a slow decode never turns into an
-            # empty step (steps then hold the same samples run after run). Idle on the topic,
-            # look again soon while a version is due or on its way (its publish waits on this loop)
-            idle_wait = 0.05 if self.publisher.busy or self._dirty() else 0.5
-            item = END if ended else prefetch.get(timeout=None if opts.files else idle_wait)
-            self.times["input"] += time.perf_counter() - t0
-            batch = item if isinstance(item, SampleBatch) else None
-            ended = ended or item is END
-            if isinstance(item, Skipped):
-                self._advance(item.positions, item.rejected)
-            trained = self.state["global_samples"] - self.samples_at_start
-            idle_s = time.monotonic() - self._last_data
-            stop = self.session.stop_requested.is_set() or bool(opts.max_samples and trained >= opts.max_samples) or \
-                bool(opts.max_seconds and time.monotonic() - self.started >= opts.max_seconds) or \
-                bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
-            publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
-            t1 = time.perf_counter()
-            agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
-                           batch.max_ts() if batch is not None else 0, publish, checkpoint)
-            self.times["agree"] += time.perf_counter() - t1
+            turn = ahead if ahead is not None else self._next(prefetch, ended)
+            ended, agreed, ahead = turn.ended, turn.agreed, None
             if agreed.samples:
                 self._last_data = time.monotonic()
-                self._step(batch if batch is not None else _empty_batch(self.session), agreed)
+                ahead = self._step(turn.batch if turn.batch is not None else _empty_batch(self.session), agreed,
+                                   lambda: self._look_ahead(prefetch, turn.ended, agreed))
             if agreed.ended:
                 return
             if agreed.stop:
-                if opts.idle_exit_s and idle_s > opts.idle_exit_s:
+                if opts.idle_exit_s and turn.idle_s > opts.idle_exit_s:
                     log.info("no samples for %.0f s: stopping", opts.idle_exit_s)
                 return
             self._between_steps(source, agreed)
+
+    def _next(self, prefetch: Prefetcher, ended: bool) -> Turn:
+        """The next step as every rank agrees it: this rank's batch, whether to stop, rank
+        0's word on publishing and checkpointing after it (``ended``: this rank's source is done)."""
+        opts = self.opts
+        t0 = time.perf_counter()
+        # files never idle: wait for the batch, so a slow decode never turns into an
+        # empty step (steps then hold the same samples run after run). Idle on the topic,
+        # look again soon while a version is due or on its way (its publish waits on this loop)
+        idle_wait = 0.05 if self.publisher.busy or self._dirty() else 0.5
+        item = END if ended else prefetch.get(timeout=None if opts.files else idle_wait)
+        self.times["input"] += time.perf_counter() - t0
+        batch = item if isinstance(item, SampleBatch) else None
+        ended = ended or item is END
+        if isinstance(item, Skipped):
+            self._advance(item.positions, item.rejected)
+        trained = self.state["global_samples"] - self.samples_at_start
+        idle_s = time.monotonic() - self._last_data
+        stop = self.session.stop_requested.is_set() or bool(opts.max_samples and trained >= opts.max_samples) or \
+            bool(opts.max_seconds and time.monotonic() - self.started >= opts.max_seconds) or \
+            bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
+        publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
+        t1 = time.perf_counter()
+        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
+                       batch.max_ts() if batch is not None else 0, publish, checkpoint)
+        self.times["agree"] += time.perf_counter() - t1
+        return Turn(batch, agreed, ended, idle_s)
+
+    def _look_ahead(self, prefetch: Prefetcher, ended: bool, agreed: Agreed) -> Turn | None:
+        """During a step (``agreed``), after its backward is queued: the next step's turn, and
+        its ids sent to their owners, with the owners' find_or_insert where it can run ahead
+        (``ShardedCollection.prefetch``), while this step's dense work runs. Only where
+        nothing between the two steps reads or changes the tables: no publish, checkpoint or
+        stop after this step, and no expiry at its end. The same on every rank."""
+        expires = bool(self.cfg.model.ttl_s) and (self.state["step"] + 1) % EXPIRE_EVERY == 0
+        if not self.pipelined or agreed.publish or agreed.checkpoint or agreed.stop or agreed.ended or expires:
+            return None
+        turn = self._next(prefetch, ended)
+        if turn.agreed.samples:
+            t0 = time.perf_counter()
+            with self.exchange.ahead_stream():
+                batch = turn.batch if turn.batch is not None else _empty_batch(self.session)
+                turn.batch = batch.to(self.device, non_blocking=True)
+                self.exchange.prefetch(SparseFeatures.table_ids(turn.batch), turn.agreed.now_ms)
+            self.times["lookup"] += time.perf_counter() - t0
+        return turn
 
     def _finish(self, source: SampleSource) -> None:
         self.publisher.flush()
@@ -236,17 +278,23 @@ class TrainingLoop:
         versions in the store this trainer's state does not match (a full version is due)."""
         return self.state["global_samples"] > self.state.get("published_samples", -1) or self.publisher.force_full
 
-    def _step(self, batch: SampleBatch, agreed: Agreed) -> None:
+    def _step(self, batch: SampleBatch, agreed: Agreed, look_ahead: Callable[[], Turn | None] | None = None) -> Turn | None:
+        """One step of ``batch``; returns the next step's turn where ``look_ahead`` (called
+        once backward is queued) began it."""
         sync = self.opts.sync_timings and self.device.type == "cuda"
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
         now_ms = agreed.now_ms
+        n = len(batch)
+        # counted now: a turn looked ahead during this step decides whether to stop after it
+        self.state["samples"] += n
+        self.state["global_samples"] += agreed.samples
+        self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
         inputs, rows = self.sparse.training_inputs(batch, now_ms)
         if sync:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         logits = self.forward(*inputs.as_args())
-        n = len(batch)
         if self.ranks.distributed:
             # the mean over the step's samples on all ranks: the dense gradients are averaged
             # over ranks, so each rank's share is scaled by world / total (empty batches add 0)
@@ -260,6 +308,8 @@ class TrainingLoop:
         loss.backward()
         if sync:
             torch.cuda.synchronize()
+        t_backward = time.perf_counter()
+        ahead = look_ahead() if look_ahead is not None else None
         t_reduce = time.perf_counter()
         if self.dense_gradients is not None:
             self.dense_gradients.all_reduce(self.ranks.world)
@@ -279,19 +329,17 @@ class TrainingLoop:
             self._drain()
         t4 = time.perf_counter()
         self.times["lookup"] += t1 - t0
-        self.times["forward_backward"] += t_reduce - t1
+        self.times["forward_backward"] += t_backward - t1
         self.times["all_reduce"] += t2 - t_reduce
         self.times["update"] += t3 - t2
         self.times["evaluate"] += t4 - t3
         self.state["step"] += 1
-        self.state["samples"] += n
-        self.state["global_samples"] += agreed.samples
-        self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
         self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
-        if self.cfg.model.ttl_s and self.state["step"] % 100 == 0:
+        if self.cfg.model.ttl_s and self.state["step"] % EXPIRE_EVERY == 0:
             for table in self.embeddings.tables.values():
                 table.expire(now_ms)
+        return ahead
 
     def _drain(self) -> None:
         """Bring the last steps' losses and scores to the host in one transfer: refuse a
