@@ -147,12 +147,12 @@ def _pipelined_worker(rank: int, world: int, init: str, out: str, root: str, bac
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     gpu = backend == "nccl"
     cache = 4096 if gpu else 0
-    # on the GPU the owner's find_or_insert runs ahead where every row stays in the cache (the
-    # table-batched path); on CPU where rows live in DRAM without a budget, admission included
-    admit = 1 if gpu else 2
+    # on the GPU the owner's find_or_insert runs ahead where every row stays in the cache (one
+    # optimizer: the table-batched path); on CPU where rows live in DRAM without a budget, admission included
+    ahead_b = TableConfig("b", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache) if gpu else \
+        TableConfig("b", 4, optimizer="adam", lr=0.05, admit_after=2)
     sets = {  # the owner's find_or_insert runs ahead / it waits its turn (rows may move: a DRAM budget, an admission sketch)
-        "ahead": [TableConfig("a", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache),
-                  TableConfig("b", 4, optimizer="adam", lr=0.05, admit_after=admit, gpu_cache_rows=cache)],
+        "ahead": [TableConfig("a", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache), ahead_b],
         "budget": [TableConfig("a", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=cache),
                    TableConfig("b", 4, optimizer="adam", lr=0.05, admit_after=2, gpu_cache_rows=cache),
                    TableConfig("c", 4, optimizer="adagrad", lr=0.1, gpu_cache_rows=20 if gpu else 0, dram_rows=0 if gpu else 12)],
@@ -166,7 +166,7 @@ def _pipelined_worker(rank: int, world: int, init: str, out: str, root: str, bac
                   for mode in ("in_turn", "pipelined")}
         sharded = {mode: ShardedCollection(store) for mode, store in stores.items()}
         batches = [{n: t.to(device) for n, t in ids.items() if n in stores["in_turn"].tables} for ids in steps]
-        seen, current = {mode: [] for mode in stores}, {mode: [] for mode in stores}
+        seen, current, grouped = {mode: [] for mode in stores}, {mode: [] for mode in stores}, []
         for mode, collection in sharded.items():
             pulled = collection.find_or_insert(batches[0], now_ms=1000)
             for step, ids in enumerate(batches):
@@ -180,10 +180,12 @@ def _pipelined_worker(rank: int, world: int, init: str, out: str, root: str, bac
                 torch.autograd.backward([pulled.embeddings[n] for n in ids], grads)
                 collection.apply_gradients(pulled)
                 rows = {n: pulled.embeddings[n].detach().cpu() for n in ids}
+                grouped.append(pulled.grouped is not None)
                 if step + 1 < len(batches):  # the rows are compared once both orders have made the next step's
                     pulled = collection.find_or_insert(batches[step + 1], now_ms=1000 * (step + 2))
                 seen[mode].append((rows, _rows_of(stores[mode])))
-        result[name] = {"seen": seen, "current": current["pipelined"], "stats": {mode: asdict(c.stats) for mode, c in sharded.items()}}
+        result[name] = {"seen": seen, "current": current["pipelined"], "grouped": grouped,
+                        "stats": {mode: asdict(c.stats) for mode, c in sharded.items()}}
         for store in stores.values():
             store.close()
     torch.save(result, out)
@@ -214,6 +216,7 @@ def test_a_pipelined_exchange_trains_exactly_as_steps_in_turn(tmp_path, backend)
             assert stats["pipelined"]["ahead"] == 7 and stats["in_turn"]["ahead"] == 0, (name, stats)
             assert stats["pipelined"]["found_ahead"] == (7 if name == "ahead" else 0), (name, stats)
             assert run["current"] == [True] * 7, (name, run["current"])
+            assert all(run["grouped"]) == (backend == "nccl" and name == "ahead"), (name, run["grouped"])  # the owner's path
             for step, ((pulled, rows), (pulled_in_turn, rows_in_turn)) in enumerate(zip(run["seen"]["pipelined"], run["seen"]["in_turn"])):
                 for n, want in pulled_in_turn.items():
                     torch.testing.assert_close(pulled[n], want, rtol=0, atol=tol, msg=lambda m: f"{name} rank {r} step {step} {n}: {m}")
