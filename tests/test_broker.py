@@ -2,10 +2,12 @@
 
 import json
 import socket
+import threading
 
+import pytest
 
 from streamrec.plumbing.bus.broker import EmbeddedBroker, _alive
-from streamrec.plumbing.bus.clients import make_producer
+from streamrec.plumbing.bus.clients import BusUnavailable, make_admin, make_consumer, make_producer
 from tests.conftest import free_port, read_topic, run_cli
 
 
@@ -69,6 +71,21 @@ def test_unreachable_external_broker_gives_clear_error():
                      env={"STREAMREC_KAFKA__CONNECT_TIMEOUT_S": "2"}, timeout=60)
     assert result.returncode == 2
     assert "cannot reach Kafka at 127.0.0.1:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_clients_that_cannot_reach_the_broker_leave_no_thread_behind():
+    """A node retries its consumer through a broker outage: each failed attempt must not
+    leave kafka-python's network thread running (thousands of threads over a long outage)."""
+    def network_threads() -> int:
+        return sum(t.name.startswith("kafka-io") for t in threading.enumerate())
+
+    before, address = network_threads(), f"127.0.0.1:{free_port()}"
+    for attempt in range(3):
+        for make in (lambda: make_consumer(address, group_id=None, timeout_s=0.5), lambda: make_producer(address, timeout_s=0.5),
+                     lambda: make_admin(address, timeout_s=0.5)):
+            with pytest.raises(BusUnavailable):
+                make()
+    assert network_threads() == before
 
 
 def test_down_refuses_external_cluster():

@@ -7,6 +7,7 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
+from kafka.net.compat import KafkaNetClient
 
 MAX_FRAME_BYTES = 2**31 - 1  # the protocol's limit: a frame's size is an int32
 
@@ -23,11 +24,23 @@ def _unreachable(bootstrap: str, timeout_s: float, exc: BaseException) -> BusUna
 
 
 def _connect(factory, settings: dict[str, Any], bootstrap: str, timeout_s: float) -> Any:
-    """Build a client, waiting up to ``timeout_s`` for the first broker to answer."""
-    settings = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": int(timeout_s * 1000), **settings}
+    """Build a client, waiting up to ``timeout_s`` for the first broker to answer. A client
+    that cannot bootstrap is closed here: kafka-python starts its network thread before it
+    bootstraps and leaves it running when the constructor raises, so a caller that retries
+    through a broker outage would gain a thread per attempt."""
+    started: list[KafkaNetClient] = []
+
+    def network_client(**configs: Any) -> KafkaNetClient:
+        client = KafkaNetClient(**configs)
+        started.append(client)
+        return client
+
+    settings = {"bootstrap_servers": bootstrap, "bootstrap_timeout_ms": int(timeout_s * 1000), "kafka_client": network_client, **settings}
     try:
         return factory(**settings)
     except (KafkaError, OSError) as exc:
+        for client in started:
+            client.close()
         raise _unreachable(bootstrap, timeout_s, exc) from None
 
 
