@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from itertools import chain
 from dataclasses import dataclass, field
 
 import orjson
@@ -70,11 +71,17 @@ class StageWatermark:
     parallelism: int
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 def _int(text: str, what: str, key: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise CorruptFeatureMessage(f"key {key!r}: {what} {text!r} is not an integer") from None
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise CorruptFeatureMessage(f"key {key!r}: {what} {text!r} does not fit in 64 bits")
+    return value
 
 
 def _times(values, start: int, key: str) -> array:
@@ -82,6 +89,8 @@ def _times(values, start: int, key: str) -> array:
         raise CorruptFeatureMessage(f"key {key!r}: bucket times must be a list of non-negative integer offsets")
     if any(b < a for a, b in zip(values, values[1:])):
         raise CorruptFeatureMessage(f"key {key!r}: bucket times are not ascending")
+    if values and start + values[-1] > _INT64[1]:
+        raise CorruptFeatureMessage(f"key {key!r}: bucket times do not fit in 64 bits")
     return array("q", [start + v for v in values])
 
 
@@ -108,10 +117,12 @@ def decode_message(key: bytes | None, value: bytes | None) -> CounterBucket | Hi
                              _times(data.get("c", []), start, text))
     if parts[0] == "h" and len(parts) == 3 and parts[1] == "user":
         entries = [] if data is None else data.get("h")
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e) for e in entries):
+        if not isinstance(entries, list) or not all(type(e) is list and len(e) == 3 for e in entries):
             raise CorruptFeatureMessage(f"key {text!r}: 'h' must be a list of [item_id, category_id, ts]")
-        return History(_int(parts[2], "id", text), tuple(tuple(e) for e in entries))
+        flat = list(chain.from_iterable(entries))
+        if not all(type(v) is int for v in flat) or (flat and not (_INT64[0] <= min(flat) and max(flat) <= _INT64[1])):
+            raise CorruptFeatureMessage(f"key {text!r}: 'h' must be a list of [item_id, category_id, ts], 64-bit integers")
+        return History(_int(parts[2], "id", text), tuple(map(tuple, entries)))
     if parts[0] == "w" and len(parts) == 4 and parts[1] in ENTITIES:
         if data is None or type(data.get("wm")) is not int or type(data.get("n")) is not int or data["n"] < 1:
             raise CorruptFeatureMessage(f"key {text!r}: a watermark needs integer 'wm' and 'n' >= 1")

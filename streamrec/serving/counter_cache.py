@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from streamrec.serving.id_index import _grown
+from streamrec.serving.growth import grown
 
 INT64_MIN = np.iinfo(np.int64).min
 
@@ -87,6 +87,6 @@ class CounterCache:
 
     def _grow(self, need: int) -> None:
         old = len(self._valid_until)
-        self._counts, self._computed_at = _grown(self._counts, need), _grown(self._computed_at, need)
-        self._valid_until = _grown(self._valid_until, need)
+        self._counts, self._computed_at = grown(self._counts, need), grown(self._computed_at, need)
+        self._valid_until = grown(self._valid_until, need)
         self._valid_until[old:] = INT64_MIN

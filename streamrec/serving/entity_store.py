@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamrec.contracts.feature_state import END_OF_INPUT, ENTITIES
+from streamrec.serving.growth import resized
 from streamrec.serving.history_rows import HistoryRows
 from streamrec.serving.id_index import IdIndex
 from streamrec.serving.time_lists import TimeLists, segment_index
@@ -183,7 +184,7 @@ class EntityStore:
             state = self.kinds[kind]
             need = state.index.n + n
             if need > len(state.index.ids):
-                state.index.ids = _resized(state.index.ids, need)
+                state.index.ids = resized(state.index.ids, need)
             state.index.reserve(need)
             state.slots_added()
             if kind == "user":
@@ -222,12 +223,6 @@ class EntityStore:
         if kind == "user":
             out["history"] = self.history.export(slots)
         return out
-
-
-def _resized(values: np.ndarray, rows: int) -> np.ndarray:
-    out = np.empty(rows, values.dtype)
-    out[: len(values)] = values
-    return out
 
 
 def _ascending(offsets: np.ndarray, valid: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

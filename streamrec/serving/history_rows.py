@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrec.serving.id_index import _grown
+from streamrec.serving.growth import grown, resized
 from streamrec.serving.time_lists import segment_index
 
 MARGIN = 4  # clicks at or after the cutoff that a row has room for
@@ -62,12 +62,16 @@ def kept(ts: np.ndarray, lengths: np.ndarray, cutoff: int | None, history_len: i
 
 
 def _kept_one(history: np.ndarray, cutoff: int | None, history_len: int, keep: int) -> int:
-    """:func:`kept` of one list; without clicks sharing a millisecond, in a few numpy calls."""
+    """:func:`kept` of one list, in a few numpy calls unless it is cut where clicks share a
+    millisecond."""
     ts = history[:, 2]
-    if cutoff is None or len(ts) < 2 or (ts[1:] == ts[:-1]).any():
-        return int(kept(ts[None, :], np.array([len(ts)]), cutoff, history_len, keep)[0])
+    if cutoff is None:
+        return min(len(ts), keep)
     below = np.flatnonzero(ts < cutoff)
-    return min(len(ts), keep, (int(below[0]) if len(below) else len(ts)) + history_len)
+    base = (int(below[0]) if len(below) else len(ts)) + history_len
+    if base >= len(ts) or not (ts[1:] == ts[:-1]).any():
+        return min(len(ts), keep, base)
+    return int(kept(ts[None, :], np.array([len(ts)]), cutoff, history_len, keep)[0])
 
 
 class HistoryRows:
@@ -84,6 +88,7 @@ class HistoryRows:
         self.offsets = np.zeros((capacity, self.width), np.uint32)
         self.overflow: dict[int, np.ndarray] = {}  # row -> [k, 3] int64
         self._overflow_bytes = 0
+        self._scratch = np.empty(0, np.int64)  # export's output, reused
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +104,7 @@ class HistoryRows:
     def ensure_slots(self, n: int) -> None:
         if n > len(self.row_of):
             old = len(self.row_of)
-            self.row_of = _grown(self.row_of, n)
+            self.row_of = grown(self.row_of, n)
             self.row_of[old:] = -1
 
     def clear(self) -> None:
@@ -258,7 +263,8 @@ class HistoryRows:
 
     def export(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per user slot: its list's length in clicks (-1: no history) and the lists' flat
-        triples back to back (a snapshot's column)."""
+        triples back to back (a snapshot's column); the triples may be a view of a buffer
+        the next call overwrites (fresh pages per chunk cost more than the copy)."""
         rows = self.row_of[slots].astype(np.int64)
         r = np.maximum(rows, 0)
         stored = np.where(rows >= 0, self.length[r], 0).astype(np.int64)
@@ -267,6 +273,14 @@ class HistoryRows:
         for k in over.tolist():
             length[k] = len(self.overflow[int(r[k])])
         count = np.maximum(length, 0)
+        if len(count) and not len(over) and (rows >= 0).all() and count.min() == count.max():  # one block
+            rs, n = r, int(count[0])
+            if len(self._scratch) < len(rs) * n * 3:
+                self._scratch = np.empty(len(rs) * n * 3, np.int64)
+            out = self._scratch[: len(rs) * n * 3].reshape(len(rs), n, 3)
+            out[:, :, 0], out[:, :, 1] = self.items[rs, :n], self.categories[rs, :n]
+            out[:, :, 2] = self.base[rs, None] + self.offsets[rs, :n]
+            return length, out.reshape(-1)
         ends = np.cumsum(count)
         out = np.empty((int(ends[-1]) if len(ends) else 0, 3), np.int64)
         from_rows = np.flatnonzero((count > 0) & (stored != OVERFLOW))
@@ -284,17 +298,26 @@ class HistoryRows:
     def _set(self, slot: int, history: np.ndarray) -> None:
         row = int(self.row_of[slot])
         if row < 0:
-            row = int(self._new_rows(np.array([slot]))[0])
-        self._off_side_table(row)
+            row = self.rows
+            if row == len(self.length):
+                self._grow_rows(len(grown(self.length, row + 1)))
+            self.rows, self.row_of[slot] = row + 1, row
+        elif self.overflow:
+            self._off_side_table(row)
         self._store(row, history)
 
     def _store(self, row: int, history: np.ndarray) -> None:
         n = len(history)
-        if n and (n > self.width or int(history[:, 2].max()) - int(history[:, 2].min()) > _SPAN):
+        if not n:
+            self.length[row] = 0
+            return
+        lows, highs = history.min(0).tolist(), history.max(0).tolist()
+        if n > self.width or highs[2] - lows[2] > _SPAN:
             self._to_side_table(row, history)
             return
-        self._widen(history[:, :2])
-        base = int(history[:, 2].min()) if n else 0
+        if min(lows[:2]) < _INT32.min or max(highs[:2]) > _INT32.max:
+            self._widen(history[:, :2])
+        base = lows[2]
         self.length[row], self.base[row] = n, base
         self.items[row, :n], self.categories[row, :n] = history[:, 0], history[:, 1]
         self.offsets[row, :n] = (history[:, 2] - base).astype(np.uint32)
@@ -314,7 +337,7 @@ class HistoryRows:
     def _new_rows(self, slots: np.ndarray) -> np.ndarray:
         first, k = self.rows, len(slots)
         if first + k > len(self.length):
-            self._grow_rows(max(first + k, 2 * len(self.length)))
+            self._grow_rows(len(grown(self.length, first + k)))
         self.rows = first + k
         rows = np.arange(first, first + k, dtype=np.int64)
         self.row_of[slots] = rows
@@ -322,9 +345,10 @@ class HistoryRows:
         return rows
 
     def _grow_rows(self, need: int) -> None:
-        self.length, self.base = _resized(self.length, need), _resized(self.base, need)
-        self.items, self.categories = _resized(self.items, need), _resized(self.categories, need)
-        self.offsets = _resized(self.offsets, need)
+        """Every row column to ``need`` rows, in place (serving/growth.py)."""
+        self.length, self.base = resized(self.length, need), resized(self.base, need)
+        self.items, self.categories = resized(self.items, need), resized(self.categories, need)
+        self.offsets = resized(self.offsets, need)
 
     def _widen(self, ids: np.ndarray) -> None:
         """Item and category columns wide enough for ``ids`` ([k, 2]): int64 once an id needs it."""
@@ -336,9 +360,3 @@ class HistoryRows:
             column = getattr(self, name)
             if column.dtype == np.int32 and (ids[:, j].min() < _INT32.min or ids[:, j].max() > _INT32.max):
                 setattr(self, name, column.astype(np.int64))
-
-
-def _resized(values: np.ndarray, rows: int) -> np.ndarray:
-    out = np.empty((rows, *values.shape[1:]), values.dtype)
-    out[: len(values)] = values
-    return out

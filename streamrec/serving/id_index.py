@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from streamrec.serving.growth import grown
+
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing's multiplier (2**64 / golden ratio)
 _MASK64 = 2**64 - 1
 EMPTY = -1
@@ -60,7 +62,7 @@ class IdIndex:
             b = (b + 1) & mask
         slot = self.n
         if slot == len(self.ids):
-            self.ids = _grown(self.ids, slot + 1)
+            self.ids = grown(self.ids, slot + 1)
         self.ids[slot] = entity_id
         table[b] = slot
         self.n += 1
@@ -91,7 +93,7 @@ class IdIndex:
         if 2 * (first + k) > len(self._table):
             self._resize(first + k)
         if first + k > len(self.ids):
-            self.ids = _grown(self.ids, first + k)
+            self.ids = grown(self.ids, first + k)
         self.ids[first: first + k] = ids
         self.n = first + k
         self._place(np.arange(first, first + k, dtype=np.int64), self._buckets(ids))
@@ -131,11 +133,3 @@ class IdIndex:
         self._table = np.full(1 << bits, EMPTY, np.int32)
         if self.n:
             self._place(np.arange(self.n, dtype=np.int64), self._buckets(self.ids[: self.n]))
-
-
-def _grown(values: np.ndarray, need: int) -> np.ndarray:
-    """``values`` in an array of at least ``need`` rows (doubling: amortised O(1) per row); the
-    rows past the old ones are uninitialised."""
-    out = np.empty((max(need, 2 * len(values)), *values.shape[1:]), values.dtype)
-    out[: len(values)] = values
-    return out

@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -330,7 +331,8 @@ class OnlineFeatures:
                 elif isinstance(message, History):
                     slot = store.slot_for_update("user", message.user_id)
                     if slot >= 0:
-                        store.put_history(slot, np.array(message.clicks, np.int64).reshape(-1, 3), cutoff)
+                        flat = np.fromiter(chain.from_iterable(message.clicks), np.int64, 3 * len(message.clicks))
+                        store.put_history(slot, flat.reshape(-1, 3), cutoff)
             if cutoff is not None and (self._retrimmed_at is None or cutoff - self._retrimmed_at >= REPLAY_HORIZON_MS // 4):
                 store.history.retrim_overflow(cutoff)
                 self._retrimmed_at = cutoff

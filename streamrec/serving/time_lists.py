@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrec.serving.id_index import _grown
+from streamrec.serving.growth import grown
 
 
 class TimeLists:
@@ -41,7 +41,7 @@ class TimeLists:
         """Room for slots 0..n-1 (new ones empty)."""
         if n > len(self.start):
             old = len(self.start)
-            self.start, self.length, self.cap = _grown(self.start, n), _grown(self.length, n), _grown(self.cap, n)
+            self.start, self.length, self.cap = grown(self.start, n), grown(self.length, n), grown(self.cap, n)
             for column in (self.start, self.length, self.cap):
                 column[old:] = 0
 
@@ -67,8 +67,9 @@ class TimeLists:
             self.values[s + lo: s + lo + len(new)] = new
         else:
             new_cap = max(4, 1 << (size - 1).bit_length())
+            del held  # no view across the arena's growth (serving/growth.py)
             at = self._reserve(new_cap)
-            held = self.values[s: s + n]  # the arena may have moved
+            held = self.values[s: s + n]
             v = self.values
             v[at: at + lo] = held[:lo]
             v[at + lo: at + lo + len(new)] = new
@@ -157,7 +158,7 @@ class TimeLists:
         """The start of ``n`` new values at the arena's end."""
         at = self.used
         if at + n > len(self.values):
-            self.values = _grown(self.values, at + n)
+            self.values = grown(self.values, at + n)
         self.used = at + n
         return at
 
