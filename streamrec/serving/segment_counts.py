@@ -1,0 +1,65 @@
+"""Windowed counts of many entities at once, straight from the arena of sorted event times
+(serving/time_lists.py): ``EntityCounts.counts_until`` (contracts/feature_state.py) for a
+whole batch of (slot, ts) queries in numpy.
+
+Why: a serving batch recomputes the counts of every candidate entity whose cached counts
+stopped holding (serving/counter_cache.py). Under live traffic the request time moves on
+every batch, so hot entities expire constantly and hundreds of them are recomputed per
+batch; a Python call per entity (a few numpy calls on a short array each) then costs more
+than the rest of the batch. Here every query's binary searches advance together: about
+``log2(longest list)`` numpy steps over all queries and windows, whatever their number.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamrec.contracts.feature_state import END_OF_INPUT
+
+
+def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray,
+                         side: str = "left") -> np.ndarray:
+    """Per query ``i``: ``np.searchsorted(values[starts[i]: starts[i] + lengths[i]], targets[i], side)``
+    (each segment ascending), all queries at once. ``starts``, ``lengths``, ``targets``:
+    int64 [q]; returns int64 [q] positions within the segments."""
+    lo = np.zeros(len(targets), np.int64)
+    hi = lengths.astype(np.int64, copy=True)
+    if not len(values):
+        return lo
+    last = len(values) - 1
+    active = lo < hi
+    while active.any():
+        mid = (lo + hi) >> 1
+        at = values[np.minimum(starts + mid, last)]
+        right = (at < targets) if side == "left" else (at <= targets)
+        right &= active
+        lo = np.where(right, mid + 1, lo)
+        hi = np.where(active & ~right, mid, hi)
+        active = lo < hi
+    return lo
+
+
+def counts_until_many(lists: tuple, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``EntityCounts.counts_until`` of many queries: ``lists`` = (impressions, clicks)
+    TimeLists of one entity kind, ``slots`` [q] (known entities), ``ts`` [q] int64.
+    Returns (counts int64 [q, 2W] as [imps W0, clicks W0, imps W1, ...], valid until int64
+    [q]: the first ms after ``ts`` at which any of the query's counts changes)."""
+    q, w = len(slots), len(windows_ms)
+    counts = np.empty((q, 2 * w), np.int64)
+    until = np.full(q, END_OF_INPUT, np.int64)
+    if not q:
+        return counts, until
+    windows = np.asarray(windows_ms, np.int64)
+    for k, times in enumerate(lists):
+        values = times.values[: max(times.used, 1)]
+        starts, lengths = times.start[slots].astype(np.int64), times.length[slots].astype(np.int64)
+        hi = segment_searchsorted(values, starts, lengths, ts, "left")  # times before ts
+        entering = hi < lengths  # the next event enters every window
+        until = np.where(entering, np.minimum(until, values[np.minimum(starts + hi, len(values) - 1)] + 1), until)
+        lows = segment_searchsorted(values, np.repeat(starts, w), np.repeat(hi, w), (ts[:, None] - windows).reshape(-1), "right")
+        lows = lows.reshape(q, w)
+        counts[:, k::2] = hi[:, None] - lows
+        counted = lows < hi[:, None]  # the oldest counted event leaves its window
+        leaving = values[np.minimum(starts[:, None] + lows, len(values) - 1)] + windows
+        until = np.minimum(until, np.where(counted, leaving, END_OF_INPUT).min(axis=1))
+    return counts, until
