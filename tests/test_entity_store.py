@@ -18,6 +18,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import END_OF_INPUT, CounterBucket, EntityCounts, History, UserHistory, Watermarks
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.feature_snapshot import SCHEMA, CorruptSnapshot, SnapshotHeader, write_snapshot
+from streamrec.serving.history_rows import HistoryRows
 from streamrec.serving.id_index import IdIndex
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.time_lists import TimeLists
@@ -51,6 +52,23 @@ def test_the_id_index_maps_every_id_to_its_slot_and_nothing_else():
         assert all(index.get(i) == want.get(i, -1) for i in probe[:300])
     assert len(index) == len(want) and sorted(want.values()) == list(range(len(want)))
     assert index.ids[: len(index)].tolist() == sorted(want, key=want.get)
+
+
+def test_history_rows_grow_in_place_and_keep_every_users_list():
+    """Rows past the first capacity, lists longer than a row (side table) and shorter ones,
+    ids past int32 arriving late: every user's list reads back as it was put."""
+    rng = random.Random(5)
+    rows, want = HistoryRows(history_len=8, capacity=4), {}
+    for user in range(5000):
+        rows.ensure_slots(user + 1)
+        n = rng.choice((0, 1, 8, 12, 20))
+        wide = 2**40 if user > 4000 and rng.random() < 0.1 else 0
+        clicks = np.array([[rng.randrange(1, 99) + wide, rng.randrange(-9, 9), 10**12 - 1000 * k] for k in range(n)], np.int64).reshape(-1, 3)
+        rows.put(user, clicks, None)
+        want[user] = clicks[:16]
+    assert rows.rows == 5000 and rows.overflow and rows.items.dtype == np.int64
+    for user, clicks in want.items():
+        assert rows.get(user).tolist() == clicks.tolist(), user
 
 
 def test_time_lists_follow_entity_counts_through_puts_expiry_and_compaction():

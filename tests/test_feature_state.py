@@ -16,7 +16,9 @@ def test_corrupt_records_are_counted_and_skipped(tmp_path):
     bad = [record(None, b"{}"), record(b"\xff\xfe", b"{}"), record(b"c/user/1/0", b"not json"),
            record(b"c/user/x/0", b'{"i":[],"c":[]}'), record(b"c/user/1/0", b'{"i":[5,3],"c":[]}'),
            record(b"c/user/1/0", b'{"i":[-1],"c":[]}'), record(b"h/user/1", b'{"h":[[1,2]]}'),
-           record(b"w/user/0/0", b'{"wm":"soon","n":1}'), record(b"x/y", b"{}"), record(b"c/user/1/0", b"[1]")]
+           record(b"w/user/0/0", b'{"wm":"soon","n":1}'), record(b"x/y", b"{}"), record(b"c/user/1/0", b"[1]"),
+           record(b"h/user/1", b'{"h":[[1,2,18446744073709551615]]}'), record(b"c/user/9223372036854775808/0", b'{"i":[1],"c":[]}'),
+           record(b"c/user/1/9223372036854775800", b'{"i":[100],"c":[]}'), record(b"h/user/1", b'{"h":[[1,true,3]]}')]
     good = [record(b"c/user/1/10000", b'{"i":[0,0,7],"c":[3]}'), record(b"h/user/1", b'{"h":[[9,4,10003]]}')]
     store._apply_records(bad + good)
     status = store.status()

@@ -184,7 +184,7 @@ class EntityStore:
             state = self.kinds[kind]
             need = state.index.n + n
             if need > len(state.index.ids):
-                state.index.ids = resized(state.index.ids, need)
+                state.index.ids = resized(state.index.ids, need + need // 8)
             state.index.reserve(need)
             state.slots_added()
             if kind == "user":

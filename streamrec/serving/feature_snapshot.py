@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import orjson
@@ -109,7 +109,29 @@ def remove_stale_temporaries(path: str | Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, list[pa.RecordBatch]]:
+class SnapshotBatches:
+    """A snapshot's entity batches, each read from the file when reached (sequential reads:
+    faster than faulting a mapped file in page by page, and only one batch in memory)."""
+
+    def __init__(self, path: str | Path, count: int) -> None:
+        self.path, self.count = str(path), count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        with pa.OSFile(self.path) as source:
+            reader = ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i)
+
+    def kind_counts(self) -> dict[str, int]:
+        """Entities per kind: only the kind column is read (of the mapped file)."""
+        reader = ipc.open_file(pa.memory_map(self.path))
+        return kind_counts(reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
+def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, SnapshotBatches]:
     """The header and the entity batches of a snapshot; CorruptSnapshot says what is wrong."""
     try:
         reader = ipc.open_file(pa.memory_map(str(path)))
@@ -127,7 +149,7 @@ def read_snapshot(path: str | Path) -> tuple[SnapshotHeader, list[pa.RecordBatch
     marks.parallelism.update(meta["parallelism"])
     header = SnapshotHeader(meta["topic"], meta["partitions"], {int(p): o for p, o in meta["positions"].items()}, marks,
                             meta.get("spec", {}))
-    return header, [reader.get_batch(i) for i in range(reader.num_record_batches)]  # views of the mapped file
+    return header, SnapshotBatches(path, reader.num_record_batches)
 
 
 ListColumn = tuple[np.ndarray, np.ndarray, np.ndarray]  # offsets [n + 1], valid [n], values (offsets index them)

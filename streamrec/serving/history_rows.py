@@ -47,7 +47,7 @@ def kept(ts: np.ndarray, lengths: np.ndarray, cutoff: int | None, history_len: i
     a later merge then reaches that far past them into the held list. At most ``keep``."""
     lengths = np.asarray(lengths, np.int64)
     m, width = ts.shape
-    if cutoff is None or width == 0:
+    if cutoff is None or width <= history_len:  # nothing to cut: a list this short is all seen
         return np.minimum(lengths, keep)
     position = np.arange(width)
     inside = position < lengths[:, None]
@@ -97,9 +97,19 @@ class HistoryRows:
         return self.row_of.nbytes + self.rows * row + self._overflow_bytes
 
     def reserve(self, rows: int) -> None:
-        """Room for ``rows`` rows in all (a snapshot's users: no copies while it loads)."""
-        if rows > len(self.length):
+        """Room for ``rows`` rows in all (a snapshot's users: no copies while it loads). An
+        empty store takes fresh columns with an eighth more room, never touched (so not
+        resident) until used: the users that arrive after a snapshot need no growth."""
+        if rows <= len(self.length):
+            return
+        if self.rows:
             self._grow_rows(rows)
+            return
+        rows += rows // 8
+        self.length, self.base = np.empty(rows, np.int16), np.empty(rows, np.int64)
+        self.items = np.empty((rows, self.width), self.items.dtype)
+        self.categories = np.empty((rows, self.width), self.categories.dtype)
+        self.offsets = np.empty((rows, self.width), np.uint32)
 
     def ensure_slots(self, n: int) -> None:
         if n > len(self.row_of):
@@ -217,10 +227,15 @@ class HistoryRows:
         m, width = lists.shape[0], lists.shape[1]
         ts = lists[:, :, 2]
         keep = kept(ts, np.full(m, width), cutoff, self.history_len, self.keep)
-        inside = np.arange(width) < keep[:, None]
-        oldest = np.where(inside, ts, np.iinfo(np.int64).max).min(1) if width else np.zeros(m, np.int64)
-        newest = np.where(inside, ts, np.iinfo(np.int64).min).max(1) if width else np.zeros(m, np.int64)
-        oldest, newest = np.where(keep > 0, oldest, 0), np.where(keep > 0, newest, 0)
+        if not width:
+            oldest = newest = np.zeros(m, np.int64)
+        elif keep.min() == width:  # nothing cut (the usual: lists no longer than history_len)
+            oldest, newest = ts.min(1), ts.max(1)
+        else:
+            inside = np.arange(width) < keep[:, None]
+            oldest = np.where(inside, ts, np.iinfo(np.int64).max).min(1)
+            newest = np.where(inside, ts, np.iinfo(np.int64).min).max(1)
+            oldest, newest = np.where(keep > 0, oldest, 0), np.where(keep > 0, newest, 0)
         fits = (keep <= self.width) & (newest - oldest <= _SPAN)
         self.length[rows] = np.where(fits, keep, OVERFLOW)
         self.base[rows] = oldest
@@ -231,7 +246,10 @@ class HistoryRows:
             into = slice(int(into[0]), int(into[-1]) + 1)  # consecutive rows: a block copy
         self.items[into, :w] = block[:, :w, 0]
         self.categories[into, :w] = block[:, :w, 1]
-        self.offsets[into, :w] = (block[:, :w, 2] - oldest[fits][:, None]).astype(np.uint32)
+        if isinstance(into, slice):  # straight into the rows: no temporary
+            np.subtract(block[:, :w, 2], oldest[fits][:, None], out=self.offsets[into, :w], casting="unsafe")
+        else:
+            self.offsets[into, :w] = (block[:, :w, 2] - oldest[fits][:, None]).astype(np.uint32)
         for j in np.flatnonzero(~fits).tolist():
             self._to_side_table(int(rows[j]), lists[j, : keep[j]])
 

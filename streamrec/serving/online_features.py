@@ -36,7 +36,7 @@ from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
 from streamrec.serving.entity_store import EntityStore
-from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_columns, entity_batch, kind_counts, read_snapshot,
+from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_columns, entity_batch, read_snapshot,
                                                 remove_stale_temporaries, write_snapshot)
 
 log = logging.getLogger("streamrec.serving.features")
@@ -149,7 +149,7 @@ class OnlineFeatures:
         cutoff = as_of - REPLAY_HORIZON_MS if as_of is not None else None
         entities = 0
         with self._lock:
-            self.store.reserve(kind_counts(batches))
+            self.store.reserve(batches.kind_counts())
             for batch in batches:
                 batch.validate(full=True)  # offsets within their values: a damaged file fails here, not in an index
                 codes, _, _ = batch_columns(batch)
