@@ -6,14 +6,16 @@ history each, a day's span, and some impressions and clicks in the windows) and
 ``--items`` Zipf-hot items over ``--categories`` categories (bench_serving_by_ids.py's
 ``synth_snapshot``), then, in a fresh process per count (clean resident memory):
 
-- load: ``OnlineFeatures.load_snapshot`` wall time, and the process's anonymous resident
-  growth (RssAnon: not the snapshot's mapped pages) per user once loaded;
+- load: ``OnlineFeatures.load_snapshot`` wall time, the snapshot's pages dropped from the
+  page cache first (``cold``: a fresh node) or read once (``warm``), and the process's
+  anonymous resident growth (RssAnon: not the page cache) per user once loaded;
 - write: ``save_snapshot`` of the loaded state, wall time;
 - assembly: ``assemble_batch`` of 10 requests of 200 candidates, p50 over repeats;
 - apply: history and counter-bucket messages (the job's, for ``--apply-users`` new users)
   through the topic reader's path, messages per second.
 
-Usage: python bench/bench_feature_state.py [--users 1000000 10000000] [--items 1000] [--out bench/out]
+Usage: python bench/bench_feature_state.py [--users 1000000 10000000] [--items 1000] [--cache cold warm] [--label new]
+       [--out bench/out]
 """
 
 from __future__ import annotations
@@ -107,8 +109,23 @@ def _apply_messages(users: int, first_id: int, now: int) -> list[SimpleNamespace
     return out
 
 
-def measure(snapshot: Path, users: int, items: int, apply_users: int, repeat: int) -> dict:
+def _page_cache(path: Path, cache: str) -> None:
+    """``cold``: the file's pages dropped from the page cache (a node whose snapshot is on
+    disk only); ``warm``: the file read once (it was just written)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cache == "cold":
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        else:
+            while os.read(fd, 1 << 24):
+                pass
+    finally:
+        os.close(fd)
+
+
+def measure(snapshot: Path, users: int, items: int, apply_users: int, repeat: int, cache: str) -> dict:
     """One process's measurements (run by :func:`main` in a child: clean resident memory)."""
+    _page_cache(snapshot, cache)
     gc.collect()
     before = _rss_anon_mb()
     features = OnlineFeatures("127.0.0.1:9", TOPIC, SPEC, 1 << 20, Path(tempfile.mkdtemp(prefix="bench-fs-")) / "spill")
@@ -118,7 +135,7 @@ def measure(snapshot: Path, users: int, items: int, apply_users: int, repeat: in
     gc.collect()
     grown = _rss_anon_mb() - before
     status = features.status()
-    out = {"users": users, "load_s": round(load_s, 2), "rss_anon_growth_mb": round(grown, 1),
+    out = {"users": users, "snapshot_page_cache": cache, "load_s": round(load_s, 2), "rss_anon_growth_mb": round(grown, 1),
            "resident_bytes_per_user": round(grown * 2**20 / users), "memory_bytes_reported": status["memory_bytes"],
            "entities": status["entities"]}
     rng, now = np.random.default_rng(1), features.as_of() or int(time.time() * 1000)
@@ -160,10 +177,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/bench-feature-state", help="where the snapshots are made (kept between runs)")
     parser.add_argument("--label", default="new", help="names the implementation measured, in the JSON")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
+                        help="the snapshot's pages out of the page cache before the load, or in it; one run each")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(Path(args.child), args.users[0], args.items, args.apply_users, args.repeat)))
+        print(json.dumps(measure(Path(args.child), args.users[0], args.items, args.apply_users, args.repeat, args.cache[0])))
         return
     result = {"machine": f"{os.cpu_count()} cores", "implementation": args.label, "items": args.items,
               "categories": args.categories, "history": args.history, "runs": []}
@@ -173,17 +192,18 @@ def main() -> None:
             t0 = time.perf_counter()
             size = synth_snapshot(snapshot, users, args.items, args.categories, args.history)
             print(f"made {snapshot} ({size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s", flush=True)
-        child = subprocess.run([sys.executable, __file__, "--child", str(snapshot), "--users", str(users), "--items", str(args.items),
-                                "--apply-users", str(args.apply_users), "--repeat", str(args.repeat)],
-                               capture_output=True, text=True)
-        if child.returncode != 0:
-            print(child.stderr[-3000:], flush=True)
-            result["runs"].append({"users": users, "failed": child.stderr[-1000:]})
-            continue
-        run = json.loads(child.stdout.strip().splitlines()[-1])
-        run["snapshot_bytes"] = snapshot.stat().st_size
-        result["runs"].append(run)
-        print(json.dumps(run), flush=True)
+        for cache in args.cache:
+            child = subprocess.run([sys.executable, __file__, "--child", str(snapshot), "--users", str(users), "--items", str(args.items),
+                                    "--apply-users", str(args.apply_users), "--repeat", str(args.repeat), "--cache", cache],
+                                   capture_output=True, text=True)
+            if child.returncode != 0:
+                print(child.stderr[-3000:], flush=True)
+                result["runs"].append({"users": users, "snapshot_page_cache": cache, "failed": child.stderr[-1000:]})
+                continue
+            run = json.loads(child.stdout.strip().splitlines()[-1])
+            run["snapshot_bytes"] = snapshot.stat().st_size
+            result["runs"].append(run)
+            print(json.dumps(run), flush=True)
     write_result(args.out, f"feature-state-{args.label}", result)
 
 

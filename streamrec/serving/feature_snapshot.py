@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -110,8 +111,9 @@ def remove_stale_temporaries(path: str | Path) -> None:
 
 
 class SnapshotBatches:
-    """A snapshot's entity batches, each read from the file when reached (sequential reads:
-    faster than faulting a mapped file in page by page, and only one batch in memory)."""
+    """A snapshot's entity batches, read from the file in order, the next one while the
+    caller works on the current one (a thread: Arrow's reads release the GIL). Sequential
+    reads beat faulting a mapped file in page by page, and two batches at most are held."""
 
     def __init__(self, path: str | Path, count: int) -> None:
         self.path, self.count = str(path), count
@@ -120,10 +122,13 @@ class SnapshotBatches:
         return self.count
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
-        with pa.OSFile(self.path) as source:
+        with pa.OSFile(self.path) as source, ThreadPoolExecutor(1, thread_name_prefix="snapshot-read") as pool:
             reader = ipc.open_file(source)
+            ahead = pool.submit(reader.get_batch, 0) if reader.num_record_batches else None
             for i in range(reader.num_record_batches):
-                yield reader.get_batch(i)
+                batch = ahead.result()
+                ahead = pool.submit(reader.get_batch, i + 1) if i + 1 < reader.num_record_batches else None
+                yield batch
 
     def kind_counts(self) -> dict[str, int]:
         """Entities per kind: only the kind column is read (of the mapped file)."""
