@@ -34,7 +34,7 @@ from streamrec.embedding.table import TableConfig
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
-from streamrec.trainer.distributed import agree
+from streamrec.trainer.distributed import Ranks, agree
 from streamrec.trainer.engine import Trainer, TrainOptions
 from streamrec.trainer.sources import FileSampleSource
 
@@ -55,17 +55,23 @@ def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
     return g * 1e-8
 
 
-def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo") -> None:
+def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", agreed: bool = False) -> None:
+    """``agreed``: the split sizes travel in the trainer's per-step agreement (``plan``,
+    ``agree``, ``agreed``), else in the exchange's own counts all_to_all."""
     device = torch.device("cpu")
     if backend == "nccl":  # one GPU per rank, the GPU-cache tier and the Triton kernels
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
     store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
     sharded = ShardedCollection(store)
     pulled_rows = []
     for step, ids in enumerate(_batches(rank)):
         ids = {n: t.to(device) for n, t in ids.items()}
+        if agreed:
+            counts = sharded.plan(ids)
+            sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
         pulled = sharded.find_or_insert(ids, now_ms=step)
         pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
         # the gradient of each input id's row, left by backward as the model's would be
@@ -79,12 +85,16 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
 BACKENDS = ["gloo"] + ([pytest.param("nccl", marks=pytest.mark.gpu)] if torch.cuda.device_count() >= 2 else [])
 
 
+@pytest.mark.parametrize("agreed", [True, False], ids=["counts_agreed", "counts_exchanged"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, backend):
+def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, backend, agreed):
     """Rows read by each rank and rows stored by each owner equal one store that sees both
-    ranks' ids and the average of their gradients (DDP's averaging) at each step."""
+    ranks' ids and the average of their gradients (DDP's averaging) at each step; with the
+    split sizes from the step's agreement (the trainer's way) or from the exchange's own
+    counts all_to_all."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_exchange_worker, args=(r, 2, init, str(tmp_path / f"out{r}"), backend))
+    procs = [mp.get_context("spawn").Process(target=_exchange_worker,
+                                             args=(r, 2, init, str(tmp_path / f"out{r}"), backend, agreed))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -120,10 +130,12 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     off_rank = [sum(int((owner_of(ids, 2) != r).sum()) for batch in per_rank[r] for ids in batch.values()) for r in range(2)]
     stats = [g["stats"] for g in got]
     assert [s["steps"] for s in stats] == [6, 6] and [s["ids_sent"] for s in stats] == asked
+    assert [s["counts_exchanged"] for s in stats] == [0 if agreed else 6] * 2
     assert sum(s["ids_received"] for s in stats) == sum(asked) and all(s["ids_received"] > 0 for s in stats)
     for r in range(2):
         row_bytes = 4 * 4  # dim 4, float32
-        assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + 2 * 6)  # int64 ids, and each step a count per table for the other rank
+        # int64 ids, and unless the agreement carried them, each step a count per table for the other rank
+        assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + (0 if agreed else 2 * 6))
         assert stats[r]["grads_bytes_out"] == row_bytes * off_rank[r]
         assert stats[1 - r]["rows_bytes_out"] == row_bytes * off_rank[r]  # the other owner answered each of them
 
@@ -353,7 +365,11 @@ def _dense_gradients(run: Path, root: Path, rank: int, world: int, port: int) ->
             table.load_rows(ids, torch.sin((ids % 1009).unsqueeze(1).float() * 0.37 + torch.arange(table.config.dim)) * 0.3)
         share = pa.concat_tables([c.table for c in FileSampleSource([str(run)], spec, shard=(rank, world)).chunks()])
         batch = batch_from_table(share, spec, history_len)
-        agreed = agree(session.ranks, len(batch), ended=False, stop=False, now_ms=int(every.ts.max()))
+        exchange = trainer.loop.exchange  # on several ranks the split sizes travel in the agreement, as in the loop
+        counts = exchange.plan(SparseFeatures.table_ids(batch)) if exchange is not None else []
+        agreed = agree(session.ranks, len(batch), ended=False, stop=False, now_ms=int(every.ts.max()), counts=counts)
+        if exchange is not None:
+            exchange.agreed(agreed.counts)
         trainer.loop._step(batch, agreed)
         return {name: p.grad.clone() for name, p in session.model.named_parameters() if p.grad is not None}
     finally:
@@ -460,6 +476,7 @@ def test_two_ranks_learn_as_well_as_one_on_the_same_data(runs, sample_run):
     by_rank = two["step_by_rank"]
     assert [r["rank"] for r in by_rank] == [0, 1] and sum(r["samples"] for r in by_rank) == rows
     assert all(r["exchange"]["bytes_out"]["rows"] > 0 and r["exchange"]["ids_received"] > 0 for r in by_rank)
+    assert all(r["exchange"]["counts_exchanged"] == 0 for r in by_rank)  # the split sizes came with the agreement
     assert [r["samples"] for r in one["step_by_rank"]] == [rows] and "exchange" not in one["step_by_rank"][0]
 
 
@@ -631,6 +648,7 @@ def test_the_pipelined_trainer_ends_where_the_unpipelined_one_ends(small_run, tm
     assert 0 < ahead[0] == ahead[1] < steps, (ahead, steps)  # most steps looked ahead; the first could not
     assert [r["exchange"]["found_ahead"] for r in runs["pipelined"]["step_by_rank"]] == ahead
     assert all(r["exchange"]["ahead"] == 0 for r in runs["in_turn"]["step_by_rank"])
+    assert all(r["exchange"]["counts_exchanged"] == 0 for run in runs.values() for r in run["step_by_rank"])  # agreed split sizes
 
     last = {name: ModelStore(str(tmp_path / name / "models"), "ctr").load() for name in runs}
     for table, (keys, values) in last["in_turn"].tables.items():

@@ -5,8 +5,9 @@ spread evenly), and only its owner stores the row, in the owner's own
 ``EmbeddingCollection`` with its own HBM/DRAM/SSD tiers, admission and expiry. A training
 step, for all tables at once::
 
-    requester: every id of every table, grouped by (owner, table)
-    all_to_all  counts (owner x table), then ids            -> owners
+    requester: every id of every table, grouped by (owner, table); its counts per
+                (owner, table) go in the step's agreement (plan, agreed)
+    all_to_all  ids, with the split sizes the agreement brought   -> owners
     owner:      find_or_insert of what it received: one de-duplication of the ids of
                 all ranks, rows created/admitted there, one row per id received
     all_to_all  rows                                         -> requesters
@@ -17,8 +18,13 @@ step, for all tables at once::
 
 The requester sends its ids as they are, not de-duplicated: the owner has to de-duplicate
 what several ranks sent anyway, and one de-duplication means one host sync less per step
-and admission sees every sighting, as on one rank. Four collectives and three host syncs
-per step (the split sizes, and the owner's find_or_insert), whatever the number of tables.
+and admission sees every sighting, as on one rank. The split sizes need every rank's
+counts; they ride in the per-step agreement (trainer/distributed.py: one small gloo
+all_gather that runs anyway), so the exchange has no collective and no host round-trip of
+its own for them. Three collectives and three host syncs per step (the counts before the
+agreement, and the owner's find_or_insert), whatever the number of tables. A caller that
+does not agree first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent
+in an all_to_all of their own, then to the host: a fourth collective.
 
 The owner's side is table-batched wherever ``EmbeddingCollection``'s own step would be
 (grouped.py: one find-or-insert launch and one optimizer launch for all tables; the rows
@@ -89,6 +95,18 @@ class Route:
 
 
 @dataclass
+class Plan:
+    """A step's ids laid out for their owners ahead of its exchange (``ShardedCollection.plan``)."""
+
+    names: list[str]
+    sizes: list[int]  # input ids per table
+    keys: torch.Tensor  # the ids of all tables in send order (by owner, then table)
+    order: torch.Tensor  # their positions in the input
+    send_counts: list[int]  # ids to each (owner, table), owner-major
+    recv_counts: list[int] | None = None  # ids from each (rank, table), rank-major; known once agreed
+
+
+@dataclass
 class ShardedRows:
     """``ShardedCollection.find_or_insert``'s rows: what the requester got, and what the owner must update."""
 
@@ -125,12 +143,13 @@ class ExchangeStats:
     grads_bytes_out: int = 0  # gradients this requester sent to the other owners
     ahead: int = 0  # steps whose ids went to their owners during the step before (prefetch)
     found_ahead: int = 0  # of those, steps whose owner's find_or_insert ran then too
+    counts_exchanged: int = 0  # steps whose split sizes took a counts all_to_all (no agreed plan)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXCHANGE_PARTS, 0.0))
 
     def per_step(self) -> dict[str, Any]:
         """The figures of an average step (bytes and ids per step, host ms per part)."""
         steps = max(1, self.steps)
-        return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead,
+        return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead, "counts_exchanged": self.counts_exchanged,
                 "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
                 "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
                               "grads": self.grads_bytes_out / steps},
@@ -153,6 +172,7 @@ class ShardedCollection:
         self.stats = ExchangeStats()
         self.sync_timings = False  # wait for the device at each part's end: exact times, slower steps
         self._ahead: Ahead | None = None  # the next step's exchange, begun by prefetch
+        self._plan: Plan | None = None  # the next exchange's ids and split sizes, from plan (and agreed)
         self._pending: ShardedRows | None = None  # the rows handed out whose gradients have not come back
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sent: torch.cuda.Event | None = None  # on CUDA: the last step's rows have gone out
@@ -318,36 +338,84 @@ class ShardedCollection:
         """The rows of ``splits`` (one count per rank) that go to or come from other ranks."""
         return sum(splits) - splits[self.rank]
 
-    def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
-        """Every id to its owner: (the route, what this rank owns of every rank's ids, by table)."""
+    def plan(self, ids: Mapping[str, torch.Tensor]) -> list[int]:
+        """Lay out a step's ids for their owners before the step, and return how many go to
+        each (owner, table) (int [world * tables], on the host: this step's one host sync
+        for the split sizes). The caller sends them in the step's agreement
+        (``trainer.distributed.agree``), then hands every rank's list to ``agreed``: the
+        ids all_to_all then goes out with known split sizes, without a counts all_to_all.
+        Collective only through that agreement; the next find_or_insert or prefetch must be
+        of these ``ids``."""
+        t0 = time.perf_counter()
+        self._plan = self._layout(ids)
+        self._lap("ids", t0)
+        return self._plan.send_counts
+
+    def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
+        """``ids`` in send order (by owner, then table), and their counts on the host."""
         names, world, device = list(ids), self.world, self.device
-        n_tables = len(names)
         flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
         sizes = [len(f) for f in flat]
         keys = torch.cat(flat)
         tables = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
-        code = owner_of(keys, world) * n_tables + tables
+        code = owner_of(keys, world) * len(names) + tables
         order = torch.argsort(code, stable=True)
         # a count per (owner, table): index_add, not bincount (which waits for the device to size its output)
-        send_counts = torch.zeros(world * n_tables, dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.stack([send_counts, recv_counts]).view(2, world, n_tables).cpu()  # host sync: the split sizes
-        send_splits, recv_splits = counts[0].sum(1).tolist(), counts[1].sum(1).tolist()
+        send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
+        return Plan(names, sizes, keys[order], order, send_counts.tolist())  # host sync: the split sizes
+
+    def agreed(self, counts_by_rank: list[list[int]]) -> None:
+        """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what
+        each rank sends this one, per table, fixes the ids all_to_all's receive splits."""
+        plan, width = self._plan, len(self._plan.names) if self._plan is not None else 0
+        if plan is None or len(counts_by_rank) != self.world or any(len(c) != self.world * width for c in counts_by_rank):
+            raise RuntimeError("agreed needs every rank's plan counts, after this rank's plan")
+        lo = self.rank * width
+        plan.recv_counts = [n for counts in counts_by_rank for n in counts[lo:lo + width]]
+
+    def _planned(self, ids: Mapping[str, torch.Tensor]) -> Plan | None:
+        """The agreed plan of ``ids`` (checked by their tables and sizes: a check of their
+        values would cost a device sync), taken; None when none was agreed."""
+        plan, self._plan = self._plan, None
+        if plan is None or plan.recv_counts is None:
+            return None
+        if list(ids) != plan.names or [ids[n].numel() for n in plan.names] != plan.sizes:
+            raise RuntimeError("find_or_insert after an agreed plan must be of the planned ids")
+        return plan
+
+    def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
+        """Every id to its owner: (the route, what this rank owns of every rank's ids, by
+        table). With an agreed ``plan`` one all_to_all of the ids; without one (callers that
+        do not agree on counts first) the counts go first in an all_to_all of their own,
+        then to the host for the split sizes."""
+        world, device = self.world, self.device
+        plan = self._planned(ids)
+        counted = plan is None  # the counts travel here, not in the agreement
+        if plan is None:
+            plan = self._layout(ids)
+            send = torch.tensor(plan.send_counts, dtype=torch.int64, device=device)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            plan.recv_counts = recv.tolist()  # host sync: the split sizes
+            self.stats.counts_exchanged += 1
+        names, n_tables = plan.names, len(plan.names)
+        send_counts = torch.tensor(plan.send_counts, dtype=torch.int64).view(world, n_tables)
+        recv_counts = torch.tensor(plan.recv_counts, dtype=torch.int64).view(world, n_tables)
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
-        dist.all_to_all_single(received, keys[order], recv_splits, send_splits, group=self.group)
+        dist.all_to_all_single(received, plan.keys, recv_splits, send_splits, group=self.group)
         # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
         tag = torch.arange(n_tables, device=device).repeat(world)
-        recv_table = torch.repeat_interleave(tag, recv_counts, output_size=len(received))
+        recv_table = torch.repeat_interleave(tag, recv_counts.view(-1).to(device, non_blocking=True), output_size=len(received))
         by_table = torch.argsort(recv_table, stable=True)
-        table_sizes = counts[1].sum(0).tolist()
+        table_sizes = recv_counts.sum(0).tolist()
         wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
         stats = self.stats
         stats.steps += 1
         stats.ids_sent += sum(send_splits)
         stats.ids_received += sum(recv_splits)
-        stats.ids_bytes_out += (self._off_rank(send_splits) + (world - 1) * n_tables) * keys.element_size()
-        return Route(names, sizes, order, send_splits, recv_splits, by_table, table_sizes), wanted
+        stats.ids_bytes_out += (self._off_rank(send_splits) + (world - 1) * n_tables * counted) * plan.keys.element_size()
+        return Route(names, plan.sizes, plan.order, send_splits, recv_splits, by_table, table_sizes), wanted
 
     def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
         """The owner's rows for what it received (``outgoing``: one per id received, in the

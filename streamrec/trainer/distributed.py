@@ -21,9 +21,9 @@ import datetime
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,13 +138,20 @@ class Agreed:
     now_ms: int  # the step's clock: the newest sample time across ranks
     publish: Publish  # rank 0's word
     checkpoint: bool  # rank 0's word
+    counts: list[list[int]] = field(default_factory=list)  # each rank's ``counts``, rank by rank
+
+
+HEADER = 6  # the agreement's fields before a rank's counts
 
 
 def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
-          checkpoint: bool = False) -> Agreed:
+          checkpoint: bool = False, counts: Sequence[int] = ()) -> Agreed:
     """One small all_gather on the control group: every rank learns the others' state and
-    rank 0's decisions, so all take the same branch (and call the same collectives)."""
-    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint)], dtype=torch.int64)
+    rank 0's decisions, so all take the same branch (and call the same collectives).
+    ``counts`` (as many on every rank): the step's ids per (owner, table)
+    (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
+    its own for its split sizes."""
+    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts], dtype=torch.int64)
     if not ranks.distributed:
         rows = mine.unsqueeze(0)
     else:
@@ -155,7 +162,7 @@ def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publ
             raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
         rows = torch.stack(parts)
     return Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
-                  Publish(int(rows[0, 4])), bool(rows[0, 5]))
+                  Publish(int(rows[0, 4])), bool(rows[0, 5]), rows[:, HEADER:].tolist())
 
 
 def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -200,9 +201,12 @@ class TrainingLoop:
                 return
             self._between_steps(source, agreed)
 
-    def _next(self, prefetch: Prefetcher, ended: bool) -> Turn:
+    def _next(self, prefetch: Prefetcher, ended: bool, ahead: bool = False) -> Turn:
         """The next step as every rank agrees it: this rank's batch, whether to stop, rank
-        0's word on publishing and checkpointing after it (``ended``: this rank's source is done)."""
+        0's word on publishing and checkpointing after it (``ended``: this rank's source is
+        done). On several ranks the batch goes to the device here and its ids' counts per
+        owner travel in the agreement (``ShardedCollection.plan``); a rank without samples
+        plans an empty batch. ``ahead``: during the step before (``_look_ahead``)."""
         opts = self.opts
         t0 = time.perf_counter()
         # files never idle: wait for the batch, so a slow decode never turns into an
@@ -221,9 +225,19 @@ class TrainingLoop:
             bool(opts.max_seconds and time.monotonic() - self.started >= opts.max_seconds) or \
             bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
         publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
+        counts: list[int] = []
+        if self.exchange is not None:  # the exchange's split sizes go in the agreement
+            batch = batch if batch is not None else _empty_batch(self.session)
+            t0 = time.perf_counter()
+            with self.exchange.ahead_stream() if ahead else nullcontext():
+                batch.to(self.device, non_blocking=True)
+                counts = self.exchange.plan(SparseFeatures.table_ids(batch))
+            self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
-                       batch.max_ts() if batch is not None else 0, publish, checkpoint)
+                       batch.max_ts() if batch is not None else 0, publish, checkpoint, counts)
+        if self.exchange is not None:
+            self.exchange.agreed(agreed.counts)
         self.times["agree"] += time.perf_counter() - t1
         return Turn(batch, agreed, ended, idle_s)
 
@@ -236,12 +250,10 @@ class TrainingLoop:
         expires = bool(self.cfg.model.ttl_s) and (self.state["step"] + 1) % EXPIRE_EVERY == 0
         if not self.pipelined or agreed.publish or agreed.checkpoint or agreed.stop or agreed.ended or expires:
             return None
-        turn = self._next(prefetch, ended)
+        turn = self._next(prefetch, ended, ahead=True)
         if turn.agreed.samples:
             t0 = time.perf_counter()
             with self.exchange.ahead_stream():
-                batch = turn.batch if turn.batch is not None else _empty_batch(self.session)
-                turn.batch = batch.to(self.device, non_blocking=True)
                 self.exchange.prefetch(SparseFeatures.table_ids(turn.batch), turn.agreed.now_ms)
             self.times["lookup"] += time.perf_counter() - t0
         return turn
