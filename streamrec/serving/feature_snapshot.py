@@ -122,8 +122,9 @@ class SnapshotBatches:
         return self.count
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
-        with pa.OSFile(self.path) as source, ThreadPoolExecutor(1, thread_name_prefix="snapshot-read") as pool:
-            reader = ipc.open_file(source)
+        system = pa.system_memory_pool()  # a batch's memory goes back to the system once read: not held by a pool's cache
+        with pa.OSFile(self.path, memory_pool=system) as source, ThreadPoolExecutor(1, thread_name_prefix="snapshot-read") as pool:
+            reader = ipc.open_file(source, memory_pool=system)
             ahead = pool.submit(reader.get_batch, 0) if reader.num_record_batches else None
             for i in range(reader.num_record_batches):
                 batch = ahead.result()
