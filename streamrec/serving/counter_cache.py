@@ -54,10 +54,11 @@ class CounterCache:
         if slot < len(self._valid_until):
             self._valid_until[slot] = INT64_MIN
 
-    def gather(self, slots: np.ndarray, ts: np.ndarray, compute: Callable[[int, int], tuple[list[int], int]]) -> np.ndarray:
+    def gather(self, slots: np.ndarray, ts: np.ndarray, compute: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """``[n, width]`` counts of the entities in ``slots`` ``[n]`` (-1: unknown, zeros)
-        at times ``ts`` ``[n]`` (int64). ``compute(slot, ts)`` gives (counts, valid until)
-        from the entity's state."""
+        at times ``ts`` ``[n]`` (int64). ``compute(slots, ts)`` gives, for many (slot, ts)
+        at once, (counts ``[q, width]``, valid until ``[q]``) from the entities' state: one
+        call per batch for every entity whose cached counts no longer hold."""
         n = len(slots)
         if n and int(slots.max()) >= len(self._valid_until):
             self._grow(int(slots.max()) + 1)
@@ -70,20 +71,20 @@ class CounterCache:
         self.hits += n - len(stale)
         self.misses += len(stale)
         if len(stale):
-            done: dict[tuple[int, int], np.ndarray] = {}
-            for i, slot, at in zip(stale.tolist(), slots[stale].tolist(), ts[stale].tolist()):
-                got = done.get((slot, at))
-                if got is None:
-                    got = done[(slot, at)] = self._refresh(slot, at, compute)
-                out[i] = got
+            asked, where = np.unique(np.stack([slots[stale], ts[stale]], axis=1), axis=0, return_inverse=True)
+            counts, until = compute(asked[:, 0], asked[:, 1])
+            out[stale] = counts[where.reshape(-1)]
+            self._keep(asked[:, 0], asked[:, 1], counts, until)
         return out
 
-    def _refresh(self, slot: int, ts: int, compute: Callable[[int, int], tuple[list[int], int]]) -> np.ndarray:
-        counts, until = compute(slot, ts)
-        values = np.asarray(counts, np.int64)
-        if ts >= self._computed_at[slot] or self._valid_until[slot] == INT64_MIN:  # keep the later of two requests' times
-            self._counts[slot], self._computed_at[slot], self._valid_until[slot] = values, ts, until
-        return values
+    def _keep(self, slots: np.ndarray, ts: np.ndarray, counts: np.ndarray, until: np.ndarray) -> None:
+        """Cache fresh counts (``slots`` ascending, then ``ts``): per slot, those of its latest
+        ``ts``, unless the cache holds a later one still valid (requests come in any order)."""
+        last = np.append(slots[1:] != slots[:-1], True)
+        slots, ts, counts, until = slots[last], ts[last], counts[last], until[last]
+        newer = (ts >= self._computed_at[slots]) | (self._valid_until[slots] == INT64_MIN)
+        slots = slots[newer]
+        self._counts[slots], self._computed_at[slots], self._valid_until[slots] = counts[newer], ts[newer], until[newer]
 
     def _grow(self, need: int) -> None:
         old = len(self._valid_until)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrec.contracts.feature_state import END_OF_INPUT, ENTITIES
+from streamrec.contracts.feature_state import ENTITIES
 from streamrec.serving.growth import resized
 from streamrec.serving.history_rows import HistoryRows
 from streamrec.serving.id_index import IdIndex
+from streamrec.serving.segment_counts import counts_until_many
 from streamrec.serving.time_lists import TimeLists, segment_index
 
 
@@ -126,19 +127,14 @@ class EntityStore:
 
     def counts_until(self, kind: str, slot: int, ts: int, windows_ms: tuple[int, ...]) -> tuple[list[int], int]:
         """``EntityCounts.counts_until`` of a slot's times."""
-        out, until = [], END_OF_INPUT
-        lows = np.array([ts - w for w in windows_ms], np.int64)
-        for times in self.times(kind, slot):
-            n = len(times)
-            hi = n if not n or times[-1] < ts else int(times.searchsorted(ts, "left"))
-            if hi < n:
-                until = min(until, int(times[hi]) + 1)  # the next event enters every window
-            lo = times[:hi].searchsorted(lows, "right")
-            out.append(hi - lo)
-            counted = lo < hi
-            if counted.any():  # the oldest counted event leaves its window
-                until = min(until, int((times[lo[counted]] + np.asarray(windows_ms, np.int64)[counted]).min()))
-        return np.stack(out, axis=1).reshape(-1).tolist(), until  # [imps W0, clicks W0, imps W1, ...]
+        counts, until = self.counts_until_many(kind, np.array([slot], np.int64), np.array([ts], np.int64), windows_ms)
+        return counts[0].tolist(), int(until[0])
+
+    def counts_until_many(self, kind: str, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`counts_until` of many (slot, ts) at once (serving/segment_counts.py):
+        (counts int64 [q, 2W], valid until int64 [q])."""
+        state = self.kinds[kind]
+        return counts_until_many((state.imps, state.clicks), slots, ts, windows_ms)
 
     def keys(self) -> list[tuple[str, int]]:
         """Every entity's (kind, id)."""

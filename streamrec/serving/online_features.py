@@ -405,8 +405,8 @@ class OnlineFeatures:
     def _compute_for(self, kind: str):
         store, windows = self.store, self.windows_ms
 
-        def compute(slot: int, ts: int) -> tuple[list[int], int]:
-            return store.counts_until(kind, slot, ts, windows)
+        def compute(slots: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return store.counts_until_many(kind, slots, ts, windows)
         return compute
 
     def _named(self, q: ByIdsQuery, items: list[int], categories: list[int], counters: np.ndarray) -> list[dict[str, Any]]:
