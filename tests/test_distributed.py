@@ -134,10 +134,111 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     assert sum(s["ids_received"] for s in stats) == sum(asked) and all(s["ids_received"] > 0 for s in stats)
     for r in range(2):
         row_bytes = 4 * 4  # dim 4, float32
-        # int64 ids, and unless the agreement carried them, each step a count per table for the other rank
-        assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + (0 if agreed else 2 * 6))
+        # int64 ids, and unless the agreement carried them, each step a count per (owner, table) for the other rank
+        assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + (0 if agreed else 2 * 2 * 6))  # else each rank's 2 x 2 counts per step
         assert stats[r]["grads_bytes_out"] == row_bytes * off_rank[r]
         assert stats[1 - r]["rows_bytes_out"] == row_bytes * off_rank[r]  # the other owner answered each of them
+
+
+REPLICATED_C = TableConfig("c", 4, optimizer="adagrad", lr=0.1, init_std=0.01, admit_after=2)  # random rows, admission
+# on GPUs, "c" as "b" is: the two replicated tables' find_or_insert and update table-batched (grouped.py)
+GROUPED_C = TableConfig("c", 4, optimizer="adam", lr=0.05, init_std=0.0)
+
+
+def _replicated_c(backend: str) -> TableConfig:
+    return REPLICATED_C if backend == "gloo" else GROUPED_C
+
+
+def _replicated_batches(rank: int) -> list[dict[str, torch.Tensor]]:
+    """``_batches`` and a third table, few keys seen often (some too rarely to be admitted at first)."""
+    return [{**ids, "c": ids["a"][::2] % 23 + 10 * (ids["b"][:3].sum() % 4)} for ids in _batches(rank)]
+
+
+def _replicated_worker(rank: int, world: int, init: str, out: str, backend: str, agreed: bool) -> None:
+    """Table "a" sharded, "b" (no random init) and "c" (random init, admission) replicated,
+    each rank seeding its tables differently; per step, find_or_insert, a backward with
+    ``_grad`` and apply_gradients. Saves what each rank pulled and every row it holds."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
+    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in [*TABLES, _replicated_c(backend)]], device, seed=1000 * rank)
+    sharded = ShardedCollection(store, replicated=["b", "c"])
+    pulled_rows, grouped = [], []
+    for step, ids in enumerate(_replicated_batches(rank)):
+        ids = {n: t.to(device) for n, t in ids.items()}
+        if agreed:
+            counts = sharded.plan(ids)
+            sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
+        pulled = sharded.find_or_insert(ids, now_ms=step)
+        pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
+        grouped.append(pulled.replicated.grouped is not None)
+        torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
+        sharded.apply_gradients(pulled)
+    torch.save({"pulled": pulled_rows, "rows": _rows_of(store), "stats": asdict(sharded.stats), "grouped": grouped}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("agreed", [True, False], ids=["counts_agreed", "counts_exchanged"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_path, backend, agreed):
+    """Two ranks, "a" sharded, "b" and "c" replicated (every rank holds them whole and trains
+    them data-parallel): the rows each rank pulls and every row of "a" and "b" equal one
+    store that sees both ranks' ids and the average of their gradients, as an all-sharded
+    exchange does; "c", whose new rows are random and admitted after two sightings, holds
+    on both ranks the same rows, bit for bit (weights, optimizer state, clock), and the
+    keys one store admits. On GPUs "c" is "b"'s kind (zeros, no admission), so that the
+    replicated tables take the table-batched path."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=_replicated_worker,
+                                             args=(r, 2, init, str(tmp_path / f"out{r}"), backend, agreed)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    got = [torch.load(tmp_path / f"out{r}", weights_only=False) for r in range(2)]
+    tol = 1e-6 if backend == "gloo" else 1e-5
+
+    ref = EmbeddingCollection([*TABLES, _replicated_c(backend)])
+    assert all(all(g["grouped"]) == (backend == "nccl") for g in got)
+    per_rank = [_replicated_batches(0), _replicated_batches(1)]
+    for step in range(6):
+        both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in ("a", "b", "c")}
+        pulled = ref.find_or_insert_each(both, now_ms=step)
+        for r in range(2):
+            for n in ("a", "b"):
+                lo = 0 if r == 0 else len(per_rank[0][step][n])
+                want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
+                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=tol)
+        for n in ("a", "b", "c"):
+            summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, _grad(both[n], step))
+            ref[n].apply_gradients(pulled[n], summed / 2)
+    want = _rows_of(ref)
+    rows = [g["rows"] for g in got]
+    assert len(rows[0]["a"]) + len(rows[1]["a"]) == len(want["a"]) and min(len(rows[0]["a"]), len(rows[1]["a"])) > 0  # sharded
+    for n in ("b", "c"):  # replicated: every key on both ranks, bit for bit the same row
+        assert rows[0][n].keys() == rows[1][n].keys() == want[n].keys() and len(want[n]) > 0, n
+        for k, (w, s_, seen) in rows[0][n].items():
+            w1, s1, seen1 = rows[1][n][k]
+            assert torch.equal(w, w1) and torch.equal(s_, s1) and seen == seen1, (n, k)
+    compared = ("a", "b", "c") if backend == "nccl" else ("a", "b")
+    if backend == "gloo":
+        assert any(bool(w.abs().sum() > 0) for w, _, _ in rows[0]["c"].values())  # "c"'s rows began random, and equal
+    for r in range(2):
+        for n in compared:
+            for k, (w, s_, seen) in rows[r][n].items():
+                torch.testing.assert_close(w, want[n][k][0], rtol=0, atol=tol)
+                torch.testing.assert_close(s_, want[n][k][1], rtol=0, atol=tol)
+                assert seen == want[n][k][2]
+    asked_a = [sum(len(batch["a"]) for batch in per_rank[r]) for r in range(2)]
+    stats = [g["stats"] for g in got]
+    assert [s_["ids_sent"] for s_ in stats] == asked_a  # only the sharded table's ids go to owners
+    assert stats[0]["replicated_rows"] == stats[1]["replicated_rows"] > 0
+    assert all(s_["replicated_bytes_out"] > 0 for s_ in stats)
+    assert [s_["counts_exchanged"] for s_ in stats] == [0 if agreed else 6] * 2
 
 
 def _rows_of(store: EmbeddingCollection) -> dict[str, dict[int, tuple]]:
@@ -442,10 +543,16 @@ def test_file_shares_are_disjoint_cover_every_row_and_resume_exactly(sample_run)
 
 
 # ---------------------------------------------------------------- the CLI on several ranks
-def _train(tmp_path: Path, run: Path, name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _train(tmp_path: Path, run: Path, name: str, *extra: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_cli("train", "--samples", str(run), "--model-store", str(tmp_path / name / "models"), "--work-dir",
                    str(tmp_path / name / "work"), "--device", "cpu", "--no-frozen", "--publish-interval", "3", "--json", *extra,
-                   env={"STREAMREC_TRAINER__EVAL_WINDOW": "1000000"}, timeout=timeout)
+                   env={"STREAMREC_TRAINER__EVAL_WINDOW": "1000000", **(env or {})}, timeout=timeout)
+
+
+# the planner replicates the small tables (estimated below the threshold) and shards user and item
+REPLICATE_SMALL = {"STREAMREC_TRAINER__TABLE_ROWS": "category=2000,advertiser=20000,context=500,user=50000000,item=20000000",
+                   "STREAMREC_TRAINER__REPLICATE_BELOW_ROWS": "100000"}
+SMALL_TABLES = ["category", "advertiser", "context"]
 
 
 @pytest.fixture(scope="module")
@@ -458,6 +565,15 @@ def runs(sample_run, tmp_path_factory):
     two = _train(root, sample_run, "two", "--batch-size", "512", "--nproc-per-node", "2")
     assert two.returncode == 0, two.stderr[-3000:]
     return root, json.loads(one.stdout), json.loads(two.stdout)
+
+
+@pytest.fixture(scope="module")
+def replicated_run(runs, sample_run):
+    """The two-rank run of ``runs`` again, with the small tables replicated on both ranks."""
+    root = runs[0]
+    done = _train(root, sample_run, "replicated", "--batch-size", "512", "--nproc-per-node", "2", env=REPLICATE_SMALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 @pytest.mark.slow
@@ -481,27 +597,74 @@ def test_two_ranks_learn_as_well_as_one_on_the_same_data(runs, sample_run):
 
 
 @pytest.mark.slow
-def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, sample_run):
+def test_small_tables_replicated_on_every_rank_learn_as_the_sharded_run(runs, replicated_run, sample_run, tmp_path):
+    """Two ranks with category, advertiser and context replicated (the planner, from their
+    estimated rows) and user and item sharded: every sample trained, online AUC within 0.01
+    of the all-sharded run's, the same keys in every table of the last version (one file per
+    replicated table, the placement in its manifest), the replicated tables the same on both
+    ranks row for row, and a resume with another placement refused."""
     root, _, two = runs
-    store_root = root / "two" / "models"
-    manifest = json.loads((store_root / "ctr" / "versions" / f"{two['version']:012d}" / "manifest.json").read_text())
-    assert manifest["shards"] == 2 and any(f.endswith("00001-of-00002.arrow") for f in manifest["files"])
+    rows = pq.ParquetFile(sample_run / "samples.parquet").metadata.num_rows
+    assert replicated_run["samples"] == rows
+    print({"auc_sharded": two["auc_online"], "auc_replicated": replicated_run["auc_online"]})
+    assert abs(two["auc_online"] - replicated_run["auc_online"]) < 0.01
+    by_rank = replicated_run["step_by_rank"]
+    assert all(r["exchange"]["replicated_rows"] > 0 and r["exchange"]["counts_exchanged"] == 0 for r in by_rank)
 
-    # the ranks' parameters, from their final checkpoints: every shard's rows and the dense model
+    manifest = json.loads((root / "replicated" / "models" / "ctr" / "versions" / f"{replicated_run['version']:012d}" /
+                           "manifest.json").read_text())
+    assert manifest["placement"] == {"user": "sharded", "item": "sharded", **dict.fromkeys(SMALL_TABLES, "replicated")}
+    for table in manifest["placement"]:
+        files = [f for f, info in manifest["files"].items() if info.get("table") == table]
+        assert len(files) == (1 if table in SMALL_TABLES else 2), (table, files)
+    versions = {name: ModelStore(str(root / name / "models"), "ctr").load() for name in ("two", "replicated")}
+    for table, (keys, _) in versions["two"].tables.items():
+        got = versions["replicated"].tables[table][0]
+        assert len(got) == len(np.unique(got)) and np.array_equal(np.sort(got), np.sort(keys)), table
+
+    (rows_0, _, _), (rows_1, _, _) = _final_state(root / "replicated" / "work")
+    for table in SMALL_TABLES:
+        assert rows_0[table].keys() == rows_1[table].keys() and len(rows_0[table]) > 0, table
+        for k, (w, s, seen) in rows_0[table].items():
+            assert torch.equal(rows_1[table][k][0], w) and torch.equal(rows_1[table][k][1], s) and rows_1[table][k][2] == seen
+    for table in ("user", "item"):
+        assert not rows_0[table].keys() & rows_1[table].keys(), table  # sharded: each key on one rank
+
+    again = run_cli("train", "--samples", str(sample_run), "--model-store", str(tmp_path / "models"), "--work-dir",
+                    str(root / "replicated" / "work"), "--device", "cpu", "--no-frozen", "--nproc-per-node", "2", timeout=300)
+    assert again.returncode != 0 and "trained with table placement" in again.stderr, again.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["two", "replicated"])
+def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, replicated_run, sample_run, name):
+    """All tables sharded, or the small ones replicated (written by rank 0 alone)."""
+    root, _, two = runs
+    summary = two if name == "two" else replicated_run
+    store_root = root / name / "models"
+    manifest = json.loads((store_root / "ctr" / "versions" / f"{summary['version']:012d}" / "manifest.json").read_text())
+    assert manifest["shards"] == 2 and any(f.endswith("00001-of-00002.arrow") for f in manifest["files"])
+    replicated = [t for t, where in manifest.get("placement", {}).items() if where == "replicated"]
+    assert (name == "replicated") == bool(replicated)
+
+    # the ranks' parameters, from their final checkpoints: every shard's rows (a replicated
+    # table's from rank 0, which holds all of them) and the dense model
     configs, merged = None, {}
     for rank in range(2):
-        ckpt = Checkpointer(root / "two" / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
+        ckpt = Checkpointer(root / name / "work" / "ctr" / "checkpoints" / f"rank-{rank:05d}-of-00002").latest()
         shard, _ = EmbeddingCollection.restore(ckpt / "sparse")
         configs = configs or [TableConfig(t.config.name, t.config.dim) for t in shard.tables.values()]
-        for name, table in shard.tables.items():
+        for name_, table in shard.tables.items():
+            if rank and name_ in replicated:
+                continue
             for keys, values in table.export_all():
-                merged.setdefault(name, []).append((keys, values))
+                merged.setdefault(name_, []).append((keys, values))
         shard.close()
         state = json.loads((ckpt / "state.json").read_text())
         dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False)["model"]
     store = EmbeddingCollection(configs)
-    for name, parts in merged.items():
-        store[name].load_rows(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
+    for name_, parts in merged.items():
+        store[name_].load_rows(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
     model = CTRModel(ModelSpec.from_json(state["model_spec"]))
     model.load_state_dict(dense)
     model.eval()
@@ -535,7 +698,7 @@ def test_a_version_written_by_two_ranks_serves_the_ranks_scores(runs, sample_run
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert body["model_version"] == two["version"]
+    assert body["model_version"] == summary["version"]
     np.testing.assert_allclose(body["scores"], want, rtol=0, atol=1e-6)
 
 

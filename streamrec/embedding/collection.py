@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Collection, Mapping, Protocol
 
 import torch
 
@@ -212,8 +212,9 @@ class EmbeddingCollection:
             table.close()
 
 
-def training_collection(local: EmbeddingCollection, sharded: bool, group=None) -> TrainingCollection:
+def training_collection(local: EmbeddingCollection, sharded: bool, group=None, replicated: Collection[str] = ()) -> TrainingCollection:
     """What a trainer trains through, chosen once at start: ``local`` itself, or, when the
     tables are sharded over ranks, ``local`` as this rank's shard of a ``ShardedCollection``
-    over ``group`` (torch.distributed's default group when None)."""
-    return ShardedCollection(local, group) if sharded else local
+    over ``group`` (torch.distributed's default group when None), with the ``replicated``
+    tables whole on every rank."""
+    return ShardedCollection(local, group, replicated) if sharded else local

@@ -26,6 +26,15 @@ agreement, and the owner's find_or_insert), whatever the number of tables. A cal
 does not agree first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent
 in an all_to_all of their own, then to the host: a fourth collective.
 
+Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
+sample asks for are held whole by every rank and trained data-parallel instead. Each
+rank's unique ids of them (and how often each came) go to every rank (one all_to_all, its
+sizes in the agreement too); every rank runs one find_or_insert over their union, in rank
+order, so every replica creates, admits and moves the same rows (the replicas start equal,
+with rank 0's random state); each rank reads its own ids' rows locally; after backward one
+all_reduce sums the union rows' gradients, averaged over ranks as above, and every rank
+applies the same update.
+
 The owner's side is table-batched wherever ``EmbeddingCollection``'s own step would be
 (grouped.py: one find-or-insert launch and one optimizer launch for all tables; the rows
 and the gradients of all tables as one tensor each, indexed in the order the ids arrived,
@@ -57,16 +66,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
 from streamrec.embedding.table import BatchRows
+from streamrec.embedding.unique import unique_per_group
 
 if TYPE_CHECKING:
     from streamrec.embedding.collection import EmbeddingCollection
+    from streamrec.embedding.table import TableConfig
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,35 @@ def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
     top bits of ``key * 0x9E37...``), so one shard's keys do not crowd one part of its index."""
     mixed = (keys ^ (keys >> 31)) * _MIX
     return ((mixed >> 32) & 0x7FFFFFFF) % world
+
+
+SHARDED, REPLICATED = "sharded", "replicated"
+
+
+def plan_placement(configs: "list[TableConfig]", world: int, estimated_rows: Mapping[str, int], replicate_below_rows: int,
+                   overrides: Mapping[str, str], on_gpu: bool) -> dict[str, str]:
+    """Where each table's rows live on ``world`` ranks: ``replicated`` (every rank holds the
+    whole table and trains it data-parallel: no ids or rows cross ranks for it but its unique
+    ids and one gradient all_reduce) or ``sharded`` (row-wise by key, ``owner_of``). A table
+    is replicated when its estimated rows are below ``replicate_below_rows`` and, on GPUs, fit
+    its GPU cache (its share of ``[ps] hbm_bytes``: every rank holds all of it); a table
+    without an estimate is sharded. ``overrides`` (table -> placement) win. One table at
+    least stays sharded."""
+    names = [c.name for c in configs]
+    unknown = sorted(set(estimated_rows) - set(names)) + sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(f"placement: no table named {', '.join(unknown)} (tables: {', '.join(names)})")
+    bad = {n: p for n, p in overrides.items() if p not in (SHARDED, REPLICATED)}
+    if bad:
+        raise ValueError(f"placement: {bad} is neither {SHARDED!r} nor {REPLICATED!r}")
+    out = {}
+    for c in configs:
+        rows = estimated_rows.get(c.name)
+        small = world > 1 and rows is not None and rows < replicate_below_rows and (not on_gpu or rows <= c.gpu_cache_rows)
+        out[c.name] = overrides.get(c.name, REPLICATED if small else SHARDED)
+    if world > 1 and all(p == REPLICATED for p in out.values()):
+        raise ValueError("placement: every table would be replicated; one at least must stay sharded")
+    return out if world > 1 else dict.fromkeys(names, SHARDED)
 
 
 @dataclass
@@ -104,6 +144,36 @@ class Plan:
     order: torch.Tensor  # their positions in the input
     send_counts: list[int]  # ids to each (owner, table), owner-major
     recv_counts: list[int] | None = None  # ids from each (rank, table), rank-major; known once agreed
+    asked: list[str] = field(default_factory=list)  # every table asked for, replicated ones included, in order
+    replicated: "ReplicatedPlan | None" = None  # the ids of the replicated tables
+
+    def counts(self) -> list[int]:
+        """What the agreement carries for this rank: the sharded tables' counts per (owner,
+        table), then the replicated tables' unique ids per table."""
+        return self.send_counts + (self.replicated.sizes if self.replicated is not None else [])
+
+
+@dataclass
+class ReplicatedPlan:
+    """A step's ids of the tables every rank holds whole (``replicated``): this rank's unique
+    ids of each, which every rank receives, so that all run the same find_or_insert."""
+
+    names: list[str]
+    unique: list[torch.Tensor]  # per table: this rank's unique ids
+    inverse: list[torch.Tensor]  # per table: each input id's position in ``unique``
+    sightings: list[torch.Tensor]  # per table: how often each unique id came (admission counts every sighting)
+    sizes: list[int]  # unique ids per table
+    by_rank: list[list[int]] | None = None  # every rank's ``sizes``, once agreed
+
+
+@dataclass
+class ReplicatedRows:
+    """The replicated tables' rows of a step: the same union of every rank's ids on every rank."""
+
+    leaf: torch.Tensor  # the union's unique rows, tables one after another [keys, dim]; requires grad
+    owned: dict[str, BatchRows]
+    grouped: GroupedRows | None
+    key_counts: list[int]  # unique rows per table in ``leaf``
 
 
 @dataclass
@@ -116,6 +186,7 @@ class ShardedRows:
     owned: dict[str, BatchRows]  # owner: its find_or_insert of what it received, per table
     grouped: GroupedRows | None = None  # owner: the same, table-batched (``owned`` then holds views of it)
     served: torch.Tensor | None = None  # owner, table-batched: each received id's row in ``grouped.rows``, in received order
+    replicated: ReplicatedRows | None = None  # the replicated tables' rows (their embeddings are in ``embeddings`` too)
 
 
 @dataclass
@@ -143,7 +214,9 @@ class ExchangeStats:
     grads_bytes_out: int = 0  # gradients this requester sent to the other owners
     ahead: int = 0  # steps whose ids went to their owners during the step before (prefetch)
     found_ahead: int = 0  # of those, steps whose owner's find_or_insert ran then too
-    counts_exchanged: int = 0  # steps whose split sizes took a counts all_to_all (no agreed plan)
+    counts_exchanged: int = 0  # steps whose split sizes took a counts all_gather of their own (no agreed plan)
+    replicated_rows: int = 0  # unique rows of the replicated tables' union (every rank's ids), its gradient all_reduce's rows
+    replicated_bytes_out: int = 0  # this rank's unique ids of the replicated tables (and their counts) to the other ranks
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXCHANGE_PARTS, 0.0))
 
     def per_step(self) -> dict[str, Any]:
@@ -152,7 +225,8 @@ class ExchangeStats:
         return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead, "counts_exchanged": self.counts_exchanged,
                 "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
                 "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
-                              "grads": self.grads_bytes_out / steps},
+                              "grads": self.grads_bytes_out / steps, "replicated_ids": self.replicated_bytes_out / steps},
+                "replicated_rows": self.replicated_rows / steps,
                 "ms": {part: 1000 * s / steps for part, s in self.seconds.items()}}
 
 
@@ -160,11 +234,17 @@ class ShardedCollection:
     """The tables of ``local`` (this rank's shard) as one logical collection over ``group``
     (the default group when None). Every verb is collective: every rank calls it every step."""
 
-    def __init__(self, local: "EmbeddingCollection", group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, local: "EmbeddingCollection", group: dist.ProcessGroup | None = None,
+                 replicated: Collection[str] = ()) -> None:
         dims = {t.config.dim for t in local.tables.values()}
         if len(dims) != 1:
             raise ValueError(f"sharded tables must share one dim, got {sorted(dims)}")
+        unknown = set(replicated) - set(local.tables)
+        if unknown or len(set(replicated)) == len(local.tables):
+            raise ValueError(f"replicated tables must be tables of the collection, and one at least must stay sharded: "
+                             f"{sorted(replicated)} of {list(local.tables)}")
         self.local, self.group = local, group
+        self.replicated = [n for n in local.tables if n in set(replicated)]  # in the collection's order
         self.dim = dims.pop()
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -176,6 +256,25 @@ class ShardedCollection:
         self._pending: ShardedRows | None = None  # the rows handed out whose gradients have not come back
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sent: torch.cuda.Event | None = None  # on CUDA: the last step's rows have gone out
+        if self.replicated:
+            self._start_replicas_equal()
+
+    def _start_replicas_equal(self) -> None:
+        """Every rank's replicated tables start equal (collective, at construction): the
+        same rows on every rank (fresh, or from checkpoints of one run; else this refuses),
+        and rank 0's random state for new rows, so that the same find_or_inserts create the
+        same rows everywhere."""
+        rows = torch.tensor([len(self.local[n]) for n in self.replicated], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(rows) for _ in range(self.world)]
+        dist.all_gather(every, rows, group=self.group)
+        if any(not torch.equal(r, every[0]) for r in every):
+            raise RuntimeError(f"the replicated tables {self.replicated} hold different rows on different ranks "
+                               f"({[r.tolist() for r in every]}): they were not trained replicated")
+        for name in self.replicated:
+            generator = self.local[name].generator
+            state = generator.get_state().to(self.device)
+            dist.broadcast(state, src=0, group=self.group)
+            generator.set_state(state.cpu())
 
     def _lap(self, part: str, since: float) -> float:
         """Add the time since ``since`` to ``part`` (after the device's queue drains, with
@@ -194,9 +293,13 @@ class ShardedCollection:
         After a ``prefetch``, ``ids`` must be the ids prefetched: their exchange is finished."""
         ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
+        replicated = None
         if ahead is None:
-            route, wanted = self._send_ids(ids)
+            plan = self._take_plan(ids)
+            route, wanted = self._send_ids(plan)
             t0 = self._lap("ids", t0)
+            if plan.replicated is not None:
+                replicated = self._replicated_find_or_insert(plan.replicated, now_ms)
             owned, grouped = self._owner_find_or_insert(wanted, now_ms)
         else:
             route, wanted = self._check_ahead(ahead, ids, now_ms), ahead.wanted
@@ -220,7 +323,11 @@ class ShardedCollection:
         if self._side is not None:
             self._sent = torch.cuda.Event()
             self._sent.record(torch.cuda.current_stream(self.device))
-        self._pending = ShardedRows(dict(zip(route.names, leaf.split(route.sizes))), leaf, route, owned, grouped, served)
+        embeddings = dict(zip(route.names, leaf.split(route.sizes)))
+        if replicated is not None:
+            embeddings.update(replicated[0])
+            embeddings = {n: embeddings[n] for n in ids}
+        self._pending = ShardedRows(embeddings, leaf, route, owned, grouped, served, replicated[1] if replicated else None)
         return self._pending
 
     @contextlib.contextmanager
@@ -247,8 +354,10 @@ class ShardedCollection:
         ``ids`` at this ``now_ms``."""
         if self._ahead is not None:
             raise RuntimeError("a prefetch is pending already: find_or_insert its ids first")
+        if self.replicated:
+            raise RuntimeError("a prefetch needs every table sharded: replicated tables train in their step's turn")
         t0 = time.perf_counter()
-        route, wanted = self._send_ids(ids)
+        route, wanted = self._send_ids(self._take_plan(ids))
         t1 = self._lap("ids", t0)
         self.stats.ahead += 1
         self._ahead = Ahead(route, wanted, now_ms)
@@ -330,6 +439,8 @@ class ShardedCollection:
                 owned = rows.owned[name]
                 summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
                 self.local[name].apply_gradients(owned, summed.div_(self.world))
+        if rows.replicated is not None:
+            self._replicated_apply_gradients(rows.replicated)
         self._lap("owner_update", t1)
         if rows is self._pending:
             self._pending = None
@@ -339,21 +450,22 @@ class ShardedCollection:
         return sum(splits) - splits[self.rank]
 
     def plan(self, ids: Mapping[str, torch.Tensor]) -> list[int]:
-        """Lay out a step's ids for their owners before the step, and return how many go to
-        each (owner, table) (int [world * tables], on the host: this step's one host sync
-        for the split sizes). The caller sends them in the step's agreement
-        (``trainer.distributed.agree``), then hands every rank's list to ``agreed``: the
-        ids all_to_all then goes out with known split sizes, without a counts all_to_all.
-        Collective only through that agreement; the next find_or_insert or prefetch must be
-        of these ``ids``."""
+        """Lay out a step's ids before the step, and return this rank's counts for the step's
+        agreement (int, on the host: the step's one host sync for the split sizes): its ids
+        per (owner, sharded table), then its unique ids per replicated table. The caller
+        sends them in the agreement (``trainer.distributed.agree``), then hands every rank's
+        list to ``agreed``: the exchange then goes out with known split sizes, with no
+        collective of its own for them. Collective only through that agreement; the next
+        find_or_insert or prefetch must be of these ``ids``."""
         t0 = time.perf_counter()
         self._plan = self._layout(ids)
         self._lap("ids", t0)
-        return self._plan.send_counts
+        return self._plan.counts()
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
-        """``ids`` in send order (by owner, then table), and their counts on the host."""
-        names, world, device = list(ids), self.world, self.device
+        """The sharded tables' ids in send order (by owner, then table), the replicated
+        tables' unique ids, and their counts on the host."""
+        names, world, device = [n for n in ids if n not in self.replicated], self.world, self.device
         flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
         sizes = [len(f) for f in flat]
         keys = torch.cat(flat)
@@ -362,42 +474,58 @@ class ShardedCollection:
         order = torch.argsort(code, stable=True)
         # a count per (owner, table): index_add, not bincount (which waits for the device to size its output)
         send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
-        return Plan(names, sizes, keys[order], order, send_counts.tolist())  # host sync: the split sizes
+        replicated = None
+        rep_names = [n for n in ids if n in self.replicated]
+        if rep_names:
+            rep_flat = [ids[n].to(device, torch.int64).reshape(-1) for n in rep_names]
+            if device.type == "cuda":  # one host sync for all of them
+                uniques = unique_per_group(rep_flat)
+            else:
+                uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in rep_flat]
+            unique, inverse, sightings = (list(x) for x in zip(*uniques))
+            replicated = ReplicatedPlan(rep_names, unique, inverse, sightings, [len(u) for u in unique])
+        # host sync: the split sizes
+        return Plan(names, sizes, keys[order], order, send_counts.tolist(), asked=list(ids), replicated=replicated)
 
     def agreed(self, counts_by_rank: list[list[int]]) -> None:
         """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what
-        each rank sends this one, per table, fixes the ids all_to_all's receive splits."""
-        plan, width = self._plan, len(self._plan.names) if self._plan is not None else 0
-        if plan is None or len(counts_by_rank) != self.world or any(len(c) != self.world * width for c in counts_by_rank):
+        each rank sends this one, per table, fixes the ids all_to_all's receive splits, and
+        every rank's unique ids per replicated table the replicated ids' exchange."""
+        plan = self._plan
+        width = len(plan.names) if plan is not None else 0
+        if plan is None or len(counts_by_rank) != self.world or any(len(c) != len(plan.counts()) for c in counts_by_rank):
             raise RuntimeError("agreed needs every rank's plan counts, after this rank's plan")
         lo = self.rank * width
         plan.recv_counts = [n for counts in counts_by_rank for n in counts[lo:lo + width]]
+        if plan.replicated is not None:
+            plan.replicated.by_rank = [list(counts[self.world * width:]) for counts in counts_by_rank]
 
-    def _planned(self, ids: Mapping[str, torch.Tensor]) -> Plan | None:
+    def _take_plan(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The agreed plan of ``ids`` (checked by their tables and sizes: a check of their
-        values would cost a device sync), taken; None when none was agreed."""
+        values would cost a device sync), taken. Without one (a caller that does not agree
+        on counts first) the counts go to every rank in an all_gather of their own, then to
+        the host."""
         plan, self._plan = self._plan, None
         if plan is None or plan.recv_counts is None:
-            return None
-        if list(ids) != plan.names or [ids[n].numel() for n in plan.names] != plan.sizes:
+            plan = self._layout(ids)
+            mine = torch.tensor(plan.counts(), dtype=torch.int64, device=self.device)
+            every = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(every, mine, group=self.group)
+            self._plan = plan
+            self.agreed(torch.stack(every).tolist())  # host sync: the split sizes
+            self._plan = None
+            self.stats.counts_exchanged += 1
+            self.stats.ids_bytes_out += (self.world - 1) * len(mine) * mine.element_size()
+            return plan
+        if list(ids) != plan.asked or [ids[n].numel() for n in plan.names] != plan.sizes or \
+                (plan.replicated is not None and [ids[n].numel() for n in plan.replicated.names] != [len(i) for i in plan.replicated.inverse]):
             raise RuntimeError("find_or_insert after an agreed plan must be of the planned ids")
         return plan
 
-    def _send_ids(self, ids: Mapping[str, torch.Tensor]) -> tuple[Route, dict[str, torch.Tensor]]:
-        """Every id to its owner: (the route, what this rank owns of every rank's ids, by
-        table). With an agreed ``plan`` one all_to_all of the ids; without one (callers that
-        do not agree on counts first) the counts go first in an all_to_all of their own,
-        then to the host for the split sizes."""
+    def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor]]:
+        """Every id of the sharded tables to its owner, one all_to_all with the agreed split
+        sizes: (the route, what this rank owns of every rank's ids, by table)."""
         world, device = self.world, self.device
-        plan = self._planned(ids)
-        counted = plan is None  # the counts travel here, not in the agreement
-        if plan is None:
-            plan = self._layout(ids)
-            send = torch.tensor(plan.send_counts, dtype=torch.int64, device=device)
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
-            plan.recv_counts = recv.tolist()  # host sync: the split sizes
-            self.stats.counts_exchanged += 1
         names, n_tables = plan.names, len(plan.names)
         send_counts = torch.tensor(plan.send_counts, dtype=torch.int64).view(world, n_tables)
         recv_counts = torch.tensor(plan.recv_counts, dtype=torch.int64).view(world, n_tables)
@@ -414,8 +542,71 @@ class ShardedCollection:
         stats.steps += 1
         stats.ids_sent += sum(send_splits)
         stats.ids_received += sum(recv_splits)
-        stats.ids_bytes_out += (self._off_rank(send_splits) + (world - 1) * n_tables * counted) * plan.keys.element_size()
+        stats.ids_bytes_out += self._off_rank(send_splits) * plan.keys.element_size()
         return Route(names, plan.sizes, plan.order, send_splits, recv_splits, by_table, table_sizes), wanted
+
+    def _replicated_find_or_insert(self, plan: ReplicatedPlan, now_ms: int) -> tuple[dict[str, torch.Tensor], ReplicatedRows]:
+        """The replicated tables' rows for this rank's ids: every rank's unique ids (and how
+        often each came) go to every rank (one all_to_all), and every rank runs one
+        find_or_insert over their union, rank by rank, the same on every rank, so every
+        replica creates, admits and moves the same rows. Returns this rank's embeddings
+        (views of one grad-requiring leaf of the union's rows) and those rows."""
+        world, device, by_rank = self.world, self.device, plan.by_rank
+        totals = [sum(sizes) for sizes in by_rank]  # unique ids of each rank, every table
+        received = torch.empty(2 * sum(totals), dtype=torch.int64, device=device)
+        if sum(totals):
+            mine = torch.cat([*plan.unique, *plan.sightings])  # ids of every table, then their sightings
+            dist.all_to_all_single(received, mine.repeat(world), [2 * t for t in totals], [len(mine)] * world, group=self.group)
+            self.stats.replicated_bytes_out += (world - 1) * len(mine) * mine.element_size()
+        union: dict[str, list[torch.Tensor]] = {n: [] for n in plan.names}
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in plan.names}
+        for sizes, chunk in zip(by_rank, received.split([2 * t for t in totals])):
+            ids, sightings = chunk.split([sum(sizes)] * 2)
+            for name, i, c in zip(plan.names, ids.split(sizes), sightings.split(sizes)):
+                union[name].append(i)
+                seen[name].append(c)
+        keys = {n: torch.cat(union[n]) for n in plan.names}
+        counts = {n: torch.cat(seen[n]) for n in plan.names}
+        # a table that counts sightings (admission) sees each id as often as it came; else once per rank
+        wanted = {n: torch.repeat_interleave(keys[n], counts[n]) if self.local[n].sketch is not None else keys[n] for n in plan.names}
+        owned, grouped = self._owner_find_or_insert(wanted, now_ms)
+        # where this rank's ids are in ``wanted``: after the ids of the ranks before it
+        positions = []
+        for t, name in enumerate(plan.names):
+            first = sum(by_rank[r][t] for r in range(self.rank))
+            at = plan.inverse[t] + first
+            if self.local[name].sketch is not None:
+                at = (torch.cumsum(counts[name], 0) - counts[name])[at]
+            positions.append(at)
+        if grouped is not None:
+            rows, key_counts, start = grouped.rows, grouped.key_counts, 0
+            index = []
+            for name, at in zip(plan.names, positions):
+                index.append(grouped.inverse[start + at])
+                start += len(wanted[name])
+        else:
+            rows = torch.cat([owned[n].rows for n in plan.names])
+            key_counts = [len(owned[n].keys) for n in plan.names]
+            offsets = [sum(key_counts[:t]) for t in range(len(key_counts))]
+            index = [owned[n].inverse[at] + off for n, at, off in zip(plan.names, positions, offsets)]
+        leaf = rows.detach().requires_grad_(True)
+        self.stats.replicated_rows += len(leaf)
+        embeddings = {n: leaf.index_select(0, i) for n, i in zip(plan.names, index)}
+        return embeddings, ReplicatedRows(leaf, owned, grouped, key_counts)
+
+    def _replicated_apply_gradients(self, rows: ReplicatedRows) -> None:
+        """The replicated tables' update, the same on every rank: the gradient of each row of
+        the union, summed over the ranks (one all_reduce) and averaged as the sharded rows'
+        and the dense gradients are, then each table's optimizer."""
+        grad = rows.leaf.grad if rows.leaf.grad is not None else torch.zeros_like(rows.leaf)
+        if len(grad):  # the union is the same on every rank: all skip it together
+            dist.all_reduce(grad, group=self.group)
+        grad.div_(self.world)
+        if rows.grouped is not None:
+            apply_gradients_grouped(rows.grouped, grad)
+            return
+        for (name, owned), g in zip(rows.owned.items(), grad.split(rows.key_counts)):
+            self.local[name].apply_gradients(owned, g)
 
     def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
         """The owner's rows for what it received (``outgoing``: one per id received, in the

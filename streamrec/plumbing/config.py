@@ -220,6 +220,51 @@ class TrainerConfig:
     lease_s: float
     max_publish_failures: int
     rejected_keep_mb: int
+    replicate_below_rows: int
+    table_rows: str
+    placement: str
+
+    @property
+    def estimated_rows(self) -> dict[str, int]:
+        """``table_rows`` ("user=50000000,category=2000") as table -> rows."""
+        return {name: _count(value, "trainer.table_rows") for name, value in _pairs(self.table_rows, "trainer.table_rows").items()}
+
+    @property
+    def placement_overrides(self) -> dict[str, str]:
+        """``placement`` ("context=replicated,user=sharded") as table -> placement."""
+        out = _pairs(self.placement, "trainer.placement")
+        bad = {n: p for n, p in out.items() if p not in ("replicated", "sharded")}
+        if bad:
+            raise ConfigError(f"trainer.placement: each table is 'replicated' or 'sharded', got {bad}")
+        return out
+
+    @property
+    def replicates(self) -> bool:
+        """Whether this config can replicate a table (placement.py's planner, on several ranks)."""
+        return self.replicate_below_rows > 0 or "replicated" in self.placement_overrides.values()
+
+
+def _pairs(text: str, key: str) -> dict[str, str]:
+    """"a=1, b=2" as {"a": "1", "b": "2"} (empty: none)."""
+    out = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise ConfigError(f"{key} must be comma-separated table=value pairs, got {text!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _count(value: str, key: str) -> int:
+    try:
+        rows = int(value)
+    except ValueError:
+        raise ConfigError(f"{key}: {value!r} is not a number of rows") from None
+    if rows < 0:
+        raise ConfigError(f"{key}: rows must be >= 0, got {rows}")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -441,6 +486,16 @@ def validate(config: Config) -> None:
         problems.append(f"flink.state_backend must be rocksdb or hashmap, got {f.state_backend!r}")
     try:
         check_serving_mode(s.compile)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    t = config.trainer
+    if t.replicate_below_rows < 0:
+        problems.append(f"trainer.replicate_below_rows must be >= 0 (0: no table replicated by size), got {t.replicate_below_rows}")
+    try:
+        t.estimated_rows, t.placement_overrides
+        if t.pipeline_exchange and t.replicates:
+            problems.append("trainer.pipeline_exchange cannot run with replicated tables (trainer.replicate_below_rows, "
+                            "trainer.placement): turn one of them off")
     except ConfigError as exc:
         problems.append(str(exc))
     if config.trainer.compact_every < 0:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from streamrec.modelstore.store import ModelStore, SparseDelta
 from streamrec.embedding.collection import EmbeddingCollection
+from streamrec.embedding.sharded import REPLICATED
 from streamrec.modelstore.lease import LeaseLost
 from streamrec.trainer.publisher import PoisonedModel
 
@@ -182,10 +183,14 @@ class ShardedVersionWriter:
     rank 0 fixes the version and its staging directory, every rank writes its shard's
     sparse files there, rank 0 writes the dense file and the one manifest listing every
     shard's files, then renames the version into place and moves LATEST. A rank that
-    refuses (non-finite values) or fails makes the version abort on every rank."""
+    refuses (non-finite values) or fails makes the version abort on every rank. A table
+    replicated on every rank (``placement``) is written by rank 0 alone (every rank holds the
+    same rows), so readers still find each key once; the manifest records the placement."""
 
-    def __init__(self, ranks: Ranks, embeddings: EmbeddingCollection) -> None:
+    def __init__(self, ranks: Ranks, embeddings: EmbeddingCollection, placement: Mapping[str, str] | None = None) -> None:
         self.ranks, self.embeddings = ranks, embeddings
+        self.placement = dict(placement or {})
+        self.replicated = {name for name, where in self.placement.items() if where == REPLICATED}
 
     def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
                  dense: Mapping[str, torch.Tensor] | None, meta: Mapping[str, Any] | None, refusal: str | None) -> int:
@@ -203,7 +208,8 @@ class ShardedVersionWriter:
         if problem is None:
             try:
                 dims = {name: t.config.dim for name, t in self.embeddings.tables.items()}
-                files = model_store.write_shard(staged[0], tables, dims, ranks.rank, ranks.world)
+                mine = {name: delta for name, delta in tables.items() if ranks.rank == 0 or name not in self.replicated}
+                files = model_store.write_shard(staged[0], mine, dims, ranks.rank, ranks.world)
             except Exception as exc:  # reported to rank 0, which aborts the version for all
                 problem = f"rank {ranks.rank} could not write its shard: {exc}"
         shards = gather_to_all(ranks, (files, problem, dict((meta or {}).get("offsets", {}))), group)
@@ -218,6 +224,8 @@ class ShardedVersionWriter:
                     merged = {rel: info for shard_files, _, _ in shards for rel, info in shard_files.items()}
                     offsets = [o for _, _, o in shards]
                     meta = {**dict(meta or {}), "shards": ranks.world, "offsets_by_rank": offsets}
+                    if self.placement:
+                        meta["placement"] = self.placement
                     if len({p for o in offsets for p in o}) == sum(map(len, offsets)):
                         # Kafka partitions are disjoint across ranks: one map covers them all
                         meta["offsets"] = {p: o for rank_offsets in offsets for p, o in rank_offsets.items()}

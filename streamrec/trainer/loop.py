@@ -131,7 +131,7 @@ class TrainingLoop:
         self.started = time.monotonic()  # these four are set again when run starts
         self.samples_at_start, self.steps_at_start, self.rank_samples_at_start = self._counts()
         self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
-        collection = training_collection(self.embeddings, ranks.distributed, ranks.group)
+        collection = training_collection(self.embeddings, ranks.distributed, ranks.group, session.replicated)
         self.exchange = collection if isinstance(collection, ShardedCollection) else None
         if self.exchange is not None:
             self.exchange.sync_timings = opts.sync_timings
@@ -149,7 +149,7 @@ class TrainingLoop:
                                         cfg.kafka.connect_timeout_s) if announce else None
         self.publisher = Publisher(self.embeddings, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
                                    ChainPosition.from_state(self.state), self.announcer,
-                                   ShardedVersionWriter(ranks, self.embeddings) if ranks.distributed else None)
+                                   ShardedVersionWriter(ranks, self.embeddings, session.placement) if ranks.distributed else None)
         self._frozen_pending = False  # a full version for the frozen baseline is being published
         if tcfg.frozen_baseline and self.state.get("frozen_version") is not None:
             self._load_frozen(self.state["frozen_version"])

@@ -25,6 +25,7 @@ from typing import IO, Any, Iterator
 import torch
 
 from streamrec.embedding.collection import EmbeddingCollection
+from streamrec.embedding.sharded import REPLICATED, SHARDED, plan_placement
 from streamrec.model.device import pick_device
 from streamrec.model.network import CTRModel, ModelSpec, table_configs
 from streamrec.modelstore.lease import LeaseHeld, WriterLease
@@ -151,6 +152,7 @@ class TrainingSession:
         if any(held) and not common:
             raise TrainingError(f"the ranks' checkpoints have no step in common ({held}): start over with --fresh")
         latest = self.checkpointer.at(max(common)) if common else None
+        self.placement = self._plan_placement()
         with torch.random.fork_rng(devices=[]):  # the same initial dense weights on every run (and rank)
             torch.manual_seed(DENSE_INIT_SEED)
             self.model = CTRModel(self.spec).to(self.device)
@@ -163,6 +165,7 @@ class TrainingSession:
             return
         self.embeddings, dense, self.state = self.checkpointer.load(latest, self.device, self.tiers_dir)
         self._check_resumable(latest)
+        self._check_placement(latest)
         self.state.setdefault("global_samples", self.state["samples"])
         self.model.load_state_dict(dense["model"])
         self.optimizer.load_state_dict(dense["optimizer"])
@@ -170,6 +173,30 @@ class TrainingSession:
         self.rejected.update(self.state.get("rejected", {}))
         log.info("resumed from %s: step %d, %d samples, positions %s", latest.name, self.state["step"], self.state["samples"],
                  self.state["positions"])
+
+    def _plan_placement(self) -> dict[str, str]:
+        """Each table's placement on these ranks (sharded by key, or replicated on every rank:
+        ``sharded.plan_placement``), from the estimated rows, ``[ps] hbm_bytes`` and the
+        overrides of ``[trainer]``. All sharded on one rank."""
+        tcfg = self.cfg.trainer
+        try:
+            return plan_placement(table_configs(self.cfg.model, self.cfg.ps), self.ranks.world, tcfg.estimated_rows,
+                                  tcfg.replicate_below_rows, tcfg.placement_overrides, self.device.type == "cuda")
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+
+    @property
+    def replicated(self) -> list[str]:
+        """The tables every rank holds whole."""
+        return [name for name, where in self.placement.items() if where == REPLICATED]
+
+    def _check_placement(self, latest: Path) -> None:
+        """A checkpoint holds each rank's rows as its placement left them: resuming needs the same placement."""
+        written = self.state.get("placement") or dict.fromkeys(self.placement, SHARDED)
+        if written != self.placement:
+            raise TrainingError(f"checkpoint {latest} was trained with table placement {written}, this run's is "
+                                f"{self.placement} (trainer.replicate_below_rows, table_rows, placement): resume with that "
+                                "placement, or start over with --fresh")
 
     def _check_resumable(self, latest: Path) -> None:
         """The checkpoint was trained from this run's source, with this run's model spec."""
@@ -217,6 +244,7 @@ class TrainingSession:
             "rejected": dict(self.rejected),
             "source": self.source_name,
             "world_size": self.ranks.world,
+            "placement": self.placement,
         })
         path = self.checkpointer.save(self.state["step"], self.embeddings,
                                       {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, self.state)
