@@ -71,10 +71,10 @@ class CounterCache:
         self.hits += n - len(stale)
         self.misses += len(stale)
         if len(stale):
-            asked, where = np.unique(np.stack([slots[stale], ts[stale]], axis=1), axis=0, return_inverse=True)
-            counts, until = compute(asked[:, 0], asked[:, 1])
-            out[stale] = counts[where.reshape(-1)]
-            self._keep(asked[:, 0], asked[:, 1], counts, until)
+            asked_slots, asked_ts, where = _distinct(slots[stale], ts[stale])
+            counts, until = compute(asked_slots, asked_ts)
+            out[stale] = counts[where]
+            self._keep(asked_slots, asked_ts, counts, until)
         return out
 
     def _keep(self, slots: np.ndarray, ts: np.ndarray, counts: np.ndarray, until: np.ndarray) -> None:
@@ -91,3 +91,16 @@ class CounterCache:
         self._counts, self._computed_at = grown(self._counts, need), grown(self._computed_at, need)
         self._valid_until = grown(self._valid_until, need)
         self._valid_until[old:] = INT64_MIN
+
+
+def _distinct(slots: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (slot, ts) pairs, ordered by slot then ts, and each input's index among
+    them. One int64 key per pair when the batch's times span less than 2**31 ms (always, in
+    practice): a 1-d unique, several times cheaper than ``np.unique(axis=0)``."""
+    base = int(ts.min())
+    span = int(ts.max()) - base
+    if span < 2**31 and int(slots.max()) < 2**31:
+        keys, where = np.unique((slots.astype(np.int64) << 31) | (ts - base), return_inverse=True)
+        return keys >> 31, (keys & (2**31 - 1)) + base, where
+    pairs, where = np.unique(np.stack([slots, ts], axis=1), axis=0, return_inverse=True)
+    return pairs[:, 0], pairs[:, 1], where.reshape(-1)

@@ -50,16 +50,20 @@ def counts_until_many(lists: tuple, slots: np.ndarray, ts: np.ndarray, windows_m
     if not q:
         return counts, until
     windows = np.asarray(windows_ms, np.int64)
+    # One search per list for ts and every window's start: times are integers, so "after
+    # ts - W" (side right) is "at or after ts - W + 1" (side left); and ts - W < ts, so a
+    # window's start searched in the whole list lands before ts's position anyway.
+    targets = np.concatenate([ts[:, None], ts[:, None] - windows + 1], axis=1).reshape(-1)
     for k, times in enumerate(lists):
         values = times.values[: max(times.used, 1)]
+        last = len(values) - 1
         starts, lengths = times.start[slots].astype(np.int64), times.length[slots].astype(np.int64)
-        hi = segment_searchsorted(values, starts, lengths, ts, "left")  # times before ts
-        entering = hi < lengths  # the next event enters every window
-        until = np.where(entering, np.minimum(until, values[np.minimum(starts + hi, len(values) - 1)] + 1), until)
-        lows = segment_searchsorted(values, np.repeat(starts, w), np.repeat(hi, w), (ts[:, None] - windows).reshape(-1), "right")
-        lows = lows.reshape(q, w)
+        found = segment_searchsorted(values, np.repeat(starts, w + 1), np.repeat(lengths, w + 1), targets).reshape(q, w + 1)
+        hi, lows = found[:, 0], found[:, 1:]  # times before ts; times at or before each window's start
         counts[:, k::2] = hi[:, None] - lows
+        entering = hi < lengths  # the next event enters every window
+        until = np.where(entering, np.minimum(until, values[np.minimum(starts + hi, last)] + 1), until)
         counted = lows < hi[:, None]  # the oldest counted event leaves its window
-        leaving = values[np.minimum(starts[:, None] + lows, len(values) - 1)] + windows
+        leaving = values[np.minimum(starts[:, None] + lows, last)] + windows
         until = np.minimum(until, np.where(counted, leaving, END_OF_INPUT).min(axis=1))
     return counts, until
