@@ -164,3 +164,13 @@ def test_a_bounded_job_has_no_idleness_unless_it_resumes():
     assert idle(JobSpec.from_config(cfg, bounded=True)) == "0"
     assert idle(JobSpec.from_config(cfg, bounded=True), restored=True) == configured
     assert idle(JobSpec.from_config(load_config(overrides={"flink.idle_timeout_s": 0.0004}, environ={}))) == "1"
+
+
+def test_serving_workers_auto_runs_batches_on_the_loop_on_cuda_and_on_a_thread_on_cpu():
+    auto = load_config(environ={}).serving
+    assert auto.workers == "auto" and auto.batch_workers("cuda") == 0 and auto.batch_workers("cpu") == 1
+    two = load_config(environ={"STREAMREC_SERVING__WORKERS": "2"}).serving
+    assert two.batch_workers("cuda") == two.batch_workers("cpu") == 2
+    for bad in ("-1", "many"):
+        with pytest.raises(ConfigError, match="serving.workers must be 'auto' or a whole number"):
+            load_config(environ={"STREAMREC_SERVING__WORKERS": bad})

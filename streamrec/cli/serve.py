@@ -20,8 +20,9 @@ def add_parser(commands: Commands) -> None:
     serve.add_argument("--poll-interval", type=float, help=f"seconds between LATEST checks (serving.poll_interval_s: {sv['poll_interval_s']})")
     serve.add_argument("--compile", dest="serving_compile", choices=["auto", "eager", "compile", "graph", "compile+graph"],
                        help=f"how the model runs: shape buckets as CUDA graphs and/or torch.compile (serving.compile: {sv['compile']})")
-    serve.add_argument("--workers", type=int, dest="serving_workers",
-                       help=f"batches in flight at once, each on its own CUDA stream (serving.workers: {sv['workers']})")
+    serve.add_argument("--workers", dest="serving_workers",
+                       help=f"batches in flight at once, each on its own CUDA stream; 0 = on the event loop's thread; auto = 0 "
+                            f"on CUDA, 1 on CPU (serving.workers: {sv['workers']})")
     serve.add_argument("--frontends", type=int, dest="serving_frontends",
                        help=f"HTTP front-end processes feeding this one (serving.frontends: {sv['frontends']}; 0 = none)")
 

@@ -182,6 +182,11 @@ class ByteSize(int):
     embedding engine turns the ``[ps]`` budgets into rows per table (embedding/budget.py)."""
 
 
+class AutoOrCount(str):
+    """"auto" or a whole number (a TOML integer is taken as its digits); the setting's own
+    check says which numbers it allows."""
+
+
 @dataclass(frozen=True)
 class PsConfig:
     hbm_bytes: ByteSize
@@ -276,7 +281,7 @@ class ServingConfig:
     admin_token: str
     max_batch: int
     max_delay_us: int
-    workers: int
+    workers: AutoOrCount  # see batch_workers
     frontends: int
     switch_interval_us: int
     max_instances: int
@@ -300,6 +305,14 @@ class ServingConfig:
     features_max_lag_s: float
     feature_snapshot: str
     feature_snapshot_interval_s: float
+
+    def batch_workers(self, device_type: str) -> int:
+        """``serving.workers`` as a count: "auto" is 0 on CUDA (each batch on the event loop's
+        thread: no GIL hand-offs, measured faster on GPUs, bench/RESULTS.md "Predict by ids")
+        and 1 on CPU (a worker thread, so the loop keeps reading while a slow CPU batch runs)."""
+        if self.workers == "auto":
+            return 0 if device_type == "cuda" else 1
+        return int(self.workers)
 
 
 @dataclass(frozen=True)
@@ -361,6 +374,11 @@ def _coerce(value: Any, target: Any, name: str) -> Any:
     elif target is str:
         if isinstance(value, str):
             return value
+    elif target is AutoOrCount:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return AutoOrCount(value)
+        if isinstance(value, str):
+            return AutoOrCount(value.strip())
     elif target is ByteSize:
         try:
             return ByteSize(parse_bytes(value, name))
@@ -525,6 +543,8 @@ def validate(config: Config) -> None:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
         problems.append(f"serving.frontends must be >= 0, got {s.frontends}")
+    if s.workers != "auto" and not (s.workers.isdigit() and int(s.workers) >= 0):
+        problems.append(f"serving.workers must be 'auto' or a whole number >= 0, got {s.workers!r}")
     if s.max_queue_instances < s.max_instances:
         problems.append(f"serving.max_queue_instances ({s.max_queue_instances}) must be >= serving.max_instances ({s.max_instances})")
     for name in ("keep_alive_s", "read_timeout_s", "max_connections"):

@@ -92,7 +92,7 @@ class ServingEngine:
         self._started_at = time.monotonic()
         self.model_name = served.model_store.model
         self.metrics = ServingMetrics()
-        self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.workers,
+        self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.batch_workers(served.device.type),
                                       max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
 

@@ -65,7 +65,8 @@ class RuntimeConfig:
     @classmethod
     def from_serving(cls, s: ServingConfig) -> "RuntimeConfig":
         return cls(s.compile, parse_sizes(s.batch_buckets, "serving.batch_buckets"),
-                   parse_sizes(s.history_buckets, "serving.history_buckets"), s.max_extra_buckets, s.workers)
+                   parse_sizes(s.history_buckets, "serving.history_buckets"), s.max_extra_buckets,
+                   max(1, s.batch_workers("cuda")))  # execution contexts: one for "auto", on any device
 
     def resolved_mode(self, device: torch.device) -> str:
         check_serving_mode(self.mode)
