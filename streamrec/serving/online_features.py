@@ -36,6 +36,7 @@ from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
 from streamrec.serving.entity_store import EntityStore
+from streamrec.serving.growth import no_huge_page_advice
 from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_columns, entity_batch, read_snapshot,
                                                 remove_stale_temporaries, write_snapshot)
 
@@ -148,7 +149,7 @@ class OnlineFeatures:
         as_of = header.watermarks.as_of(header.partitions) if header.partitions else None
         cutoff = as_of - REPLAY_HORIZON_MS if as_of is not None else None
         entities = 0
-        with self._lock:
+        with self._lock, no_huge_page_advice():
             self.store.reserve(batches.kind_counts())
             for batch in batches:
                 batch.validate(full=True)  # offsets within their values: a damaged file fails here, not in an index

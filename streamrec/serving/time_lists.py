@@ -4,8 +4,8 @@ features (serving/entity_store.py), with ``EntityCounts``' semantics
 
 Each slot owns a segment ``[start, start + cap)`` of one int64 array, of which the first
 ``length`` values are its times, ascending. An update that no longer fits moves the list to
-the arena's end (capacity doubled: a hot entity's appends are amortised O(1)); expiry only
-advances ``start``. What moves leaves waste behind, which :meth:`TimeLists.compact`
+the arena's end with half again its room (a hot entity's appends stay amortised O(1));
+expiry only advances ``start``. What moves leaves waste behind, which :meth:`TimeLists.compact`
 squeezes out once it outweighs the live times. A snapshot's list column loads as one
 block: its offsets are the segments. 8 bytes a time, 16 a slot.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrec.serving.growth import grown
+from streamrec.serving.growth import grown, no_huge_page_advice
 
 
 class TimeLists:
@@ -66,7 +66,7 @@ class TimeLists:
                 self.values[s + lo + len(new): s + size] = held[hi:n].copy()
             self.values[s + lo: s + lo + len(new)] = new
         else:
-            new_cap = max(4, 1 << (size - 1).bit_length())
+            new_cap = max(4, size + size // 2)
             del held  # no view across the arena's growth (serving/growth.py)
             at = self._reserve(new_cap)
             held = self.values[s: s + n]
@@ -122,16 +122,26 @@ class TimeLists:
         self.cap[:] = 0
 
     def compact(self, slots: int) -> None:
-        """Squeeze the waste out: every live list of slots 0..slots-1 copied, in slot order,
-        to a new arena with capacity = length."""
-        flat, _ = self.gather_flat(self.start[:slots], self.length[:slots])
-        values = np.empty(max(4096, len(flat) + len(flat) // 4), np.int64)
-        values[: len(flat)] = flat
+        """Squeeze the waste out: the live values of slots 0..slots-1 moved down, in arena
+        order, capacity = length. A pass of byte marks over the arena (segments are
+        disjoint), no index per value: the lock is held for a few passes over memory."""
+        start, length = self.start[:slots], self.length[:slots].astype(np.int64)
+        some = np.flatnonzero(length > 0)
+        with no_huge_page_advice():
+            marks = np.zeros(self.used + 1, np.int8)
+            marks[start[some]] = 1
+            marks[start[some] + length[some]] -= 1  # ends are distinct; one may be another's start
+            live = np.cumsum(marks, dtype=np.int8)[: self.used].view(bool)
+            before = np.cumsum(live, dtype=np.int64 if self.used >= 2**31 else np.int32)
+            total = int(before[-1]) if self.used else 0
+            values = np.empty(max(4096, total + total // 4), np.int64)
+            np.compress(live, self.values[: self.used], out=values[:total])
+        del live, marks
         self.values = values
-        lengths = self.length[:slots].astype(np.int64)
-        self.start[:slots] = np.cumsum(lengths) - lengths
+        start[some] = before[start[some]] - 1
+        start[length == 0] = 0
         self.cap[:slots] = self.length[:slots]
-        self.used, self.waste = len(flat), 0
+        self.used, self.waste = total, 0
 
     # ------------------------------------------------------------------ reads
     def gather_flat(self, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
