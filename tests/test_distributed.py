@@ -141,12 +141,14 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
 
 
 REPLICATED_C = TableConfig("c", 4, optimizer="adagrad", lr=0.1, init_std=0.01, admit_after=2)  # random rows, admission
-# on GPUs, "c" as "b" is: the two replicated tables' find_or_insert and update table-batched (grouped.py)
-GROUPED_C = TableConfig("c", 4, optimizer="adam", lr=0.05, init_std=0.0)
 
 
-def _replicated_c(backend: str) -> TableConfig:
-    return REPLICATED_C if backend == "gloo" else GROUPED_C
+def _replicated_tables(backend: str) -> list[TableConfig]:
+    """"a", "b" and "c"; on GPUs all three of one kind (zeros, Adagrad, no admission), so that
+    the step's find_or_insert and update are table-batched over sharded and replicated tables (grouped.py)."""
+    if backend == "gloo":
+        return [*TABLES, REPLICATED_C]
+    return [replace(TABLES[0], name=n) for n in ("a", "b", "c")]
 
 
 def _replicated_batches(rank: int) -> list[dict[str, torch.Tensor]]:
@@ -164,7 +166,7 @@ def _replicated_worker(rank: int, world: int, init: str, out: str, backend: str,
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
-    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in [*TABLES, _replicated_c(backend)]], device, seed=1000 * rank)
+    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in _replicated_tables(backend)], device, seed=1000 * rank)
     sharded = ShardedCollection(store, replicated=["b", "c"])
     pulled_rows, grouped = [], []
     for step, ids in enumerate(_replicated_batches(rank)):
@@ -174,7 +176,7 @@ def _replicated_worker(rank: int, world: int, init: str, out: str, backend: str,
             sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
         pulled = sharded.find_or_insert(ids, now_ms=step)
         pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
-        grouped.append(pulled.replicated.grouped is not None)
+        grouped.append(pulled.grouped is not None)
         torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
         sharded.apply_gradients(pulled)
     torch.save({"pulled": pulled_rows, "rows": _rows_of(store), "stats": asdict(sharded.stats), "grouped": grouped}, out)
@@ -189,8 +191,8 @@ def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_p
     store that sees both ranks' ids and the average of their gradients, as an all-sharded
     exchange does; "c", whose new rows are random and admitted after two sightings, holds
     on both ranks the same rows, bit for bit (weights, optimizer state, clock), and the
-    keys one store admits. On GPUs "c" is "b"'s kind (zeros, no admission), so that the
-    replicated tables take the table-batched path."""
+    keys one store admits. On GPUs the three tables are of one kind (zeros, no admission),
+    so that the owner's step takes the table-batched path, replicated tables included."""
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [mp.get_context("spawn").Process(target=_replicated_worker,
                                              args=(r, 2, init, str(tmp_path / f"out{r}"), backend, agreed)) for r in range(2)]
@@ -202,7 +204,7 @@ def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_p
     got = [torch.load(tmp_path / f"out{r}", weights_only=False) for r in range(2)]
     tol = 1e-6 if backend == "gloo" else 1e-5
 
-    ref = EmbeddingCollection([*TABLES, _replicated_c(backend)])
+    ref = EmbeddingCollection(_replicated_tables(backend))
     assert all(all(g["grouped"]) == (backend == "nccl") for g in got)
     per_rank = [_replicated_batches(0), _replicated_batches(1)]
     for step in range(6):

@@ -29,11 +29,12 @@ in an all_to_all of their own, then to the host: a fourth collective.
 Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
 sample asks for are held whole by every rank and trained data-parallel instead. Each
 rank's unique ids of them (and how often each came) go to every rank (one all_to_all, its
-sizes in the agreement too); every rank runs one find_or_insert over their union, in rank
-order, so every replica creates, admits and moves the same rows (the replicas start equal,
-with rank 0's random state); each rank reads its own ids' rows locally; after backward one
-all_reduce sums the union rows' gradients, averaged over ranks as above, and every rank
-applies the same update.
+sizes in the agreement too); every rank runs the same find_or_insert over their union, in
+rank order, so every replica creates, admits and moves the same rows (the replicas start
+equal, with rank 0's random state); each rank reads its own ids' rows locally; after
+backward one all_reduce sums the union rows' gradients, averaged over ranks as above, and
+every rank applies the same update. The union goes into the owner's find_or_insert and
+update (one launch each for all tables where table-batched), so it adds no host sync there.
 
 The owner's side is table-batched wherever ``EmbeddingCollection``'s own step would be
 (grouped.py: one find-or-insert launch and one optimizer launch for all tables; the rows
@@ -172,8 +173,8 @@ class ReplicatedRows:
 
     leaf: torch.Tensor  # the union's unique rows, tables one after another [keys, dim]; requires grad
     owned: dict[str, BatchRows]
-    grouped: GroupedRows | None
     key_counts: list[int]  # unique rows per table in ``leaf``
+    first_key: int  # table-batched: where ``leaf``'s rows begin in the step's ``grouped.rows`` (after the sharded tables')
 
 
 @dataclass
@@ -297,10 +298,13 @@ class ShardedCollection:
         if ahead is None:
             plan = self._take_plan(ids)
             route, wanted = self._send_ids(plan)
+            union, positions = self._replicated_union(plan.replicated) if plan.replicated is not None else ({}, [])
             t0 = self._lap("ids", t0)
+            # one find_or_insert for the sharded tables' received ids and the replicated tables' union
+            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms)
             if plan.replicated is not None:
-                replicated = self._replicated_find_or_insert(plan.replicated, now_ms)
-            owned, grouped = self._owner_find_or_insert(wanted, now_ms)
+                replicated = self._replicated_rows(plan.replicated, union, positions, owned, grouped, sum(route.table_sizes))
+                owned = {n: owned[n] for n in route.names}
         else:
             route, wanted = self._check_ahead(ahead, ids, now_ms), ahead.wanted
             if ahead.owned is None:
@@ -312,7 +316,8 @@ class ShardedCollection:
         if grouped is not None:
             # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
             # rank), so the rows go out and the gradients come back without a regrouping by table
-            served = torch.empty_like(grouped.inverse).index_copy_(0, route.by_table, grouped.inverse)
+            inverse = grouped.inverse[:sum(route.table_sizes)]  # the sharded tables' ids come first
+            served = torch.empty_like(inverse).index_copy_(0, route.by_table, inverse)
             outgoing = grouped.rows.index_select(0, served)
         else:
             outgoing = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
@@ -430,17 +435,26 @@ class ShardedCollection:
         received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
         dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
         self.stats.grads_bytes_out += self._off_rank(route.send_splits) * self.dim * received.element_size()
+        replicated = rows.replicated
+        if replicated is not None:
+            # the union's rows, the same on every rank: their gradients summed over the ranks
+            rep_grad = replicated.leaf.grad if replicated.leaf.grad is not None else torch.zeros_like(replicated.leaf)
+            if len(rep_grad):  # the same union on every rank: all skip it together
+                dist.all_reduce(rep_grad, group=self.group)
         t1 = self._lap("grads", t0)
-        if rows.grouped is not None:
+        if rows.grouped is not None:  # one optimizer launch for every table, sharded and replicated
             summed = torch.zeros(len(rows.grouped.rows), self.dim, device=received.device).index_add_(0, rows.served, received)
+            if replicated is not None:
+                summed[replicated.first_key:] += rep_grad
             apply_gradients_grouped(rows.grouped, summed.div_(self.world))
         else:
             for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
                 owned = rows.owned[name]
                 summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
                 self.local[name].apply_gradients(owned, summed.div_(self.world))
-        if rows.replicated is not None:
-            self._replicated_apply_gradients(rows.replicated)
+            if replicated is not None:  # averaged over ranks as the sharded rows' and the dense gradients are
+                for (name, owned), g in zip(replicated.owned.items(), rep_grad.div_(self.world).split(replicated.key_counts)):
+                    self.local[name].apply_gradients(owned, g)
         self._lap("owner_update", t1)
         if rows is self._pending:
             self._pending = None
@@ -545,12 +559,11 @@ class ShardedCollection:
         stats.ids_bytes_out += self._off_rank(send_splits) * plan.keys.element_size()
         return Route(names, plan.sizes, plan.order, send_splits, recv_splits, by_table, table_sizes), wanted
 
-    def _replicated_find_or_insert(self, plan: ReplicatedPlan, now_ms: int) -> tuple[dict[str, torch.Tensor], ReplicatedRows]:
-        """The replicated tables' rows for this rank's ids: every rank's unique ids (and how
-        often each came) go to every rank (one all_to_all), and every rank runs one
-        find_or_insert over their union, rank by rank, the same on every rank, so every
-        replica creates, admits and moves the same rows. Returns this rank's embeddings
-        (views of one grad-requiring leaf of the union's rows) and those rows."""
+    def _replicated_union(self, plan: ReplicatedPlan) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Every rank's unique ids of the replicated tables (and how often each came), on
+        every rank (one all_to_all): their union per table, rank by rank, the same on every
+        rank, for one find_or_insert that every replica runs alike (so every replica
+        creates, admits and moves the same rows); and where this rank's ids are in it."""
         world, device, by_rank = self.world, self.device, plan.by_rank
         totals = [sum(sizes) for sizes in by_rank]  # unique ids of each rank, every table
         received = torch.empty(2 * sum(totals), dtype=torch.int64, device=device)
@@ -565,48 +578,39 @@ class ShardedCollection:
             for name, i, c in zip(plan.names, ids.split(sizes), sightings.split(sizes)):
                 union[name].append(i)
                 seen[name].append(c)
-        keys = {n: torch.cat(union[n]) for n in plan.names}
-        counts = {n: torch.cat(seen[n]) for n in plan.names}
-        # a table that counts sightings (admission) sees each id as often as it came; else once per rank
-        wanted = {n: torch.repeat_interleave(keys[n], counts[n]) if self.local[n].sketch is not None else keys[n] for n in plan.names}
-        owned, grouped = self._owner_find_or_insert(wanted, now_ms)
-        # where this rank's ids are in ``wanted``: after the ids of the ranks before it
-        positions = []
+        wanted, positions = {}, []
         for t, name in enumerate(plan.names):
-            first = sum(by_rank[r][t] for r in range(self.rank))
-            at = plan.inverse[t] + first
-            if self.local[name].sketch is not None:
-                at = (torch.cumsum(counts[name], 0) - counts[name])[at]
+            keys, counts = torch.cat(union[name]), torch.cat(seen[name])
+            at = plan.inverse[t] + sum(by_rank[r][t] for r in range(self.rank))  # after the ids of the ranks before
+            if self.local[name].sketch is not None:  # admission counts every sighting, as on one rank
+                wanted[name] = torch.repeat_interleave(keys, counts)
+                at = (torch.cumsum(counts, 0) - counts)[at]
+            else:
+                wanted[name] = keys
             positions.append(at)
+        return wanted, positions
+
+    def _replicated_rows(self, plan: ReplicatedPlan, union: dict[str, torch.Tensor], positions: list[torch.Tensor],
+                         owned: dict[str, BatchRows], grouped: GroupedRows | None, first_id: int) -> tuple[dict[str, torch.Tensor], ReplicatedRows]:
+        """This rank's embeddings of the replicated tables (views of one grad-requiring leaf
+        of the union's rows), from the step's find_or_insert (``owned``/``grouped``, the
+        union's ids after the sharded tables' ``first_id`` received ids)."""
         if grouped is not None:
-            rows, key_counts, start = grouped.rows, grouped.key_counts, 0
-            index = []
+            first_key = sum(grouped.key_counts[:len(grouped.key_counts) - len(plan.names)])
+            key_counts = grouped.key_counts[len(grouped.key_counts) - len(plan.names):]
+            rows, start, index = grouped.rows[first_key:], first_id, []
             for name, at in zip(plan.names, positions):
-                index.append(grouped.inverse[start + at])
-                start += len(wanted[name])
+                index.append(grouped.inverse[start + at] - first_key)
+                start += len(union[name])
         else:
+            first_key, key_counts = 0, [len(owned[n].keys) for n in plan.names]
             rows = torch.cat([owned[n].rows for n in plan.names])
-            key_counts = [len(owned[n].keys) for n in plan.names]
             offsets = [sum(key_counts[:t]) for t in range(len(key_counts))]
             index = [owned[n].inverse[at] + off for n, at, off in zip(plan.names, positions, offsets)]
         leaf = rows.detach().requires_grad_(True)
         self.stats.replicated_rows += len(leaf)
         embeddings = {n: leaf.index_select(0, i) for n, i in zip(plan.names, index)}
-        return embeddings, ReplicatedRows(leaf, owned, grouped, key_counts)
-
-    def _replicated_apply_gradients(self, rows: ReplicatedRows) -> None:
-        """The replicated tables' update, the same on every rank: the gradient of each row of
-        the union, summed over the ranks (one all_reduce) and averaged as the sharded rows'
-        and the dense gradients are, then each table's optimizer."""
-        grad = rows.leaf.grad if rows.leaf.grad is not None else torch.zeros_like(rows.leaf)
-        if len(grad):  # the union is the same on every rank: all skip it together
-            dist.all_reduce(grad, group=self.group)
-        grad.div_(self.world)
-        if rows.grouped is not None:
-            apply_gradients_grouped(rows.grouped, grad)
-            return
-        for (name, owned), g in zip(rows.owned.items(), grad.split(rows.key_counts)):
-            self.local[name].apply_gradients(owned, g)
+        return embeddings, ReplicatedRows(leaf, {n: owned[n] for n in plan.names}, key_counts, first_key)
 
     def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
         """The owner's rows for what it received (``outgoing``: one per id received, in the
