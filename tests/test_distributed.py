@@ -28,11 +28,11 @@ from streamrec.model.batch import batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.model.sparse import SparseFeatures
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.embedding.sharded import ShardedCollection, owner_of
+from streamrec.embedding.sharded import ShardedCollection, owner_of, plan_placement
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.modelstore.store import ModelStore
-from streamrec.plumbing.config import load_config
+from streamrec.plumbing.config import ConfigError, load_config
 from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.distributed import Ranks, agree
 from streamrec.trainer.engine import Trainer, TrainOptions
@@ -241,6 +241,28 @@ def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_p
     assert stats[0]["replicated_rows"] == stats[1]["replicated_rows"] > 0
     assert all(s_["replicated_bytes_out"] > 0 for s_ in stats)
     assert [s_["counts_exchanged"] for s_ in stats] == [0 if agreed else 6] * 2
+
+
+def test_the_planner_replicates_small_tables_that_fit_and_obeys_overrides():
+    configs = [TableConfig(n, 8, gpu_cache_rows=rows) for n, rows in (("user", 1000), ("category", 1000), ("context", 1000), ("ad", 10))]
+    rows = {"user": 10_000_000, "category": 500, "ad": 500}  # "context": no estimate
+    assert plan_placement(configs, 2, rows, 1000, {}, on_gpu=False) == \
+        {"user": "sharded", "category": "replicated", "context": "sharded", "ad": "replicated"}
+    # on GPUs a replicated table must fit its GPU cache on every rank ("ad": 500 rows, 10 cached)
+    assert plan_placement(configs, 2, rows, 1000, {}, on_gpu=True)["ad"] == "sharded"
+    assert plan_placement(configs, 2, rows, 1000, {"category": "sharded", "context": "replicated"}, on_gpu=False) == \
+        {"user": "sharded", "category": "sharded", "context": "replicated", "ad": "replicated"}
+    assert set(plan_placement(configs, 1, rows, 1000, {"ad": "replicated"}, on_gpu=False).values()) == {"sharded"}  # one rank
+    assert set(plan_placement(configs, 4, rows, 0, {}, on_gpu=False).values()) == {"sharded"}  # the default: no threshold
+    for bad_rows, overrides, message in [({"items": 3}, {}, "no table named items"), ({}, {"ad": "mirrored"}, "neither"),
+                                         ({}, dict.fromkeys(("user", "category", "context", "ad"), "replicated"), "one at least")]:
+        with pytest.raises(ValueError, match=message):
+            plan_placement(configs, 2, bad_rows, 1000, overrides, on_gpu=False)
+    # pipelining and replication are exclusive, refused when the config loads
+    with pytest.raises(ConfigError, match="pipeline_exchange cannot run with replicated tables"):
+        load_config(overrides={"trainer.pipeline_exchange": True, "trainer.placement": "category=replicated"}, environ={})
+    with pytest.raises(ConfigError, match="table=value pairs"):
+        load_config(overrides={"trainer.table_rows": "category"}, environ={})
 
 
 def _rows_of(store: EmbeddingCollection) -> dict[str, dict[int, tuple]]:

@@ -24,7 +24,7 @@ all_gather that runs anyway), so the exchange has no collective and no host roun
 its own for them. Three collectives and three host syncs per step (the counts before the
 agreement, and the owner's find_or_insert), whatever the number of tables. A caller that
 does not agree first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent
-in an all_to_all of their own, then to the host: a fourth collective.
+in an all_gather of their own, then to the host: a fourth collective.
 
 Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
 sample asks for are held whole by every rank and trained data-parallel instead. Each

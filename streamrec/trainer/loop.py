@@ -18,10 +18,12 @@ commits the source positions.
 
 On several ranks (trainer/distributed.py) the loop is the same on every rank: before each
 step the ranks agree (one small all_gather) on how many samples the step has, the step's
-clock, whether to stop, and rank 0's word on publishing and checkpointing, so every rank
-calls the same collectives in the same order. A rank without a batch steps with an empty
-one. Embeddings are sharded by key (embedding/sharded.py), dense parameters replicated (their
-gradients averaged after backward: distributed.DenseGradients). Each rank's phase times
+clock, whether to stop, rank 0's word on publishing and checkpointing, and the embedding
+exchange's split sizes (``ShardedCollection.plan``), so every rank calls the same
+collectives in the same order. A rank without a batch steps with an empty one. Embeddings
+are sharded by key (embedding/sharded.py), or, for the tables the session's placement
+replicates, held whole by every rank; dense parameters replicated (their gradients averaged
+after backward: distributed.DenseGradients). Each rank's phase times
 and exchange figures (``ShardedCollection.stats``) are gathered when the run ends, into the
 summary's ``step_by_rank``.
 """

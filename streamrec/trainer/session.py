@@ -1,7 +1,8 @@
 """The training session: what a trainer process holds from start to exit, apart from the step.
 
 The session takes the model's trainer lock (one trainer per model and rank), joins the
-ranks, takes the model store's writer lease (rank 0 commits every version), restores the
+ranks, plans each table's placement on them (sharded by key or replicated on every rank),
+takes the model store's writer lease (rank 0 commits every version), restores the
 newest checkpoint every rank holds or starts fresh, saves checkpoints, turns SIGINT and
 SIGTERM into a stop request, and releases all of it when the run ends, failed or not. The
 step itself is the loop's (trainer/loop.py).
