@@ -268,3 +268,25 @@ def test_past_the_budget_new_entities_are_refused_and_known_ones_stay_exact(tmp_
         world.counts.pop(user, None)
     world.check(features, queries=2000)
     assert features.status()["entities"]["user"] == len(admitted)
+
+
+def test_a_snapshot_larger_than_the_first_capacities_round_trips(tmp_path):
+    """Thousands of entities: loading grows every column past its first size."""
+    rng = random.Random(6)
+    store = OnlineFeatures("unused:0", "t", SPEC, 64, tmp_path / "a")
+    records = [record(f"w/{stage}/0/0", {"wm": 5_000_000, "n": 1}) for stage in ("user", "item", "category")]
+    for entity in range(1, 5001):
+        kind = ("user", "item", "category")[entity % 3]
+        times = sorted(rng.randrange(0, 10_000) for _ in range(rng.randrange(0, 9)))
+        records.append(record(f"c/{kind}/{entity}/4990000", {"i": times, "c": times[:1]}))
+        if kind == "user":
+            records.append(record(f"h/user/{entity}", {"h": [[entity, k, 4_999_000 - k] for k in range(rng.randrange(0, 12))]}))
+    store._apply_records(records)
+    store.partitions = 1
+    store.save_snapshot(tmp_path / "s.arrow", chunk=999)
+    restored = OnlineFeatures("unused:0", "t", SPEC, 64, tmp_path / "b")
+    restored.load_snapshot(tmp_path / "s.arrow")
+    keys = store.store.keys()
+    assert len(keys) == 5000 and sorted(restored.store.keys()) == sorted(keys)
+    for key in keys:
+        assert restored.store.read(*key) == store.store.read(*key), key

@@ -43,7 +43,7 @@ def _env(broker, tmp_path, name):
 
 def materialise(broker, topic, memory_mb=256, spill_dir=None, spec=SPEC) -> OnlineFeatures:
     features = OnlineFeatures(broker, topic, spec, memory_mb, spill_dir or f"/tmp/streamrec-fs-{uuid.uuid4().hex[:8]}").start()
-    assert features.wait_ready(120), features.status()
+    assert features.wait_ready(120), str(features.status())
     return features
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 _set_advice = getattr(getattr(np, "_core", np).multiarray, "_set_madvise_hugepage", None)
-_advice_lock = threading.Lock()
+_advice_lock = threading.RLock()  # reentrant: a load grows columns inside it
 
 
 @contextlib.contextmanager
