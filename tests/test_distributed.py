@@ -634,6 +634,7 @@ def test_small_tables_replicated_on_every_rank_learn_as_the_sharded_run(runs, re
     assert abs(two["auc_online"] - replicated_run["auc_online"]) < 0.01
     by_rank = replicated_run["step_by_rank"]
     assert all(r["exchange"]["replicated_rows"] > 0 and r["exchange"]["counts_exchanged"] == 0 for r in by_rank)
+    assert replicated_run["table_rows"] == two["table_rows"]  # a replicated table's rows counted once, not once per rank
 
     manifest = json.loads((root / "replicated" / "models" / "ctr" / "versions" / f"{replicated_run['version']:012d}" /
                            "manifest.json").read_text())

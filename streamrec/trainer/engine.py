@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from streamrec.embedding.sharded import REPLICATED
 from streamrec.plumbing.config import Config
 from streamrec.trainer.distributed import RankFailure, gather_to_all
 from streamrec.trainer.evaluation import WindowMetrics
@@ -110,7 +111,9 @@ class Trainer:
             out.update(WindowMetrics.merged([share.pop("window") for share in shares]).summary())
             out["ranks"] = shares
             out["world_size"] = ranks.world
-            out["table_rows"] = {name: sum(share["table_rows"][name] for share in shares) for name in out["table_rows"]}
+            placement = self.session.placement  # a replicated table's rows are the same on every rank: counted once
+            out["table_rows"] = {name: shares[0]["table_rows"][name] if placement.get(name) == REPLICATED
+                                 else sum(share["table_rows"][name] for share in shares) for name in out["table_rows"]}
         return out
 
     def close(self) -> None:
