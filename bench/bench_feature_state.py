@@ -12,7 +12,9 @@ history each, a day's span, and some impressions and clicks in the windows) and
 - write: ``save_snapshot`` of the loaded state, wall time;
 - assembly: ``assemble_batch`` of 10 requests of 200 candidates, p50 over repeats;
 - apply: history and counter-bucket messages (the job's, for ``--apply-users`` new users)
-  through the topic reader's path, messages per second.
+  through the topic reader's path, messages per second;
+- compaction: the columnar store's users' impression-time arena squeezed once (the pause a
+  compaction holds the lock for).
 
 Usage: python bench/bench_feature_state.py [--users 1000000 10000000] [--items 1000] [--cache cold warm] [--label new]
        [--out bench/out]
@@ -162,6 +164,13 @@ def measure(snapshot: Path, users: int, items: int, apply_users: int, repeat: in
     for k in range(0, len(messages), 500):
         features._apply_records(messages[k: k + 500])
     out["apply_messages_per_s"] = round(len(messages) / (time.perf_counter() - t0))
+    store = getattr(features, "store", None)
+    if store is not None:  # the columnar store: the pause of an arena's compaction (under the lock)
+        imps = store.kinds["user"].imps
+        out["user_impression_times"] = int(imps.live)
+        t0 = time.perf_counter()
+        imps.compact(store.kinds["user"].index.n)
+        out["compact_user_impressions_s"] = round(time.perf_counter() - t0, 2)
     features.close()
     return out
 
