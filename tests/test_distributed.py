@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,28 +56,70 @@ def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
     return g * 1e-8
 
 
-def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", agreed: bool = False) -> None:
-    """``agreed``: the split sizes travel in the trainer's per-step agreement (``plan``,
-    ``agree``, ``agreed``), else in the exchange's own counts all_to_all."""
+
+
+def _run_two_ranks(worker, tmp_path: Path, args_of, timeout_s: float) -> None:
+    """``worker(rank, 2, init, *args_of(rank))`` in two spawned processes joined by a file
+    rendezvous under ``tmp_path``; both must exit 0."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [mp.get_context("spawn").Process(target=worker, args=(r, 2, init, *args_of(r))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+        assert p.exitcode == 0
+
+def _join(rank: int, world: int, init: str, backend: str) -> tuple[torch.device, Ranks]:
+    """This rank's device (one GPU per rank with NCCL: the GPU-cache tier and the Triton
+    kernels; CPU with gloo) and its process groups."""
     device = torch.device("cpu")
-    if backend == "nccl":  # one GPU per rank, the GPU-cache tier and the Triton kernels
+    if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
+    return device, Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
+
+
+def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool) -> tuple[Any, dict]:
+    """One step of the exchange: split sizes agreed first (``agreed``) or exchanged by
+    find_or_insert; then backward with ``_grad`` as the model's would leave it, and the update.
+    Returns the rows found and a copy of them taken before the update."""
+    if agreed:
+        sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=sharded.plan(ids)).counts)
+    pulled = sharded.find_or_insert(ids, now_ms=step)
+    before = {n: pulled.embeddings[n].detach().cpu() for n in ids}
+    torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
+    sharded.apply_gradients(pulled)
+    return pulled, before
+
+
+def _replay_on_one_store(ref: EmbeddingCollection, per_rank: list, tables: tuple[str, ...], checked: tuple[str, ...], got: list,
+                         tol: float) -> None:
+    """Both ranks' batches, step by step, on one store ``ref``: the rows each rank pulled of
+    the ``checked`` tables must be the store's, and every table is updated with the two
+    ranks' gradients averaged, as the ranks' exchange does."""
+    for step in range(len(per_rank[0])):
+        both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in tables}
+        pulled = ref.find_or_insert_each(both, now_ms=step)
+        for r in range(2):
+            for n in checked:
+                lo = 0 if r == 0 else len(per_rank[0][step][n])
+                want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
+                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=tol)
+        for n in tables:
+            summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, _grad(both[n], step))
+            ref[n].apply_gradients(pulled[n], summed / 2)
+
+
+def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", agreed: bool = False) -> None:
+    """``agreed``: the split sizes travel in the trainer's per-step agreement (``plan``,
+    ``agree``, ``agreed``), else in the exchange's own counts all_to_all."""
+    device, ranks = _join(rank, world, init, backend)
     store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
     sharded = ShardedCollection(store)
     pulled_rows = []
     for step, ids in enumerate(_batches(rank)):
-        ids = {n: t.to(device) for n, t in ids.items()}
-        if agreed:
-            counts = sharded.plan(ids)
-            sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
-        pulled = sharded.find_or_insert(ids, now_ms=step)
-        pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
-        # the gradient of each input id's row, left by backward as the model's would be
-        torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
-        sharded.apply_gradients(pulled)
+        pulled_rows.append(_step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, agreed)[1])
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats)}, out)
     dist.destroy_process_group()
@@ -92,32 +135,13 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     ranks' ids and the average of their gradients (DDP's averaging) at each step; with the
     split sizes from the step's agreement (the trainer's way) or from the exchange's own
     counts all_to_all."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_exchange_worker,
-                                             args=(r, 2, init, str(tmp_path / f"out{r}"), backend, agreed))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    _run_two_ranks(_exchange_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), backend, agreed), timeout_s=120)
     got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
     tol = 1e-6 if backend == "gloo" else 1e-5  # the GPU's fused optimizer kernels round differently from torch on CPU
 
     ref = EmbeddingCollection(TABLES)
     per_rank = [_batches(0), _batches(1)]
-    for step in range(6):
-        both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in ("a", "b")}
-        pulled = ref.find_or_insert_each(both, now_ms=step)
-        for r in range(2):
-            for n in ("a", "b"):
-                lo = 0 if r == 0 else len(per_rank[0][step][n])
-                want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
-                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=tol)
-        for n in ("a", "b"):
-            grad = _grad(both[n], step)
-            summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, grad)
-            ref[n].apply_gradients(pulled[n], summed / 2)
+    _replay_on_one_store(ref, per_rank, ("a", "b"), ("a", "b"), got, tol)
     for n in ("a", "b"):
         keys, values = (torch.cat(parts) for parts in zip(*ref[n].export_all()))
         assert len(got[0]["rows"][n]) + len(got[1]["rows"][n]) == len(keys)
@@ -160,25 +184,14 @@ def _replicated_worker(rank: int, world: int, init: str, out: str, backend: str,
     """Table "a" sharded, "b" (no random init) and "c" (random init, admission) replicated,
     each rank seeding its tables differently; per step, find_or_insert, a backward with
     ``_grad`` and apply_gradients. Saves what each rank pulled and every row it holds."""
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
+    device, ranks = _join(rank, world, init, backend)
     store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in _replicated_tables(backend)], device, seed=1000 * rank)
     sharded = ShardedCollection(store, replicated=["b", "c"])
     pulled_rows, grouped = [], []
     for step, ids in enumerate(_replicated_batches(rank)):
-        ids = {n: t.to(device) for n, t in ids.items()}
-        if agreed:
-            counts = sharded.plan(ids)
-            sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
-        pulled = sharded.find_or_insert(ids, now_ms=step)
-        pulled_rows.append({n: pulled.embeddings[n].detach().cpu() for n in ids})
+        pulled, rows = _step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, agreed)
+        pulled_rows.append(rows)
         grouped.append(pulled.grouped is not None)
-        torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
-        sharded.apply_gradients(pulled)
     torch.save({"pulled": pulled_rows, "rows": _rows_of(store), "stats": asdict(sharded.stats), "grouped": grouped}, out)
     dist.destroy_process_group()
 
@@ -193,31 +206,14 @@ def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_p
     on both ranks the same rows, bit for bit (weights, optimizer state, clock), and the
     keys one store admits. On GPUs the three tables are of one kind (zeros, no admission),
     so that the owner's step takes the table-batched path, replicated tables included."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_replicated_worker,
-                                             args=(r, 2, init, str(tmp_path / f"out{r}"), backend, agreed)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    _run_two_ranks(_replicated_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), backend, agreed), timeout_s=120)
     got = [torch.load(tmp_path / f"out{r}", weights_only=False) for r in range(2)]
     tol = 1e-6 if backend == "gloo" else 1e-5
 
     ref = EmbeddingCollection(_replicated_tables(backend))
     assert all(all(g["grouped"]) == (backend == "nccl") for g in got)
     per_rank = [_replicated_batches(0), _replicated_batches(1)]
-    for step in range(6):
-        both = {n: torch.cat([per_rank[0][step][n], per_rank[1][step][n]]) for n in ("a", "b", "c")}
-        pulled = ref.find_or_insert_each(both, now_ms=step)
-        for r in range(2):
-            for n in ("a", "b"):
-                lo = 0 if r == 0 else len(per_rank[0][step][n])
-                want = pulled[n].embeddings()[lo:lo + len(per_rank[r][step][n])]
-                torch.testing.assert_close(got[r]["pulled"][step][n], want, rtol=0, atol=tol)
-        for n in ("a", "b", "c"):
-            summed = torch.zeros_like(pulled[n].rows).index_add_(0, pulled[n].inverse, _grad(both[n], step))
-            ref[n].apply_gradients(pulled[n], summed / 2)
+    _replay_on_one_store(ref, per_rank, ("a", "b", "c"), ("a", "b"), got, tol)
     want = _rows_of(ref)
     rows = [g["rows"] for g in got]
     assert len(rows[0]["a"]) + len(rows[1]["a"]) == len(want["a"]) and min(len(rows[0]["a"]), len(rows[1]["a"])) > 0  # sharded
@@ -336,15 +332,7 @@ def test_a_pipelined_exchange_trains_exactly_as_steps_in_turn(tmp_path, backend)
     holds once the next step's rows exist (weights, optimizer state, clock), equal those of
     steps taken in turn, with the
     owner's find_or_insert ahead where no row can move, and in its turn under a DRAM budget."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_pipelined_worker,
-                                             args=(r, 2, init, str(tmp_path / f"out{r}"), str(tmp_path), backend))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    _run_two_ranks(_pipelined_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), str(tmp_path), backend), timeout_s=300)
     tol = 0.0 if backend == "gloo" else 1e-6
     for r in range(2):
         got = torch.load(tmp_path / f"out{r}", weights_only=False)
@@ -421,14 +409,7 @@ def test_the_table_batched_owner_path_equals_the_per_table_path_over_two_gpus(tm
     launch each for all tables) give what the table-by-table path gives: the rows each rank
     pulled, every owned row's weights, optimizer state and clock, the tables' counters,
     with no more host syncs per step (Adagrad and Adam, each over three groupable tables)."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [mp.get_context("spawn").Process(target=_grouped_owner_worker, args=(r, 2, init, str(tmp_path / f"out{r}")))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    _run_two_ranks(_grouped_owner_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"),), timeout_s=300)
     for r in range(2):
         got = torch.load(tmp_path / f"out{r}", weights_only=False)
         for optimizer, paths in got.items():
