@@ -36,7 +36,9 @@ class ServingMetrics:
         self.features_lag_records = Gauge("streamrec_features_lag_records", "features-topic records not yet applied", registry=r)
         self.features_entities = Gauge("streamrec_features_entities", "entities in the feature store", ["kind"], registry=r)
         self.features_memory = Gauge("streamrec_features_memory_bytes", "feature store memory (estimate)", registry=r)
-        self.features_spilled = Gauge("streamrec_features_spilled_entities", "entities spilled to RocksDB", registry=r)
+        self.features_refused = Gauge("streamrec_features_refused_records", "records of new entities refused: the store was over its "
+                                      "memory budget (serving.feature_store_memory_mb)", registry=r)
+        self.features_over_budget = Gauge("streamrec_features_over_budget", "1 while the feature store admits no new entity", registry=r)
         self.features_corrupt = Gauge("streamrec_features_corrupt_messages", "corrupt features-topic messages skipped", registry=r)
 
     def observe_features(self, status: dict) -> None:
@@ -47,7 +49,8 @@ class ServingMetrics:
         for kind, n in status["entities"].items():
             self.features_entities.labels(kind).set(n)
         self.features_memory.set(status["memory_bytes"])
-        self.features_spilled.set(status["spilled"])
+        self.features_refused.set(status["refused"])
+        self.features_over_budget.set(1 if status["over_budget"] else 0)
         self.features_corrupt.set(status["corrupt"])
 
     def observe_runtime(self, stats: dict) -> None:

@@ -437,7 +437,7 @@ class OnlineFeatures:
             "topic": self.topic, "ready": self.serves_by_ids(), "caught_up": self.caught_up.is_set(), "error": self.error,
             "features_as_of": as_of, "lag_ms": int(time.time() * 1000) - as_of if as_of is not None else None,
             "lag_records": self.lag_records(), "partitions": self.partitions,
-            "entities": entities, "in_memory": sum(entities.values()), "spilled": 0,
+            "entities": entities, "in_memory": sum(entities.values()),
             "memory_bytes": store.nbytes, "memory_budget_bytes": store.budget, "over_budget": store.refusing,
             "refused": store.refused, "history_overflow": len(store.history.overflow), **self.counts,
             "last_corrupt": self.last_corrupt,
