@@ -17,6 +17,7 @@ import pytest
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import END_OF_INPUT, CounterBucket, EntityCounts, History, UserHistory, Watermarks
 from streamrec.serving.by_ids import ByIdsQuery
+from streamrec.serving.entity_store import EntityStore
 from streamrec.serving.feature_snapshot import SCHEMA, CorruptSnapshot, SnapshotHeader, write_snapshot
 from streamrec.serving.history_rows import HistoryRows
 from streamrec.serving.id_index import IdIndex
@@ -290,3 +291,47 @@ def test_a_snapshot_larger_than_the_first_capacities_round_trips(tmp_path):
     assert len(keys) == 5000 and sorted(restored.store.keys()) == sorted(keys)
     for key in keys:
         assert restored.store.read(*key) == store.store.read(*key), key
+
+
+def test_a_compaction_is_built_outside_the_lock_and_keeps_every_list():
+    """The store's one writer squeezes a wasteful arena while requests go on: the new arena is
+    built with the lock free, the lock is taken only to switch to it, and every list reads the
+    same after."""
+    rng = np.random.default_rng(4)
+    store = EntityStore(history_len=8, budget_bytes=2**30)
+    slots = [store.slot_for_update("item", i) for i in range(300)]
+    for round_ in range(40):  # lists that grow move to the arena's end: waste behind them
+        for slot in slots:
+            times = np.sort(rng.integers(0, 10_000, int(rng.integers(1, 20)))) + 10_000 * round_
+            store.put_bucket("item", slot, times.astype(np.int64), times[::5].astype(np.int64), None)
+    state = store.kinds["item"]
+    assert state.wasteful(), (state.imps.waste, state.imps.live)
+    before = {slot: (state.imps.get(slot).tolist(), state.clicks.get(slot).tolist()) for slot in slots}
+
+    class Lock:
+        held = 0
+        entered = 0
+
+        def __enter__(self):
+            Lock.held += 1
+            Lock.entered += 1
+
+        def __exit__(self, *exc):
+            Lock.held -= 1
+
+    built = []
+    compacted = TimeLists.compacted
+
+    def watched(lists, n):
+        built.append(Lock.held)
+        return compacted(lists, n)
+
+    TimeLists.compacted = watched
+    try:
+        store.compact_wasteful(Lock())
+    finally:
+        TimeLists.compacted = compacted
+    assert built and built == [0] * len(built) and Lock.entered == len(built)  # built lock-free, switched under it
+    assert not state.wasteful() and state.imps.waste == 0
+    for slot, (imps, clicks) in before.items():
+        assert state.imps.get(slot).tolist() == imps and state.clicks.get(slot).tolist() == clicks

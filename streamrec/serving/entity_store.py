@@ -14,6 +14,8 @@ Not thread-safe: :class:`OnlineFeatures` holds its lock around every call.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 import numpy as np
 
 from streamrec.contracts.feature_state import ENTITIES
@@ -42,12 +44,10 @@ class KindState:
         for lists in (self.imps, self.clicks):
             lists.ensure_slots(len(self.index.ids))
 
-    def maybe_compact(self) -> None:
-        """Squeeze an arena once its waste outweighs its live times (amortised: a copy per
-        doubling of what moved)."""
-        for lists in (self.imps, self.clicks):
-            if lists.waste > max(1 << 16, lists.live):
-                lists.compact(self.index.n)
+    def wasteful(self) -> list[TimeLists]:
+        """The arenas whose waste outweighs their live times: to squeeze (amortised: a copy
+        per doubling of what moved)."""
+        return [lists for lists in (self.imps, self.clicks) if lists.waste > max(1 << 16, lists.live)]
 
 
 class EntityStore:
@@ -114,7 +114,16 @@ class EntityStore:
         if expire_at is not None:
             state.imps.expire(slot, expire_at)
             state.clicks.expire(slot, expire_at)
-        state.maybe_compact()
+
+    def compact_wasteful(self, lock: AbstractContextManager) -> None:
+        """Squeeze the arenas that need it, ``lock`` (the owner's, which readers take) held only
+        to install each new arena: building one takes seconds at 10M users, and requests
+        keep reading the old one meanwhile. Call from the one thread that writes the store."""
+        for state in self.kinds.values():
+            for lists in state.wasteful():
+                compacted = lists.compacted(state.index.n)
+                with lock:
+                    lists.install(compacted)
 
     def put_history(self, slot: int, clicks: np.ndarray, cutoff: int | None) -> None:
         """The job's history list for a user ([k, 3] int64), kept to ``cutoff`` (history_rows.py)."""

@@ -337,6 +337,7 @@ class OnlineFeatures:
             if cutoff is not None and (self._retrimmed_at is None or cutoff - self._retrimmed_at >= REPLAY_HORIZON_MS // 4):
                 store.history.retrim_overflow(cutoff)
                 self._retrimmed_at = cutoff
+        store.compact_wasteful(self._lock)  # outside the lock but for the switch: requests go on meanwhile
         self._log_refusals()
 
     def _log_refusals(self) -> None:

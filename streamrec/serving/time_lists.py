@@ -12,9 +12,21 @@ block: its offsets are the segments. 8 bytes a time, 16 a slot.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from streamrec.serving.growth import grown, no_huge_page_advice
+
+
+@dataclass
+class Compacted:
+    """A compacted arena, ready to install (:meth:`TimeLists.compacted`)."""
+
+    slots: int
+    values: np.ndarray
+    start: np.ndarray  # the new start of slots 0..slots-1
+    used: int
 
 
 class TimeLists:
@@ -123,9 +135,15 @@ class TimeLists:
 
     def compact(self, slots: int) -> None:
         """Squeeze the waste out: the live values of slots 0..slots-1 moved down, in arena
-        order, capacity = length. A pass of byte marks over the arena (segments are
-        disjoint), no index per value: the lock is held for a few passes over memory."""
-        start, length = self.start[:slots], self.length[:slots].astype(np.int64)
+        order, capacity = length."""
+        self.install(self.compacted(slots))
+
+    def compacted(self, slots: int) -> "Compacted":
+        """:meth:`compact`'s new arena, built without changing this one: readers may go on
+        reading meanwhile (the owner's lock need not be held), as long as nothing writes
+        these lists until :meth:`install`. A pass of byte marks over the arena (segments
+        are disjoint), no index per value."""
+        start, length = self.start[:slots].copy(), self.length[:slots].astype(np.int64)
         some = np.flatnonzero(length > 0)
         with no_huge_page_advice():
             marks = np.zeros(self.used + 1, np.int8)
@@ -137,11 +155,17 @@ class TimeLists:
             values = np.empty(max(4096, total + total // 4), np.int64)
             np.compress(live, self.values[: self.used], out=values[:total])
         del live, marks
-        self.values = values
         start[some] = before[start[some]] - 1
         start[length == 0] = 0
+        return Compacted(slots, values, start, total)
+
+    def install(self, compacted: "Compacted") -> None:
+        """Switch to a :meth:`compacted` arena (quick: no copy; under the owner's lock)."""
+        slots = compacted.slots
+        self.values = compacted.values
+        self.start[:slots] = compacted.start
         self.cap[:slots] = self.length[:slots]
-        self.used, self.waste = total, 0
+        self.used, self.waste = compacted.used, 0
 
     # ------------------------------------------------------------------ reads
     def gather_flat(self, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
