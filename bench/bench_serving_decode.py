@@ -28,7 +28,9 @@ from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `st
 from output import write_result
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.ipc import frame, pack_columns, unpack_columns
+from streamrec.model.columns import FeatureColumns
+from streamrec.serving.ipc import TO_ENGINE, frame, pack_columns, unpack_columns
+from streamrec.serving.messages import PredictColumns, Requests
 from streamrec.serving.request import InstanceDecoder
 from streamrec.model.batch import batch_from_columns, batch_from_table
 from streamrec.trainer.sources import sample_files
@@ -83,11 +85,18 @@ def main() -> None:
               f"({row['ratio']:.1f}x)", flush=True)
 
     columns, _ = decoder.columns(decoder.decode(bodies[0]))
-    packed = pickle.dumps(("predict", 1, *pack_columns(columns)), protocol=5)
-    pickled = pickle.dumps(("predict", 1, columns), protocol=5)
-    link = {"packed_encode_us": per_call_us(lambda: frame(("predict", 1, *pack_columns(columns))), args.seconds),
-            "packed_decode_us": per_call_us(lambda: unpack_columns(*pickle.loads(packed)[2:]), args.seconds),
-            "pickled_encode_us": per_call_us(lambda: frame(("predict", 1, columns)), args.seconds),
+
+    def message() -> bytes:  # what a front-end sends: one request in a Requests frame
+        return frame(Requests([PredictColumns(1, None, *pack_columns(columns))]))
+
+    def engine_side(data: bytes) -> FeatureColumns:
+        request = TO_ENGINE.decode(data[4:]).items[0]
+        return unpack_columns(request.rows, request.history_ids, request.counters, request.packed)
+
+    sent, pickled = message(), pickle.dumps(("predict", 1, columns), protocol=5)
+    link = {"packed_encode_us": per_call_us(message, args.seconds),
+            "packed_decode_us": per_call_us(lambda: engine_side(sent), args.seconds),
+            "pickled_encode_us": per_call_us(lambda: pickle.dumps(("predict", 1, columns), protocol=5), args.seconds),
             "pickled_decode_us": per_call_us(lambda: pickle.loads(pickled), args.seconds)}
     link["engine_decode_ratio"] = link["pickled_decode_us"] / link["packed_decode_us"]
     result["link"] = link
