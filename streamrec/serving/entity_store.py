@@ -165,10 +165,11 @@ class EntityStore:
 
     def user_counts(self, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> np.ndarray:
         """``[n, 2W]``: per (user slot, ts), ``EntityCounts.counts``; zeros for -1."""
-        state = self.kinds["user"]
-        imps = state.imps.window_counts(slots, ts, windows_ms)
-        clicks = state.clicks.window_counts(slots, ts, windows_ms)
-        return np.stack([imps, clicks], axis=2).reshape(len(slots), 2 * len(windows_ms))
+        out = np.zeros((len(slots), 2 * len(windows_ms)), np.int64)
+        known = np.flatnonzero(slots >= 0)
+        if len(known):
+            out[known] = self.counts_until_many("user", slots[known], ts[known], windows_ms)[0]
+        return out
 
     def histories_before(self, slots: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per (user slot, ts): the history a request sees (history_rows.py ``before``)."""

@@ -17,10 +17,9 @@ import numpy as np
 from streamrec.contracts.feature_state import END_OF_INPUT
 
 
-def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray,
-                         side: str = "left") -> np.ndarray:
-    """Per query ``i``: ``np.searchsorted(values[starts[i]: starts[i] + lengths[i]], targets[i], side)``
-    (each segment ascending), all queries at once. ``starts``, ``lengths``, ``targets``:
+def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per query ``i``: ``np.searchsorted(values[starts[i]: starts[i] + lengths[i]], targets[i])``
+    (each segment ascending; side "left"), all queries at once. ``starts``, ``lengths``, ``targets``:
     int64 [q]; returns int64 [q] positions within the segments."""
     lo = np.zeros(len(targets), np.int64)
     hi = lengths.astype(np.int64, copy=True)
@@ -31,8 +30,7 @@ def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.nda
     while active.any():
         mid = (lo + hi) >> 1
         at = values[np.minimum(starts + mid, last)]
-        right = (at < targets) if side == "left" else (at <= targets)
-        right &= active
+        right = (at < targets) & active
         lo = np.where(right, mid + 1, lo)
         hi = np.where(active & ~right, mid, hi)
         active = lo < hi

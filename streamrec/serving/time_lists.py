@@ -174,19 +174,6 @@ class TimeLists:
         index, owner, _ = segment_index(start, length)
         return self.values[index], owner
 
-    def window_counts(self, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> np.ndarray:
-        """``[len(slots), len(windows)]``: per (slot, ts), the times in ``(ts - W, ts)``;
-        a slot of -1 counts nothing."""
-        known = slots >= 0
-        safe = np.where(known, slots, 0)
-        flat, owner = self.gather_flat(self.start[safe], np.where(known, self.length[safe], 0))
-        at = ts[owner]
-        out = np.zeros((len(slots), len(windows_ms)), np.int64)
-        before = flat < at
-        for k, w in enumerate(windows_ms):
-            out[:, k] = np.bincount(owner, weights=before & (flat > at - w), minlength=len(slots))
-        return out
-
     # ------------------------------------------------------------------ internals
     def _reserve(self, n: int) -> int:
         """The start of ``n`` new values at the arena's end."""
