@@ -38,7 +38,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError, no_feature_store, not_loaded, unknown_model
 from streamrec.serving.guard import HttpLimits, throttle_logs
 from streamrec.serving.by_ids import answer_json, query_of
-from streamrec.serving.ipc import TO_FRONTEND, frame, pack_columns, read_frame
+from streamrec.serving.ipc import TO_FRONTEND, Outbox, frame, pack_columns, read_frame
 from streamrec.serving.messages import PROTOCOL, Failed, Hello, PredictByIds, PredictColumns, Requests, Welcome
 from streamrec.serving.pauses import freeze_heap
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
@@ -62,13 +62,14 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._hello: asyncio.Future | None = None
-        self._outgoing: list[PredictColumns | PredictByIds] = []  # sent as one Requests frame at the end of the loop's turn
+        self._outbox: Outbox | None = None  # requests, sent as one Requests frame at the end of the loop's turn
 
     async def connect(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 reader, self._writer = await asyncio.open_unix_connection(self.path)
+                self._outbox = Outbox(self._writer, Requests)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
@@ -137,11 +138,8 @@ class EngineClient:
                 raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
             request_id = next(self._ids)
             message = PredictColumns(request_id, timeout_s, *pack_columns(columns))
-        loop = asyncio.get_running_loop()
-        future = self._pending[request_id] = loop.create_future()
-        if not self._outgoing:
-            loop.call_soon(self._send)
-        self._outgoing.append(message)
+        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        self._outbox.put(message)
         answer = await future
         if isinstance(answer, Failed):
             if answer.spec_changed:
@@ -151,13 +149,6 @@ class EngineClient:
         if not answer.by_ids:
             return orjson.dumps({"model_version": answer.model_version, "scores": scores})
         return answer_json(answer.model_version, answer.features_as_of, answer.features_stale, query.ts, scores, answer.features)
-
-
-    def _send(self) -> None:
-        """The requests of this turn of the event loop, in one frame."""
-        items, self._outgoing = self._outgoing, []
-        if items:
-            self._writer.write(frame(Requests(items)))
 
 
 class EngineRelay:

@@ -24,7 +24,8 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import INT_COLUMNS
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError, SpecChanged
-from streamrec.serving.messages import Answers, Failed, Hello, PredictByIds, PredictColumns, Scored, ToEngine, ToFrontend, Welcome
+from streamrec.serving.messages import (Answers, Failed, Hello, PredictByIds, PredictColumns, Requests, Scored, ToEngine, ToFrontend,
+                                        Welcome)
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")
@@ -74,24 +75,25 @@ def unpack_columns(n: int, m: int, k: int, data: bytes) -> FeatureColumns:
 
 
 class Outbox:
-    """One front-end connection's answers not sent yet: written as one :class:`Answers`
-    frame at the end of the event loop's turn (a finished batch answers many requests of
-    each front-end at once). Used on the event loop's thread only."""
+    """One side of a link's messages not sent yet, written as one ``group`` frame
+    (:class:`Requests` from a front-end, :class:`Answers` from the engine) at the end of the
+    event loop's turn: a front-end's requests decoded in one turn, a finished batch's answers
+    to one front-end. Used on the event loop's thread only."""
 
-    __slots__ = ("writer", "items", "scheduled")
+    __slots__ = ("writer", "group", "items", "scheduled")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.items: list[Scored | Failed] = []
+    def __init__(self, writer: asyncio.StreamWriter, group: type[Requests] | type[Answers]) -> None:
+        self.writer, self.group = writer, group
+        self.items: list = []
         self.scheduled = False
 
     @property
     def closed(self) -> bool:
-        """The front-end went away: its queued requests need not run."""
+        """The other side went away: what is queued for it need not run."""
         return self.writer.is_closing()
 
-    def put(self, answer: Scored | Failed) -> None:
-        self.items.append(answer)
+    def put(self, message: PredictColumns | PredictByIds | Scored | Failed) -> None:
+        self.items.append(message)
         if not self.scheduled:
             self.scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
@@ -99,7 +101,7 @@ class Outbox:
     def flush(self) -> None:
         items, self.items, self.scheduled = self.items, [], False
         if items and not self.writer.is_closing():
-            self.writer.write(frame(Answers(items)))
+            self.writer.write(frame(self.group(items)))
 
 
 Payload = FeatureColumns | ByIdsQuery
@@ -127,7 +129,7 @@ class EngineLink:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connected += 1
-        outbox = Outbox(writer)
+        outbox = Outbox(writer, Answers)
         try:
             while True:
                 message = await read_frame(reader, TO_ENGINE)
