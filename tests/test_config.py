@@ -11,7 +11,7 @@ def test_defaults_load_with_documented_topic_names():
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:9092"
     assert cfg.topics.all() == [
         "streamrec.events", "streamrec.events.dlq", "streamrec.samples", "streamrec.model-updates", "streamrec.truth",
-        "streamrec.features",
+        "streamrec.features", "streamrec.predictions",
     ]
     assert cfg.generator.world.target_ctr == 0.03
 

@@ -59,6 +59,7 @@ class TopicsConfig:
     model_updates: str
     truth: str
     features: str
+    predictions: str
 
     def all(self) -> list[str]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -273,6 +274,49 @@ def _count(value: str, key: str) -> int:
 
 
 @dataclass(frozen=True)
+class ServedModelEntry:
+    """One ``[[serving.models]]`` table: a model this node serves."""
+
+    name: str
+    model_store: str = ""  # "": serving.model_store
+
+
+@dataclass(frozen=True)
+class VariantEntry:
+    """One variant of an experiment: the model that scores its users and its share of them."""
+
+    name: str
+    model: str
+    share: float
+
+
+@dataclass(frozen=True)
+class ExperimentEntry:
+    """One ``[[serving.experiments]]`` table (docs/experiments.md). A user's variant is a stable
+    hash of (layer salt, user id): the same on every node and after restarts."""
+
+    name: str
+    variants: tuple[VariantEntry, ...]
+    salt: str = ""  # "": the layer's name (so experiments in different layers are orthogonal)
+    layer: str = ""  # "": a layer of its own; experiments of one layer take disjoint user ranges
+    range_start: float = 0.0  # the slice of the layer's users in the experiment, [start, end)
+    range_end: float = 1.0
+    shadow_model: str = ""  # "": none; else this model also scores shadow_share of requests, off the response path
+    shadow_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class CallerEntry:
+    """One ``[[serving.callers]]`` table: an API key's quota and priority."""
+
+    name: str
+    key: str
+    rate_per_s: float  # predict requests a second, sustained (0: no quota)
+    burst: int = 0  # requests above the rate it may send at once (0: one second's worth)
+    priority: str = "normal"  # low | normal | high: which callers are shed first under overload
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     host: str
     port: int
@@ -305,6 +349,15 @@ class ServingConfig:
     features_max_lag_s: float
     feature_snapshot: str
     feature_snapshot_interval_s: float
+    models: tuple[ServedModelEntry, ...]
+    experiments: tuple[ExperimentEntry, ...]
+    callers: tuple[CallerEntry, ...]
+    caller_header: str
+    priority_header: str
+    anonymous_rate_per_s: float
+    shed_low_priority_at: float
+    prediction_log: bool
+    prediction_log_queue: int
 
     def batch_workers(self, device_type: str) -> int:
         """``serving.workers`` as a count: "auto" is 0 on CUDA (each batch on the event loop's
@@ -384,6 +437,10 @@ def _coerce(value: Any, target: Any, name: str) -> Any:
             return ByteSize(parse_bytes(value, name))
         except SizeError as exc:
             raise ConfigError(str(exc)) from None
+    elif typing.get_origin(target) is tuple and dataclasses.is_dataclass(typing.get_args(target)[0]):  # [[tables]]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, Mapping) for v in value):
+            raise ConfigError(f"config key '{name}' must be a list of tables ([[{name}]]), got {value!r}")
+        return tuple(_build_entry(typing.get_args(target)[0], v, f"{name}[{i}].") for i, v in enumerate(value))
     elif typing.get_origin(target) is tuple:  # tuple[int, ...]: a TOML array, or "60,600" from env/flags
         items = value.split(",") if isinstance(value, str) else value
         if isinstance(items, (list, tuple)):
@@ -411,6 +468,22 @@ def _build(cls: type, data: Mapping, where: str) -> Any:
             kwargs[field.name] = _build(target, data[field.name], name + ".")
         else:
             kwargs[field.name] = _coerce(data[field.name], target, name)
+    return cls(**kwargs)
+
+
+def _build_entry(cls: type, data: Mapping, where: str) -> Any:
+    """One table of a list of tables: unknown keys are errors, missing ones take the field's default."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)} (known: {', '.join(sorted(known))})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name in data:
+            kwargs[field.name] = _coerce(data[field.name], hints[field.name], where + field.name)
+        elif field.default is dataclasses.MISSING:
+            raise ConfigError(f"missing config key '{where}{field.name}'")
     return cls(**kwargs)
 
 
@@ -557,8 +630,72 @@ def validate(config: Config) -> None:
             parse_sizes(getattr(s, name), f"serving.{name}")
         except ConfigError as exc:
             problems.append(str(exc))
+    problems.extend(_model_access_problems(config))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+PRIORITIES = ("low", "normal", "high")
+
+
+def served_model_names(config: Config) -> list[str]:
+    """The models a serving node serves: its [[serving.models]], or model.name."""
+    return [m.name for m in config.serving.models] or [config.model.name]
+
+
+def _model_access_problems(config: Config) -> list[str]:
+    """Checks of [[serving.models]], [[serving.experiments]] and [[serving.callers]]."""
+    s, problems = config.serving, []
+    names = served_model_names(config)
+    if len(set(names)) != len(names):
+        problems.append(f"serving.models: each model is listed once, got {names}")
+    seen: set[str] = set()
+    for e in s.experiments:
+        where = f"serving.experiments '{e.name}'"
+        if e.name in seen:
+            problems.append(f"{where}: two experiments have that name")
+        seen.add(e.name)
+        problems.extend(f"{where}: {p}" for p in experiment_problems(e, names))
+    ranges: dict[str, list[tuple[float, float, str]]] = {}
+    for e in s.experiments:
+        ranges.setdefault(e.layer or e.name, []).append((e.range_start, e.range_end, e.name))
+    for layer, spans in ranges.items():
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                problems.append(f"serving.experiments '{a}' and '{b}' share layer '{layer}' and overlapping user ranges")
+    keys = [c.key for c in s.callers]
+    if len(set(keys)) != len(keys) or len({c.name for c in s.callers}) != len(keys):
+        problems.append("serving.callers: each caller has its own name and key")
+    for c in s.callers:
+        if not c.key or c.rate_per_s < 0 or c.burst < 0 or c.priority not in PRIORITIES:
+            problems.append(f"serving.callers '{c.name}': needs a key, rate_per_s >= 0, burst >= 0 and priority in {PRIORITIES}")
+    if s.anonymous_rate_per_s < 0:
+        problems.append(f"serving.anonymous_rate_per_s must be >= 0 (0: no quota), got {s.anonymous_rate_per_s}")
+    if not 0 < s.shed_low_priority_at <= 1:
+        problems.append(f"serving.shed_low_priority_at must be in (0, 1], got {s.shed_low_priority_at}")
+    if s.prediction_log_queue < 1:
+        problems.append(f"serving.prediction_log_queue must be >= 1, got {s.prediction_log_queue}")
+    return problems
+
+
+def experiment_problems(e: ExperimentEntry, models: list[str]) -> list[str]:
+    """What is wrong with one experiment (also checked when one is changed at run time)."""
+    problems = []
+    if not e.name or not e.variants:
+        problems.append("needs a name and at least one variant")
+    if len({v.name for v in e.variants}) != len(e.variants):
+        problems.append("each variant has its own name")
+    if any(v.share <= 0 for v in e.variants) or abs(sum(v.share for v in e.variants) - 1) > 1e-6:
+        problems.append(f"variant shares are > 0 and add up to 1, got {[v.share for v in e.variants]}")
+    unknown = sorted({v.model for v in e.variants} - set(models) | ({e.shadow_model} - set(models) - {""}))
+    if unknown:
+        problems.append(f"model(s) {unknown} not served by this node (serving.models: {models})")
+    if not 0 <= e.range_start < e.range_end <= 1:
+        problems.append(f"range_start and range_end must satisfy 0 <= start < end <= 1, got {e.range_start}, {e.range_end}")
+    if not 0 <= e.shadow_share <= 1 or (e.shadow_share > 0 and not e.shadow_model):
+        problems.append("shadow_share is within [0, 1] and needs a shadow_model")
+    return problems
 
 
 SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
