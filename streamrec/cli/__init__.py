@@ -17,7 +17,7 @@ import sys
 import tomllib
 
 from streamrec import __version__
-from streamrec.cli import bench, demo, generate, kafka, pipeline, serve, setup, store, train
+from streamrec.cli import bench, demo, experiments, generate, kafka, pipeline, serve, setup, store, train
 from streamrec.cli.common import Commands, add_common_flags, config_from
 from streamrec.plumbing.config import ConfigError, default_config_text
 
@@ -29,8 +29,8 @@ configuration: packaged defaults < --config FILE (or $STREAMREC_CONFIG, or ./str
 
 # in the order `streamrec --help` lists them
 COMMANDS = (kafka.add_parser, setup.add_setup_parser, generate.add_parser, pipeline.add_parser, train.add_parser,
-            serve.add_parser, store.add_parser, setup.add_config_parser, demo.add_demo_parser, demo.add_report_parser,
-            bench.add_parser)
+            serve.add_parser, experiments.add_parser, store.add_parser, setup.add_config_parser, demo.add_demo_parser,
+            demo.add_report_parser, bench.add_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
