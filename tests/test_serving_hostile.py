@@ -373,8 +373,8 @@ def test_overload_is_shed_with_a_503_and_counted_and_a_dropped_request_never_run
     assert batching["rows"] == 256 * len(ok)  # no refused or dropped request ran
     with urllib.request.urlopen(overloaded.base + "/metrics", timeout=30) as response:
         metrics = response.read().decode()
-    assert f'streamrec_serving_shed_requests_total{{reason="queue_full"}} {float(len(full))}' in metrics
-    assert f'streamrec_serving_shed_requests_total{{reason="deadline"}} {float(len(late))}' in metrics
+    assert f'streamrec_serving_shed_requests_total{{model="ctr",reason="queue_full"}} {float(len(full))}' in metrics
+    assert f'streamrec_serving_shed_requests_total{{model="ctr",reason="deadline"}} {float(len(late))}' in metrics
     assert request(overloaded.port, "POST", PREDICT, payload)[0] == 200  # once the burst is over, requests are served
 
 

@@ -239,7 +239,7 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
     status, answer = call(base, "POST", "/v1/models/ctr:reload", {}, token=TOKEN)
     assert status == 200 and answer["model_version"] == versions[-1] and not answer["pinned"]
     status, metrics = 200, urllib.request.urlopen(base + "/metrics").read().decode()
-    assert "streamrec_serving_requests_total" in metrics and f"streamrec_serving_model_version {float(versions[-1])}" in metrics
+    assert "streamrec_serving_requests_total" in metrics and f'streamrec_serving_model_version{{model="ctr"}} {float(versions[-1])}' in metrics
     assert json.loads(urllib.request.urlopen(base + "/openapi.json").read())["info"]["title"] == "streamrec serving"
 
 

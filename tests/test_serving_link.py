@@ -43,10 +43,12 @@ def test_requests_and_answers_travel_in_groups_and_reach_their_callers(tmp_path,
     monkeypatch.setattr(frontend, "read_frame", counting_answers)
     queued: list[tuple[ByIdsQuery, int, Outbox]] = []
 
-    def enqueue(payload, timeout_s, request_id, outbox):
+    def take(message, outbox):
+        payload = ipc.payload_of(message)
+        assert message.model == "ctr"
         if payload.user_id == 666:
             raise ApiError(429, "overloaded: refused at once")
-        queued.append((payload, request_id, outbox))
+        queued.append((payload, message.id, outbox))
         if len(queued) == 19:  # the "batch": every answer in the same turn of the loop
             for query, rid, box in queued:
                 scores = np.full(len(query), query.user_id / 1000 + query.candidates[:, 0].sum() / 1e6, np.float32)
@@ -55,13 +57,13 @@ def test_requests_and_answers_travel_in_groups_and_reach_their_callers(tmp_path,
 
     async def scenario():
         path = str(tmp_path / "engine.sock")
-        link = EngineLink(path, lambda: Welcome(PROTOCOL, "ctr", FeatureSpec().to_json(), MAX_FUTURE_SKEW_MS, True), enqueue)
+        link = EngineLink(path, lambda: Welcome(PROTOCOL, {"ctr": FeatureSpec().to_json()}, MAX_FUTURE_SKEW_MS, True), take)
         await link.start()
         client = EngineClient(path, max_instances=1000)
         await client.connect(timeout_s=10)
         asks = [(100 + i, 1 + i % 5) for i in range(19)]
-        answers = await asyncio.gather(*(client.predict_body("ctr", body(u, n)) for u, n in asks),
-                                       client.predict_body("ctr", body(666, 2)), return_exceptions=True)
+        answers = await asyncio.gather(*(client.predict_body("models", "ctr", body(u, n)) for u, n in asks),
+                                       client.predict_body("models", "ctr", body(666, 2)), return_exceptions=True)
         await link.stop()
         return asks, answers
 

@@ -321,7 +321,7 @@ def test_a_rollback_pins_every_node_survives_a_kill_and_reload_releases_it(store
         status = http(bases[1], "GET", "/v1/models/ctr")[1]
         assert status["model_version"] == versions[-1] and "'abc'" in status["latest_problem"]
         metrics = __import__("urllib.request").request.urlopen(bases[1] + "/metrics").read().decode()
-        assert "streamrec_serving_latest_unusable 1.0" in metrics and "streamrec_serving_pinned_version 0.0" in metrics
+        assert 'streamrec_serving_latest_unusable{model="ctr"} 1.0' in metrics and 'streamrec_serving_pinned_version{model="ctr"} 0.0' in metrics
     finally:
         for node in nodes:
             node.kill()

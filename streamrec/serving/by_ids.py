@@ -33,9 +33,25 @@ class ByIdsQuery:
 
 
 def answer_json(version: int, features_as_of: int | None, features_stale: bool, ts: int, scores: list[float],
-                features_json: bytes | None) -> bytes:
-    """The JSON answer of a by-ids request (``features_json``: its features, already JSON)."""
-    answer = {"model_version": version, "features_as_of": features_as_of, "features_stale": features_stale, "ts": ts, "scores": scores}
+                features_json: bytes | None, extra: dict | None = None) -> bytes:
+    """The JSON answer of a by-ids request (``features_json``: its features, already JSON;
+    ``extra``: keys added, such as an experiment's variant)."""
+    answer = {"model_version": version, "features_as_of": features_as_of, "features_stale": features_stale, "ts": ts, "scores": scores,
+              **(extra or {})}
+    if features_json is not None:
+        answer["features"] = orjson.Fragment(features_json)
+    return orjson.dumps(answer)
+
+
+def fan_out_json(ts: int, features_as_of: int | None, features_stale: bool, features_json: bytes | None, parts: list) -> bytes:
+    """A fan-out's answer: per model (``parts``: messages.ModelScores) its version and scores, or its error."""
+    models = {}
+    for part in parts:
+        if part.scores is None:
+            models[part.model] = {"error": {"code": part.status, "message": part.message}}
+        else:
+            models[part.model] = {"model_version": part.model_version, "scores": np.frombuffer(part.scores, np.float32).tolist()}
+    answer = {"features_as_of": features_as_of, "features_stale": features_stale, "ts": ts, "models": models}
     if features_json is not None:
         answer["features"] = orjson.Fragment(features_json)
     return orjson.dumps(answer)

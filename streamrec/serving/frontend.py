@@ -35,13 +35,15 @@ import orjson
 import uvicorn
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.errors import ApiError, no_feature_store, not_loaded, unknown_model
+from streamrec.serving.errors import ApiError, SpecChanged, not_loaded
+from streamrec.serving.experiments import Experiments, entry_from_json
 from streamrec.serving.guard import HttpLimits, throttle_logs
-from streamrec.serving.by_ids import answer_json, query_of
+from streamrec.serving.by_ids import ByIdsQuery, answer_json, fan_out_json
 from streamrec.serving.ipc import TO_FRONTEND, Outbox, frame, pack_columns, read_frame
-from streamrec.serving.messages import PROTOCOL, Failed, Hello, PredictByIds, PredictColumns, Requests, Welcome
+from streamrec.serving.messages import PROTOCOL, Call, Failed, Hello, PredictByIds, PredictColumns, Requests, Welcome
 from streamrec.serving.pauses import freeze_heap
-from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, invalid_instances, is_by_ids
+from streamrec.serving.request import InstanceDecoder
+from streamrec.serving.routing import RequestRouter
 from streamrec.serving.shortcut import PredictShortcut, read_body, send_answer
 
 log = logging.getLogger("streamrec.serving.frontend")
@@ -50,14 +52,14 @@ HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"co
 
 class EngineClient:
     """A front-end's multiplexed connection to the engine (one socket, answers by id). It
-    decodes and checks every predict body itself; the engine gets typed, ready-made requests."""
+    decodes, checks and routes every predict body itself (serving/routing.py); the engine gets
+    typed, ready-made requests."""
 
     def __init__(self, path: str, max_instances: int) -> None:
         self.path, self.max_instances = path, max_instances
-        self.model: str | None = None
-        self.decoder: InstanceDecoder | None = None
-        self.ids_decoder: ByIdsDecoder | None = None
-        self.by_ids = False
+        self.models: dict[str, dict | None] = {}  # name -> the feature spec of its served version
+        self.router: RequestRouter | None = None
+        self._decoders: dict[str, InstanceDecoder] = {}
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -79,26 +81,45 @@ class EngineClient:
         await self.hello()
 
     async def hello(self) -> None:
-        """Learn the model name and the served version's feature spec (again after a
-        :class:`Failed` that says it may have changed). Concurrent callers share one exchange."""
+        """Learn the served models, their feature specs and the experiments (again after a
+        :class:`Failed` that says a spec may have changed). Concurrent callers share one exchange."""
         if self._hello is None or self._hello.done():
             self._hello = asyncio.get_running_loop().create_future()
             self._writer.write(frame(Hello()))
-        welcome: Welcome = await asyncio.shield(self._hello)
+        self.welcome(await asyncio.shield(self._hello))
+
+    def welcome(self, welcome: Welcome) -> None:
         if welcome.protocol != PROTOCOL:
             raise RuntimeError(f"the serving engine speaks link protocol {welcome.protocol}, this front-end {PROTOCOL}: "
                                "they run different streamrec versions; restart the engine")
-        self.model = welcome.model
-        self.decoder = InstanceDecoder(FeatureSpec.from_json(welcome.feature_spec), self.max_instances) if welcome.feature_spec else None
-        self.ids_decoder = ByIdsDecoder(self.max_instances, welcome.max_future_skew_ms)
-        self.by_ids = welcome.by_ids
+        self.models = welcome.models
+        self._decoders = {}
+        experiments = Experiments([entry_from_json(e) for e in welcome.experiments], list(welcome.models)) if welcome.experiments else None
+        self.router = RequestRouter(self._decoder_of, self._served, welcome.by_ids, self.max_instances, welcome.max_future_skew_ms,
+                                    experiments)
+
+    def _served(self, model: str) -> None:
+        if model not in self.models:
+            raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.models)}")
+
+    def _decoder_of(self, model: str) -> InstanceDecoder:
+        self._served(model)
+        spec = self.models[model]
+        if spec is None:
+            raise not_loaded()
+        if model not in self._decoders:
+            self._decoders[model] = InstanceDecoder(FeatureSpec.from_json(spec), self.max_instances)
+        return self._decoders[model]
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 message = await read_frame(reader, TO_FRONTEND)
                 if isinstance(message, Welcome):
-                    self._hello.set_result(message)
+                    if self._hello is not None and not self._hello.done():
+                        self._hello.set_result(message)
+                    else:  # unasked: the experiments changed
+                        self.welcome(message)
                     continue
                 for answer in message.items:
                     future = self._pending.pop(answer.id, None)
@@ -115,29 +136,19 @@ class EngineClient:
                 future.set_exception(ApiError(503, why))
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn drains and exits
 
-    async def predict_body(self, model: str, body: bytes, timeout_s: float | None = None) -> bytes:
-        if model != self.model:
-            raise unknown_model(model, self.model)
-        if self.decoder is None:
+    async def predict_body(self, kind: str, name: str, body: bytes, timeout_s: float | None = None, call: Call = Call()) -> bytes:
+        try:
+            routed = self.router.route(kind, name, body, call)
+        except SpecChanged:  # no version was loaded when we last asked
             await self.hello()
-            if self.decoder is None:
-                raise not_loaded()
-        by_ids = is_by_ids(body)
-        if by_ids:
-            if not self.by_ids:
-                raise no_feature_store()
-            now = int(time.time() * 1000)
-            query = query_of(self.ids_decoder.decode(body, now), now)
-            request_id = next(self._ids)
-            message = PredictByIds(request_id, timeout_s, query.user_id, query.ts, query.device, query.local_hour,
-                                   query.candidates.tobytes(), query.return_features)
+            routed = self.router.route(kind, name, body, call)
+        request_id = next(self._ids)
+        query = routed.payload
+        if isinstance(query, ByIdsQuery):
+            message = PredictByIds(request_id, routed.model, timeout_s, query.user_id, query.ts, query.device, query.local_hour,
+                                   query.candidates.tobytes(), query.return_features, routed.fan_out, routed.call)
         else:
-            instances = self.decoder.decode(body)
-            columns, rejected = self.decoder.columns(instances)
-            if rejected:
-                raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
-            request_id = next(self._ids)
-            message = PredictColumns(request_id, timeout_s, *pack_columns(columns))
+            message = PredictColumns(request_id, routed.model, timeout_s, *pack_columns(query), routed.call)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
         self._outbox.put(message)
         answer = await future
@@ -145,10 +156,13 @@ class EngineClient:
             if answer.spec_changed:
                 await self.hello()
             raise ApiError(answer.status, answer.message)
+        if answer.fan_out is not None:
+            return fan_out_json(query.ts, answer.features_as_of, answer.features_stale, answer.features, answer.fan_out)
         scores = np.frombuffer(answer.scores, np.float32).tolist()
         if not answer.by_ids:
-            return orjson.dumps({"model_version": answer.model_version, "scores": scores})
-        return answer_json(answer.model_version, answer.features_as_of, answer.features_stale, query.ts, scores, answer.features)
+            return orjson.dumps({"model_version": answer.model_version, "scores": scores, **routed.extra})
+        return answer_json(answer.model_version, answer.features_as_of, answer.features_stale, query.ts, scores, answer.features,
+                           routed.extra)
 
 
 class EngineRelay:
@@ -231,11 +245,14 @@ class FrontendPlan:
     max_instances: int
     limits: HttpLimits
     switch_interval_us: int = 500
+    caller_header: str = "x-api-key"
+    priority_header: str = "x-priority"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "streamrec.serving.frontend", "--socket", self.socket_path, "--engine-port", str(self.engine_port),
                 "--host", self.host, "--port", str(self.port), "--max-body-bytes", str(self.max_body_bytes),
-                "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us), *self.limits.args()]
+                "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us),
+                "--caller-header", self.caller_header, "--priority-header", self.priority_header, *self.limits.args()]
 
 
 class FrontendPool:
@@ -291,6 +308,8 @@ def main() -> None:
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--max-instances", type=int, required=True)
     parser.add_argument("--switch-interval-us", type=int, default=500)
+    parser.add_argument("--caller-header", default="x-api-key")
+    parser.add_argument("--priority-header", default="x-priority")
     parser.add_argument("--keep-alive-s", type=float, required=True)
     parser.add_argument("--read-timeout-s", type=float, required=True)
     parser.add_argument("--max-connections", type=int, required=True)
@@ -300,7 +319,8 @@ def main() -> None:
     throttle_logs()
     limits = HttpLimits(args.keep_alive_s, args.read_timeout_s, args.max_connections)
     engine = EngineClient(args.socket, args.max_instances)
-    app = PredictShortcut(EngineRelay(engine, args.engine_port, args.max_body_bytes), engine.predict_body, args.max_body_bytes)
+    app = PredictShortcut(EngineRelay(engine, args.engine_port, args.max_body_bytes), engine.predict_body, args.max_body_bytes,
+                          args.caller_header, args.priority_header)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # every front-end binds the public port

@@ -104,20 +104,30 @@ class Outbox:
             self.writer.write(frame(self.group(items)))
 
 
-Payload = FeatureColumns | ByIdsQuery
-Enqueue = Callable[[Payload, float | None, int, Outbox], None]
+def payload_of(message: PredictColumns | PredictByIds) -> FeatureColumns | ByIdsQuery:
+    """The engine's form of a front-end's request."""
+    if isinstance(message, PredictByIds):
+        candidates = np.frombuffer(message.candidates, np.int64).reshape(-1, 4)
+        return ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
+    return unpack_columns(message.rows, message.history_ids, message.counters, message.packed)
+
+
+Take = Callable[[PredictColumns | PredictByIds, Outbox], None]
 
 
 class EngineLink:
-    """Engine side of the front-ends' links: turns their messages into payloads and hands
-    each to ``enqueue(payload, timeout_s, request_id, outbox)`` (serving/engine.py), which
-    queues it for a batch and later puts its :class:`Scored` or :class:`Failed` into the
-    outbox; a request refused at once (ApiError) is answered here."""
+    """Engine side of the front-ends' links: hands each request message to ``take(message,
+    outbox)`` (serving/node.py), which queues it for a batch and later puts its
+    :class:`Scored` or :class:`Failed` into the outbox (or answers a refusal at once)."""
 
-    def __init__(self, path: str, hello: Callable[[], Welcome], enqueue: Enqueue) -> None:
-        self.path, self.hello, self.enqueue = path, hello, enqueue
-        self.connected = 0
+    def __init__(self, path: str, hello: Callable[[], Welcome], take: Take) -> None:
+        self.path, self.hello, self.take = path, hello, take
+        self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def connected(self) -> int:
+        return len(self._writers)
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
@@ -127,8 +137,15 @@ class EngineLink:
             self._server.close()
             await self._server.wait_closed()
 
+    def broadcast(self, welcome: Welcome) -> None:
+        """A :class:`Welcome` to every connected front-end, unasked (what they route by changed)."""
+        data = frame(welcome)
+        for writer in self._writers:
+            if not writer.is_closing():
+                writer.write(data)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connected += 1
+        self._writers.add(writer)
         outbox = Outbox(writer, Answers)
         try:
             while True:
@@ -143,17 +160,12 @@ class EngineLink:
         except Exception:  # noqa: BLE001 -- a broken front-end must not take the engine down
             log.exception("front-end link failed")
         finally:
-            self.connected -= 1
+            self._writers.discard(writer)
             writer.close()
 
     def _take(self, message: PredictColumns | PredictByIds, outbox: Outbox) -> None:
         try:
-            if isinstance(message, PredictByIds):
-                candidates = np.frombuffer(message.candidates, np.int64).reshape(-1, 4)
-                payload = ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
-            else:
-                payload = unpack_columns(message.rows, message.history_ids, message.counters, message.packed)
-            self.enqueue(payload, message.timeout_s, message.id, outbox)
+            self.take(message, outbox)
         except ApiError as exc:
             outbox.put(Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged)))
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer

@@ -219,10 +219,36 @@ class ByIdsRequest(msgspec.Struct, forbid_unknown_fields=True):
     candidates: list[CandidateAd]
     ts: INT64 | None = None  # the request's event time (ms); default: the server's clock
     return_features: bool = False  # answer with the feature values used, per candidate
+    models: Annotated[list[Annotated[str, msgspec.Meta(max_length=200)]], msgspec.Meta(min_length=1, max_length=16)] | None = None
 
 
 BY_IDS_FORM = ('{"user_id": U, "context": {"device": str, "local_hour": int}, '
-               '"candidates": [{"item_id", "category_id", "advertiser_id", "position"}, ...], "ts"?: ms}')
+               '"candidates": [{"item_id", "category_id", "advertiser_id", "position"}, ...], "ts"?: ms, "models"?: [name, ...]}')
+
+
+class _InstanceUser(msgspec.Struct):
+    user_id: INT64
+
+
+class _InstanceUsers(msgspec.Struct):
+    instances: list[_InstanceUser]
+
+
+_INSTANCE_USERS = msgspec.json.Decoder(_InstanceUsers)
+
+
+def instances_user(body: bytes) -> int:
+    """The one user an instances body scores (an experiment's variant is the user's): 400
+    when its instances name different users or none."""
+    try:
+        users = {i.user_id for i in _INSTANCE_USERS.decode(body).instances}
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid predict request: {exc}") from None
+    except NOT_JSON as exc:
+        raise not_json(exc) from None
+    if len(users) != 1:
+        raise ApiError(400, f"an experiment's request scores one user's candidates; its instances name {len(users)} users")
+    return users.pop()
 
 
 class _FormKeys(msgspec.Struct):

@@ -1,4 +1,4 @@
-"""`streamrec serve`: load the model, follow new versions, serve HTTP until stopped."""
+"""`streamrec serve`: load the models, follow their new versions, serve HTTP until stopped."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from streamrec.model.device import pick_device
 from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.serving.app import create_app
+from streamrec.modelstore.experiments import ExperimentStore
 from streamrec.serving.engine import ServingEngine
+from streamrec.serving.experiments import Experiments
+from streamrec.serving.prediction_log import PredictionLog
+from streamrec.serving.quotas import Callers
+from streamrec.serving.metrics import ModelMetrics, ServingMetrics
+from streamrec.serving.node import ServingNode
 from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.frontend import FrontendPlan
 from streamrec.serving.guard import HttpLimits, throttle_logs
@@ -26,7 +32,7 @@ from streamrec.serving.shortcut import PredictShortcut
 from streamrec.serving.state import ServedModel
 from streamrec.serving.watcher import UpdateListener, VersionWatcher
 from streamrec.plumbing.bus.broker import free_port
-from streamrec.plumbing.config import Config
+from streamrec.plumbing.config import Config, served_model_names
 
 log = logging.getLogger("streamrec.serving")
 
@@ -53,38 +59,58 @@ def serve(cfg: Config) -> None:
     device = pick_device(s.device, "serving.device")
     runtime = RuntimeConfig.from_serving(s)
     runtime.resolved_mode(device)  # a bad mode for this device fails here, not at the first version
-    served = ServedModel(ModelStore(s.model_store, cfg.model.name), device, inference_cache_rows(cfg.model, cfg.ps), s.undo_depth, runtime,
-                         cfg.features)
-    for report in served.catch_up():
-        log.info("loaded version %d of %s (%d rows)", report.version, cfg.model.name, report.rows)
-    freeze_heap()  # the loaded model's objects: full collections no longer walk them (serving/pauses.py)
-    if served.version is None:
-        log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", cfg.model.name, s.model_store)
-    listener = UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name) if s.follow_updates else None
-    watcher = VersionWatcher(served, s.poll_interval_s, listener).start()
+    stores = {m.name: m.model_store or s.model_store for m in s.models} or {cfg.model.name: s.model_store}
+    served = [ServedModel(ModelStore(root, name), device, inference_cache_rows(cfg.model, cfg.ps), s.undo_depth, runtime, cfg.features)
+              for name, root in stores.items()]
+    for model in served:
+        for report in model.catch_up():
+            log.info("loaded version %d of %s (%d rows)", report.version, model.model_store.model, report.rows)
+        if model.version is None:
+            log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", model.model_store.model,
+                        stores[model.model_store.model])
+    freeze_heap()  # the loaded models' objects: full collections no longer walk them (serving/pauses.py)
+    watchers = [VersionWatcher(model, s.poll_interval_s, UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates,
+                                                                        model.model_store.model) if s.follow_updates else None).start()
+                for model in served]
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     limits = HttpLimits.from_serving(s)
     plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
-                        s.max_instances, limits, s.switch_interval_us) if private else None
+                        s.max_instances, limits, s.switch_interval_us, s.caller_header, s.priority_header) if private else None
     features = None
     if s.feature_store:
         features = OnlineFeatures(cfg.kafka.bootstrap_servers, cfg.topics.features, cfg.features, s.feature_store_memory_mb,
                                   s.feature_store_dir, cfg.kafka.connect_timeout_s, s.feature_snapshot or None,
                                   s.feature_snapshot_interval_s).start()
         log.info("online features: materialising %s (ready once caught up)", cfg.topics.features)
-    engine = ServingEngine(served, s, GcPauses().install(), features)
-    app = PredictShortcut(create_app(engine, plan), engine.predict, s.max_body_bytes)
+    metrics = ServingMetrics()
+    engines = [ServingEngine(model, s, ModelMetrics(metrics, model.model_store.model), features) for model in served]
+    node = ServingNode(engines, s, metrics, features, GcPauses().install(), **model_access(cfg, metrics))
+    app = PredictShortcut(create_app(node, plan), node.predict, s.max_body_bytes, s.caller_header, s.priority_header)
     if plan is not None:
         log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
     try:
-        # lifespan "on": FastAPI's lifespan starts the batcher (uvicorn's "auto" would too, but
+        # lifespan "on": FastAPI's lifespan starts the batchers (uvicorn's "auto" would too, but
         # only after probing the wrapper); no proxy headers: nothing here reads the client address.
         # With front-ends they own the public port and this process listens on the loopback only.
         host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
         _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
                                lifespan="on", proxy_headers=False, **limits.uvicorn_options())).run()
     finally:
-        watcher.stop()
-        engine.close()
+        for watcher in watchers:
+            watcher.stop()
+        node.close()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+
+
+def model_access(cfg: Config, metrics: ServingMetrics) -> dict:
+    """The node's experiments (with their run-time changes in the model store), callers and
+    prediction log, as configured (None: off)."""
+    s = cfg.serving
+    experiments = Experiments(s.experiments, served_model_names(cfg), ExperimentStore(s.model_store))
+    try:
+        experiments.refresh()
+    except (OSError, ValueError) as exc:
+        log.warning("experiments changed at run time cannot be read from %s (%s): serving the configured ones", s.model_store, exc)
+    callers = Callers.from_config(s, metrics.registry) if s.callers or s.anonymous_rate_per_s else None
+    return {"experiments": experiments, "callers": callers, "prediction_log": PredictionLog.from_config(cfg) if s.prediction_log else None}

@@ -6,35 +6,55 @@ import logging
 from typing import Awaitable, Callable
 
 from streamrec.serving.errors import ApiError
+from streamrec.serving.messages import Call
+from streamrec.serving.routing import EXPERIMENTS, MODELS, call_of
 
 log = logging.getLogger("streamrec.serving")
 
 
+PredictBody = Callable[[str, str, bytes, "float | None", Call], Awaitable[bytes]]  # (kind, name, body, timeout_s, call) -> answer
+
+
 class PredictShortcut:
-    """ASGI wrapper that answers ``POST /v1/models/<model>:predict`` through ``predict_body``
-    and hands every other request (and the lifespan) to ``app``.
+    """ASGI wrapper that answers ``POST /v1/models/<model>:predict`` and
+    ``POST /v1/experiments/<name>:predict`` through ``predict_body`` and hands every other
+    request (and the lifespan) to ``app``.
 
     Why: FastAPI's middleware, routing and parameter handling cost more per request than
     decoding and scoring a request's share of a batch (bench/RESULTS.md, serving), and
     predict is the one route whose throughput matters.
-    In the engine process ``predict_body`` is :meth:`ServingEngine.predict`, which the FastAPI
-    route calls too (same answers, same errors); in a front-end process it sends the request
-    to the engine."""
+    In the engine process ``predict_body`` is :meth:`ServingNode.predict`, which the FastAPI
+    routes call too (same answers, same errors); in a front-end process it sends the request
+    to the engine. ``caller_header``, ``priority_header``: serving.caller_header and
+    serving.priority_header (the request's :class:`Call`)."""
 
-    PREFIX, SUFFIX = "/v1/models/", ":predict"
+    SUFFIX = ":predict"
+    PREFIXES = {"/v1/models/": MODELS, "/v1/experiments/": EXPERIMENTS}
 
-    def __init__(self, app: Callable, predict_body: Callable[[str, bytes, float | None], Awaitable[bytes]], max_body_bytes: int) -> None:
+    def __init__(self, app: Callable, predict_body: PredictBody, max_body_bytes: int, caller_header: str = "x-api-key",
+                 priority_header: str = "x-priority") -> None:
         self.app, self.predict_body, self.max_body_bytes = app, predict_body, max_body_bytes
+        self.caller_header, self.priority_header = caller_header.lower().encode("latin-1"), priority_header.lower().encode("latin-1")
+
+    def _target(self, scope) -> tuple[str, str] | None:
+        """(kind, name) of a predict request, or None for every other request."""
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] != "POST" or not path.endswith(self.SUFFIX):
+            return None
+        for prefix, kind in self.PREFIXES.items():
+            if path.startswith(prefix):
+                return kind, path[len(prefix):-len(self.SUFFIX)]
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(self.PREFIX) or not path.endswith(self.SUFFIX):
+        target = self._target(scope)
+        if target is None:
             return await self.app(scope, receive, send)
         status, headers = 200, None
         try:
             timeout_s = request_timeout_s(scope)
-            answer = await self.predict_body(path[len(self.PREFIX):-len(self.SUFFIX)], await read_body(scope, receive, self.max_body_bytes),
-                                             timeout_s)
+            call = call_of(scope["headers"], self.caller_header, self.priority_header)
+            answer = await self.predict_body(*target, await read_body(scope, receive, self.max_body_bytes), timeout_s, call)
         except ApiError as exc:
             status, answer, headers = exc.status, exc.body(), exc.headers()
         except Exception as exc:  # noqa: BLE001 -- every failure is answered, as the FastAPI handler does

@@ -1,5 +1,6 @@
-"""``GET /v1/models/{model}`` (status) and the admin calls ``POST /v1/models/{model}:reload``
-and ``:rollback``, which need ``Authorization: Bearer <serving.admin_token>``."""
+"""``GET /v1/models`` (the served models), ``GET /v1/models/{model}`` (status) and the admin
+calls ``POST /v1/models/{model}:reload`` and ``:rollback``, which need
+``Authorization: Bearer <serving.admin_token>``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi import FastAPI, Request
 
 from streamrec.modelstore.store import CorruptVersion
 from streamrec.plumbing.config import ServingConfig
-from streamrec.serving.engine import ServingEngine
+from streamrec.serving.node import ServingNode
 from streamrec.serving.errors import ApiError, one_authorization
 from streamrec.serving.shortcut import read_body
 from streamrec.serving.state import PinNotRecorded
@@ -68,21 +69,25 @@ async def admin_call(fn: Callable, *args):
         raise ApiError(503, f"the model store cannot be reached: {exc}") from None
 
 
-def add_model_routes(app: FastAPI, engine: ServingEngine) -> None:
-    """The model's status and its admin calls, which move the served version."""
-    settings = engine.settings
+def add_model_routes(app: FastAPI, node: ServingNode) -> None:
+    """The models' status and their admin calls, which move a model's served version."""
+    settings = node.settings
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """Every model this node serves: its version, pin and readiness per request form."""
+        return {"models": node.models()}
 
     @app.get("/v1/models/{model}")
     async def model_status(model: str) -> dict[str, Any]:
         """The served version, the versions rollback can reach, freshness."""
-        engine.check_model(model)
-        return engine.status()
+        return node.model_status(model)
 
     @app.post("/v1/models/{model}:reload")
     async def reload(model: str, request: Request) -> dict[str, Any]:
         """``{"version": N}``: serve N and pin it in the store (every node stays on it);
         ``{}``: release the store's pin and catch up to LATEST."""
-        engine.check_model(model)
+        engine = node.engine(model)
         check_admin(request, settings.admin_token)
         version, who = await admin_args(request, settings)
         if version:
@@ -96,10 +101,9 @@ def add_model_routes(app: FastAPI, engine: ServingEngine) -> None:
     async def rollback(model: str, request: Request) -> dict[str, Any]:
         """Back to ``{"version": N}`` or the previous version; pins it in the store (every
         node, a restarted one too, serves it) until :reload."""
-        engine.check_model(model)
+        engine = node.engine(model)
         check_admin(request, settings.admin_token)
         version, who = await admin_args(request, settings)
         report = await admin_call(engine.rollback, version, who["by"], who["reason"])
         return {"model_version": engine.served.version, "previous": report.previous, "seconds": report.locked_s,
                 "pinned": engine.served.pinned}
-

@@ -1,0 +1,303 @@
+"""A serving node: every model it serves (one :class:`ServingEngine` each) and what they
+share — the decoding of predict bodies, the online features, experiments, callers' quotas
+and priorities, shadow scoring and the prediction log.
+
+Requests come from the node's own HTTP (:meth:`predict`) or from its front-end processes
+(:meth:`take`, one typed message each); either way a request is decoded once, routed
+(serving/routing.py), admitted (serving/quotas.py) and queued on its model's batcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import orjson
+
+from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
+from streamrec.contracts.predictions import Prediction
+from streamrec.model.columns import FeatureColumns
+from streamrec.serving.batcher import BatchResult
+from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
+from streamrec.serving.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
+from streamrec.serving.errors import ApiError, SpecChanged
+from streamrec.serving.experiments import entry_to_json
+from streamrec.serving.ipc import Outbox, payload_of
+from streamrec.serving.messages import PROTOCOL, Call, Failed, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
+from streamrec.serving.metrics import ServingMetrics
+from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.pauses import GcPauses
+from streamrec.serving.request import InstanceDecoder
+from streamrec.serving.routing import MODELS, RequestRouter
+from streamrec.plumbing.config import ServingConfig
+
+if TYPE_CHECKING:
+    from streamrec.serving.experiments import Experiments
+    from streamrec.serving.prediction_log import PredictionLog
+    from streamrec.serving.quotas import Callers
+
+log = logging.getLogger("streamrec.serving")
+
+
+class ShadowReply:
+    """A shadow request's outcome (the batcher's ``Reply``): counted and logged, answered to nobody."""
+
+    __slots__ = ("node", "engine", "payload", "call")
+
+    def __init__(self, node: "ServingNode", engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, call: Call) -> None:
+        self.node, self.engine, self.payload, self.call = node, engine, payload, call
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, result: BatchResult) -> None:
+        self.node.metrics.shadow.labels(self.engine.name, "scored").inc()
+        if self.node.prediction_log is not None:
+            self.node.log_prediction(self.engine, self.payload, result, self.call, shadow=True)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.node.metrics.shadow.labels(self.engine.name, "failed").inc()
+
+
+class ServingNode:
+    def __init__(self, engines: list[ServingEngine], settings: ServingConfig, metrics: ServingMetrics, features: OnlineFeatures | None = None,
+                 gc_pauses: GcPauses | None = None, experiments: "Experiments | None" = None, callers: "Callers | None" = None,
+                 prediction_log: "PredictionLog | None" = None) -> None:
+        self.engines = {engine.name: engine for engine in engines}
+        self.settings, self.metrics, self.features, self.gc_pauses = settings, metrics, features, gc_pauses
+        self.experiments, self.callers, self.prediction_log = experiments, callers, prediction_log
+        self.router = RequestRouter(self.decoder_of, self.engine, features is not None, settings.max_instances, MAX_FUTURE_SKEW_MS,
+                                    experiments)
+        self.welcome_listeners: list[Callable[[Welcome], None]] = []  # front-end links: told when experiments change
+        self._caller_header, self._priority_header = (h.lower().encode("latin-1") for h in (settings.caller_header, settings.priority_header))
+        self._request_prefix, self._request_ids = f"{socket.gethostname()}-{os.getpid()}-", itertools.count()  # the log's ids
+        self._refresh: asyncio.Task | None = None
+        for engine in engines:
+            engine.on_answer = self._answered if prediction_log is not None or experiments is not None else None
+
+    # ------------------------------------------------------------------ models
+    def engine(self, model: str) -> ServingEngine:
+        engine = self.engines.get(model)
+        if engine is None:
+            raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.engines)}")
+        return engine
+
+    def decoder_of(self, model: str) -> InstanceDecoder:
+        return self.engine(model).decoder()
+
+    # ------------------------------------------------------------------ requests
+    async def predict(self, kind: str, name: str, body: bytes, timeout_s: float | None = None, call: Call = Call()) -> bytes:
+        """A predict body of ``/v1/{kind}/{name}:predict`` (size already checked) -> its JSON answer."""
+        self.admit(call)
+        if kind == MODELS:
+            self.engine(name).refuse_if_full()  # before decoding: a full queue costs the refused nothing
+        routed = self.router.route(kind, name, body, call)
+        if routed.fan_out:
+            return await self._fan_out_json(routed.fan_out, routed.payload, timeout_s, routed.call)
+        engine = self.engine(routed.model)
+        result = await engine.score(routed.payload, timeout_s)
+        if engine.on_answer is not None:
+            engine.on_answer(engine, routed.payload, result, routed.call)
+        if isinstance(result.scores, ByIdsScores):
+            return result.scores.json(routed.ts, routed.extra)
+        return orjson.dumps({"model_version": result.version, "scores": result.scores.tolist(), **routed.extra})
+
+    def take(self, message: PredictColumns | PredictByIds, outbox: Outbox) -> None:
+        """A front-end's request: queued on its model's batcher, its answer later put into
+        ``outbox``; a refusal is answered at once."""
+        started = time.perf_counter()
+        try:
+            self.admit(message.call)
+            payload = payload_of(message)
+            if isinstance(message, PredictByIds) and message.models:
+                asyncio.ensure_future(self._fan_out_link(message, payload, outbox))
+                return
+            engine = self.engine(message.model)
+            engine.enqueue(payload, message.timeout_s, LinkReply(engine, message.id, outbox, payload, message.call, started))
+        except ApiError as exc:
+            outbox.put(Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged)))
+
+    def admit(self, call: Call) -> None:
+        """429 for a caller over its quota, or of a priority shed at the node's queue fill."""
+        if self.callers is None:
+            return
+        fill = max(e.batcher.queued_instances for e in self.engines.values()) / self.settings.max_queue_instances
+        headers = [(name, value.encode("latin-1")) for name, value in ((self._caller_header, call.api_key),
+                                                                         (self._priority_header, call.priority)) if value is not None]
+        self.callers.admit(headers, fill)
+
+    # ------------------------------------------------------------------ fan-out, shadow, log
+    async def _fan_out(self, models: list[str], query: ByIdsQuery, timeout_s: float | None) -> tuple[Any, list[ModelScores]]:
+        """One by-ids request scored by several models: its features assembled once, then
+        queued on every model's batcher as columns. A model that cannot answer says why in its part."""
+        engines = [self.engine(m) for m in models]
+        engines[0].check_horizon(query)
+        assembled = self.features.assemble_batch([query])
+        self.metrics.fan_out.inc()
+        outcomes = await asyncio.gather(*(e.score(assembled.columns, timeout_s) for e in engines), return_exceptions=True)
+        parts = []
+        for engine, outcome in zip(engines, outcomes):
+            if isinstance(outcome, ApiError):
+                parts.append(ModelScores(engine.name, status=outcome.status, message=outcome.message))
+            elif isinstance(outcome, BaseException):
+                log.error("fan-out: model %s failed", engine.name, exc_info=outcome)
+                parts.append(ModelScores(engine.name, status=500, message=f"internal error: {type(outcome).__name__}: {outcome}"))
+            else:
+                parts.append(ModelScores(engine.name, outcome.version, np.asarray(outcome.scores, np.float32).tobytes()))
+        return assembled, parts
+
+    async def _fan_out_json(self, models: list[str], query: ByIdsQuery, timeout_s: float | None, call: Call) -> bytes:
+        assembled, parts = await self._fan_out(models, query, timeout_s)
+        self._log_fan_out(query, assembled.as_of, parts, call)
+        return fan_out_json(query.ts, assembled.as_of, stale_features(assembled.as_of, self.settings),
+                            orjson.dumps(assembled.features[0]) if assembled.features else None, parts)
+
+    async def _fan_out_link(self, message: PredictByIds, query: ByIdsQuery, outbox: Outbox) -> None:
+        try:
+            assembled, parts = await self._fan_out(message.models, query, message.timeout_s)
+        except ApiError as exc:
+            outbox.put(Failed(message.id, exc.status, exc.message))
+            return
+        except Exception as exc:  # noqa: BLE001 -- every request gets an answer
+            log.exception("fan-out failed")
+            outbox.put(Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        self._log_fan_out(query, assembled.as_of, parts, message.call)
+        features = orjson.dumps(assembled.features[0]) if assembled.features else None
+        outbox.put(Scored(message.id, 0, b"", by_ids=True, features_as_of=assembled.as_of,
+                          features_stale=stale_features(assembled.as_of, self.settings), features=features, fan_out=parts))
+
+    def _answered(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
+        """Every answered request: into the prediction log, and to its shadow model if it has one."""
+        if self.prediction_log is not None:
+            self.log_prediction(engine, payload, result, call)
+        if call.shadow_model:
+            shadow = self.engines.get(call.shadow_model)
+            if shadow is None or shadow.served.current is None:
+                self.metrics.shadow.labels(call.shadow_model, "unavailable").inc()
+                return
+            try:
+                shadow.batcher.enqueue(payload, ShadowReply(self, shadow, payload, call))
+            except Exception:  # noqa: BLE001 -- a full queue: the shadow copy is dropped, the primary is answered
+                self.metrics.shadow.labels(shadow.name, "shed").inc()
+
+    def log_prediction(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call,
+                       shadow: bool = False) -> None:
+        scores = result.scores.scores if isinstance(result.scores, ByIdsScores) else result.scores
+        as_of = result.scores.features_as_of if isinstance(result.scores, ByIdsScores) else None
+        self._record(call, engine.name, result.version, payload, scores, as_of, shadow)
+
+    def _log_fan_out(self, query: ByIdsQuery, as_of: int | None, parts: list[ModelScores], call: Call) -> None:
+        if self.prediction_log is not None:
+            for part in parts:
+                if part.scores is not None:
+                    self._record(call, part.model, part.model_version, query, np.frombuffer(part.scores, np.float32), as_of, False)
+
+    def _record(self, call: Call, model: str, version: int, payload: FeatureColumns | ByIdsQuery, scores: np.ndarray,
+                as_of: int | None, shadow: bool) -> None:
+        """One answer into the prediction log (O(1) here: the log encodes on its own thread)."""
+        if isinstance(payload, ByIdsQuery):
+            ts, user, items = payload.ts, payload.user_id, payload.candidates[:, 0]
+        else:
+            ts, user, items = int(time.time() * 1000), int(payload.ints["user_id"][0]), payload.ints["item_id"]
+        self.prediction_log.record(Prediction(call.request_id or f"{self._request_prefix}{next(self._request_ids)}", ts, user, items, scores,
+                                              model, version, call.experiment, call.variant, as_of, shadow))
+
+    # ------------------------------------------------------------------ front-ends
+    def hello(self) -> Welcome:
+        """What a front-end process needs to decode and route requests itself."""
+        return Welcome(PROTOCOL, {name: e.feature_spec_json() for name, e in self.engines.items()}, MAX_FUTURE_SKEW_MS,
+                       self.features is not None, self.experiments_json())
+
+    def experiments_json(self) -> list[dict]:
+        """The experiments in force, as front-ends rebuild them (serving/experiments.py ``entry_from_json``)."""
+        if self.experiments is None:
+            return []
+        return [entry_to_json(self.experiments.get(name)) for name in self.experiments.names()]
+
+    def experiments_changed(self) -> None:
+        """Tell every front-end the experiments now in force."""
+        welcome = self.hello()
+        for listener in self.welcome_listeners:
+            listener(welcome)
+
+    async def _follow_experiments(self) -> None:
+        """Every serving.poll_interval_s: experiments changed at run time by another node."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            before = self.experiments_json()
+            try:
+                await loop.run_in_executor(None, self.experiments.refresh)
+            except (OSError, ValueError) as exc:
+                log.warning("experiments: the model store cannot be read (%s); keeping the ones in force", exc)
+            if self.experiments_json() != before:
+                self.experiments_changed()
+
+    # ------------------------------------------------------------------ reporting
+    def readiness(self) -> dict[str, str | None]:
+        """Per request form: why the node does not serve it now (None: it does, for every model)."""
+        forms: dict[str, str | None] = {"instances": None, "by_ids": None}
+        for engine in self.engines.values():
+            for form, why in engine.readiness().items():
+                forms[form] = forms[form] or why
+        return forms
+
+    def ready(self, form: str | None = None, model: str | None = None) -> str | None:
+        """Why the node (or ``model``) is not ready for ``form`` (None: every form it serves), or None."""
+        forms = self.engine(model).readiness() if model is not None else self.readiness()
+        if form is not None:
+            return forms[form]
+        served = forms if self.features is not None else {"instances": forms["instances"]}
+        return next((why for why in served.values() if why is not None), None)
+
+    def model_status(self, model: str) -> dict[str, Any]:
+        """``GET /v1/models/{model}``: the engine's status and what the node shares."""
+        return {**self.engine(model).status(), "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
+                "features": self.features.status() if self.features is not None else None}
+
+    def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``."""
+        return [{"model": name, "model_version": e.served.version, "pinned": e.served.pinned,
+                 "ready": {form: why or "ready" for form, why in e.readiness().items()}} for name, e in self.engines.items()]
+
+    def observe_metrics(self) -> ServingMetrics:
+        """The metrics, with the gauges read now."""
+        for engine in self.engines.values():
+            engine.observe_metrics()
+        if self.features is not None:
+            self.metrics.observe_features(self.features.status())
+        if self.prediction_log is not None:
+            counts = self.prediction_log.counters()
+            for outcome in ("queued", "sent", "dropped", "failed"):
+                self.metrics.prediction_log.labels(outcome).set(counts[outcome])
+        return self.metrics
+
+    # ------------------------------------------------------------------ lifetime
+    async def start(self) -> None:
+        for engine in self.engines.values():
+            await engine.start()
+        if self.experiments is not None and self.experiments.store is not None:
+            self._refresh = asyncio.create_task(self._follow_experiments(), name="experiments")
+
+    async def stop(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+        for engine in self.engines.values():
+            await engine.stop()
+
+    def close(self) -> None:
+        """Release the models, the online features and the prediction log (after :meth:`stop`)."""
+        for engine in self.engines.values():
+            engine.close()
+        if self.features is not None:
+            self.features.close()
+        if self.prediction_log is not None:
+            self.prediction_log.close()
+
