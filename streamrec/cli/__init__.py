@@ -5,7 +5,7 @@ Every subcommand reads the same configuration (packaged defaults < ``--config`` 
 cluster instead of the embedded broker.
 
 One module per command group adds its sub-command and holds its handler: kafka, setup
-(and config), generate, pipeline, train, serve, store, demo (and report), bench. A handler
+(and config), generate, pipeline, train, serve, store, demo (and report), bench, experiments. A handler
 imports what it needs when it runs, so that the command line starts fast.
 """
 
