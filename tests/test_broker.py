@@ -34,7 +34,7 @@ def test_up_status_down_cycle(tmp_path):
         topics = {t["name"]: t["partitions"] for t in report["topics"]}
         assert topics == {
             "streamrec.events": 3, "streamrec.events.dlq": 3, "streamrec.samples": 3,
-            "streamrec.model-updates": 3, "streamrec.truth": 3, "streamrec.features": 3,
+            "streamrec.model-updates": 3, "streamrec.truth": 3, "streamrec.features": 3, "streamrec.predictions": 3,
         }
     finally:
         down = run_cli("kafka", "down", *_flags(port, data))
