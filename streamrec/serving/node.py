@@ -205,7 +205,7 @@ class ServingNode:
         if isinstance(payload, ByIdsQuery):
             ts, user, items = payload.ts, payload.user_id, payload.candidates[:, 0]
         else:
-            ts, user, items = int(time.time() * 1000), int(payload.ints["user_id"][0]), payload.ints["item_id"]
+            ts, user, items = int(payload.ints["ts"].max()), int(payload.ints["user_id"][0]), payload.ints["item_id"]
         self.prediction_log.record(Prediction(call.request_id or f"{self._request_prefix}{next(self._request_ids)}", ts, user, items, scores,
                                               model, version, call.experiment, call.variant, as_of, shadow))
 
