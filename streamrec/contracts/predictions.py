@@ -34,7 +34,7 @@ class Prediction:
     has encoded them: a caller must not write into them afterwards."""
 
     request_id: str
-    ts: int  # the request's event time, ms (the by-ids ``ts``, else when it was answered)
+    ts: int  # the request's event time, ms (the by-ids ``ts``, else its instances' latest ``ts``)
     user_id: int
     item_ids: np.ndarray  # int64 [n]: the candidates, in request order
     scores: np.ndarray  # float32 [n]: the model's click probability of each candidate
