@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, help="the fixed offered load, requests/s (default: --load-share x direct's best within the target)")
     parser.add_argument("--load-share", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=16, help="connections per load-generator process in the open loop")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", default="auto", help="serving.workers (auto: 0 on CUDA, 1 on CPU)")
     parser.add_argument("--compile", default="auto", help="serving.compile (auto: CUDA graphs on CUDA, eager on CPU)")
     parser.add_argument("--max-batch", type=int, default=1024, help="serving.max_batch (instances)")
     parser.add_argument("--max-delay-us", type=int, default=2000, help="serving.max_delay_us")
