@@ -373,3 +373,44 @@ def test_with_no_workers_batches_run_on_the_event_loop_and_what_came_meanwhile_i
     assert first.scores.tolist() == [2, 4]
     assert [o.scores.tolist() for k, o in enumerate(outcomes) if k != 2] == [[20], [22], [26], [28]]
     assert isinstance(outcomes[2], ValueError) and "bad -1" in str(outcomes[2])
+
+
+class BackgroundReply:
+    def __init__(self) -> None:
+        self.result = self.error = None
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, result) -> None:
+        self.result = result
+
+    def set_exception(self, exc) -> None:
+        self.error = exc
+
+
+def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle():
+    recorder, gate = Recorder(gate=threading.Event()), threading.Event()
+    busy_elsewhere = [True]  # another batcher of the node has a request waiting
+
+    async def scenario():
+        batcher = RequestBatcher(recorder, 64, 0, 1, max_queue_instances=400, queue_timeout_s=60.0)
+        batcher.idle = lambda: not busy_elsewhere[0] and not batcher.has_foreground
+        await batcher.start()
+        replies = [BackgroundReply() for _ in range(6)]
+        assert all(batcher.enqueue_background([1] * 8, r) for r in replies)
+        assert not batcher.enqueue_background([1] * 60, BackgroundReply())  # the lane holds at most 400 // 4
+        first = asyncio.ensure_future(batcher.submit([5, 5]))
+        recorder.gate.set()
+        assert (await first).scores.tolist() == [10, 10]
+        await asyncio.sleep(0.05)
+        assert recorder.batches == [[2]]  # the foreground request ran; the background waits for the node
+        busy_elsewhere[0] = False
+        await until(lambda: all(r.result is not None for r in replies), "background work ran once the node was idle")
+        await batcher.stop()
+        return replies
+
+    replies = run(scenario())
+    assert recorder.batches[0] == [2]
+    assert recorder.batches[1:] == [[8, 8], [8, 8], [8, 8]]  # batches of at most max_batch // 4, never mixed with foreground
+    assert all(r.result.scores.tolist() == [2] * 8 for r in replies)

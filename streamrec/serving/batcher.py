@@ -14,6 +14,12 @@ refused at once, and one that waits past its deadline (``queue_timeout_s``, or l
 client asked) without reaching a batch is dropped (never run) — both with :class:`Shed`. A
 queue that only grows makes every answer late.
 
+Background work (a shadow model's copy of a request, which nobody waits for) has a lane of
+its own: it runs in batches of its own of at most ``max_batch // 4`` instances, only when
+``idle()`` says no batcher of the node has a request waiting, and is dropped when its lane
+holds more than ``max_queue_instances // 4`` instances: the requests someone waits for never
+queue behind it for more than one small batch.
+
 Which requests a batch takes: a request of at most ``max_batch // 16`` instances is *small*
 and waits in a lane of its own. A batch takes (1) the oldest request, whatever its size, (2)
 small requests, oldest first, up to half the batch, (3) the rest in arrival order while it
@@ -150,6 +156,9 @@ class RequestBatcher:
         self._waiting_until = float("inf")  # the deadline the loop sleeps towards while every worker is busy
         self._task: asyncio.Task | None = None
         self.stats = BatchingStats()
+        self._background: deque[_Request] = deque()
+        self._background_rows = 0
+        self.idle: Callable[[], bool] = lambda: True  # no foreground request waits on the node (the node sets it)
 
     async def start(self) -> None:
         self._waiting, self._full = asyncio.Event(), asyncio.Event()
@@ -206,6 +215,21 @@ class RequestBatcher:
         if request.deadline < self._waiting_until:
             self._wake.set()
 
+    @property
+    def has_foreground(self) -> bool:
+        """A request someone waits for is queued here."""
+        return self._pending_rows > 0
+
+    def enqueue_background(self, payload: list, reply: Reply) -> bool:
+        """Queue work nobody waits for (see the module docstring); False, and not queued, when
+        the background lane is full."""
+        if self._background_rows + len(payload) > self.max_queue_instances // 4:
+            return False
+        self._background.append(_Request(payload, reply, self.queue_timeout_s, False))
+        self._background_rows += len(payload)
+        self._waiting.set()
+        return True
+
     async def _loop(self) -> None:
         """Close a batch when a worker is free and the oldest pending request has waited
         ``max_delay_us`` or ``max_batch`` instances are pending; while every worker is busy
@@ -214,6 +238,13 @@ class RequestBatcher:
         window): the batch closes as soon as a worker is free."""
         while True:
             await self._waiting.wait()
+            if not self.has_foreground:  # only background work is queued
+                if self._free:
+                    await self._run_background()
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
             if self._free == 0:  # every worker busy: sleep until one frees or the earliest deadline passes
                 self._wake.clear()
                 self._waiting_until = self._next_deadline()
@@ -243,6 +274,32 @@ class RequestBatcher:
                 self._backlog = await self._read_backlog()
             else:
                 asyncio.create_task(self._run(batch, rows))
+
+    async def _run_background(self) -> None:
+        """One background batch, once the node is idle (otherwise wait a moment and look again)."""
+        if not self._background:
+            self._settle()
+            return
+        if not self.idle():
+            await asyncio.sleep(0.0005)
+            return
+        now, batch, rows = time.perf_counter(), [], 0
+        while self._background and (not batch or rows + len(self._background[0].payload) <= max(1, self.max_batch // 4)):
+            request = self._background.popleft()
+            self._background_rows -= len(request.payload)
+            if now > request.deadline:
+                request.reply.set_exception(Shed("deadline", "background work waited past serving.queue_timeout_ms"))
+            else:
+                batch.append(request)
+                rows += len(request.payload)
+        self._settle()
+        if not batch:
+            return
+        self._free -= 1
+        if self._executor is None:
+            self._run_here(batch, rows)
+        else:
+            asyncio.create_task(self._run(batch, rows))
 
     def _next_deadline(self) -> float:
         """The earliest deadline of a request still queued (stale heap entries are dropped)."""
@@ -275,7 +332,7 @@ class RequestBatcher:
         if len(self._deadlines) > 2 * (len(self._big) + len(self._small)) + 64:  # answered requests wait in the heap for their deadline
             self._deadlines = [entry for entry in self._deadlines if not entry[2].out]
             heapq.heapify(self._deadlines)
-        if not self._big and not self._small:
+        if not self._big and not self._small and not self._background:
             self._waiting.clear()
         if self._pending_rows < self.max_batch:
             self._full.clear()

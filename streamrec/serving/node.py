@@ -80,6 +80,7 @@ class ServingNode:
         self._refresh: asyncio.Task | None = None
         for engine in engines:
             engine.on_answer = self._answered if prediction_log is not None or experiments is not None else None
+            engine.batcher.idle = self._idle
 
     # ------------------------------------------------------------------ models
     def engine(self, model: str) -> ServingEngine:
@@ -87,6 +88,10 @@ class ServingNode:
         if engine is None:
             raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.engines)}")
         return engine
+
+    def _idle(self) -> bool:
+        """No request someone waits for is queued on any model (shadow batches may run)."""
+        return not any(engine.batcher.has_foreground for engine in self.engines.values())
 
     def decoder_of(self, model: str) -> InstanceDecoder:
         return self.engine(model).decoder()
@@ -182,10 +187,8 @@ class ServingNode:
             if shadow is None or shadow.served.current is None:
                 self.metrics.shadow.labels(call.shadow_model, "unavailable").inc()
                 return
-            try:
-                shadow.batcher.enqueue(payload, ShadowReply(self, shadow, payload, call))
-            except Exception:  # noqa: BLE001 -- a full queue: the shadow copy is dropped, the primary is answered
-                self.metrics.shadow.labels(shadow.name, "shed").inc()
+            if not shadow.batcher.enqueue_background(payload, ShadowReply(self, shadow, payload, call)):
+                self.metrics.shadow.labels(shadow.name, "shed").inc()  # its lane is full: dropped, the primary was answered
 
     def log_prediction(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call,
                        shadow: bool = False) -> None:
