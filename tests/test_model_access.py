@@ -14,6 +14,7 @@ import urllib.request
 
 import numpy as np
 import orjson
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, copy_store, free_port, read_topic
@@ -221,7 +222,7 @@ def test_a_caller_is_held_to_its_quota_while_others_are_served(nodes):
     assert "metered-key" not in metrics
 
 
-def test_the_prediction_log_records_answers_and_shadow_scores(nodes, broker):
+def test_the_prediction_log_records_answers_and_shadow_scores(nodes, broker, sample_run):
     (a, b), versions, topic = nodes
     ts = int(time.time() * 1000)
     answers = {}
@@ -229,14 +230,26 @@ def test_the_prediction_log_records_answers_and_shadow_scores(nodes, broker):
         for user in (501, 502, 503):
             rid = f"{base[-5:]}-{user}"
             answers[rid] = http(base, "POST", "/v1/experiments/shadowed:predict", by_ids(user, ts), {"x-request-id": rid})[1]
+        assert http(base, "POST", "/v1/models/ctr:predict", by_ids(504, ts), {"x-request-id": f"{base[-5:]}-quiet",
+                                                                              "x-prediction-log": "off"})[0] == 200
+    rows = pq.read_table(sample_run / "samples.parquet").slice(1000, 40).drop(["label", "click_ts"]).to_pylist()
+    two_users = [dict(r, user_id=7001 + i % 2) for i, r in enumerate(rows)]
+    mixed = http(b, "POST", "/v1/models/ctr:predict", {"instances": two_users}, {"x-request-id": "mixed"})[1]
     deadline = time.monotonic() + 30
     while True:
         records = [decode_prediction(r.value) for r in read_topic(broker, topic, committed=False)]
         mine = [r for r in records if r.request_id in answers]
-        if len([r for r in mine if r.shadow]) == len(answers) and len([r for r in mine if not r.shadow]) == len(answers):
+        split = [r for r in records if r.request_id == "mixed"]
+        if len([r for r in mine if r.shadow]) == len(answers) and len([r for r in mine if not r.shadow]) == len(answers) and len(split) == 2:
             break
-        assert time.monotonic() < deadline, f"{len(mine)} of {2 * len(answers)} records on {topic}"
+        assert time.monotonic() < deadline, f"{len(mine)} of {2 * len(answers)} records, {len(split)} of 2 split ones on {topic}"
         time.sleep(0.5)
+    assert not [r for r in records if r.request_id.endswith("-quiet")]  # x-prediction-log: off
+    for record in split:  # one record per user of a mixed instances request, each with its own candidates and scores
+        mine_rows = [i for i, r in enumerate(two_users) if r["user_id"] == record.user_id]
+        assert record.item_ids.tolist() == [two_users[i]["item_id"] for i in mine_rows]
+        assert record.ts == max(two_users[i]["ts"] for i in mine_rows)
+        np.testing.assert_allclose(record.scores, [mixed["scores"][i] for i in mine_rows], rtol=0, atol=1e-6)
     for record in mine:
         answer = answers[record.request_id]
         assert record.experiment == "shadowed" and record.variant == "only" and record.ts == ts

@@ -49,6 +49,7 @@ class Call(msgspec.Struct, frozen=True):
     experiment: str | None = None
     variant: str | None = None
     shadow_model: str | None = None  # also scored by this model, off the response path
+    log: bool = True  # written to the prediction log (serving.prediction_log); the client's x-prediction-log
 
 
 class PredictColumns(msgspec.Struct, tag="columns"):

@@ -204,13 +204,25 @@ class ServingNode:
 
     def _record(self, call: Call, model: str, version: int, payload: FeatureColumns | ByIdsQuery, scores: np.ndarray,
                 as_of: int | None, shadow: bool) -> None:
-        """One answer into the prediction log (O(1) here: the log encodes on its own thread)."""
+        """An answer into the prediction log (cheap here: the log encodes on its own thread):
+        one record per user, at the request's event time (an instances request: per user,
+        their instances' latest ``ts``). A request sent with ``x-prediction-log: off`` is not logged."""
+        if not call.log:
+            return
+        request_id = call.request_id or f"{self._request_prefix}{next(self._request_ids)}"
         if isinstance(payload, ByIdsQuery):
-            ts, user, items = payload.ts, payload.user_id, payload.candidates[:, 0]
+            parts = [(payload.ts, payload.user_id, payload.candidates[:, 0], scores)]
         else:
-            ts, user, items = int(payload.ints["ts"].max()), int(payload.ints["user_id"][0]), payload.ints["item_id"]
-        self.prediction_log.record(Prediction(call.request_id or f"{self._request_prefix}{next(self._request_ids)}", ts, user, items, scores,
-                                              model, version, call.experiment, call.variant, as_of, shadow))
+            users, ts, items = payload.ints["user_id"], payload.ints["ts"], payload.ints["item_id"]
+            if (users == users[0]).all():
+                parts = [(int(ts.max()), int(users[0]), items, scores)]
+            else:  # several users in one request: a record each, so every candidate joins its own user's labels
+                order = np.argsort(users, kind="stable")
+                starts = np.flatnonzero(np.r_[True, users[order][1:] != users[order][:-1]])
+                parts = [(int(ts[rows].max()), int(users[rows[0]]), items[rows], scores[rows]) for rows in np.split(order, starts[1:])]
+        for ts_ms, user, item_ids, user_scores in parts:
+            self.prediction_log.record(Prediction(request_id, ts_ms, user, item_ids, user_scores, model, version, call.experiment,
+                                                  call.variant, as_of, shadow))
 
     # ------------------------------------------------------------------ front-ends
     def hello(self) -> Welcome:

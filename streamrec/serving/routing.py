@@ -102,6 +102,7 @@ class RequestRouter:
 def call_of(headers: list[tuple[bytes, bytes]], caller_header: bytes, priority_header: bytes) -> Call:
     """The :class:`Call` of a request's raw ASGI headers (lower-case names)."""
     request_id = api_key = priority = None
+    log = True
     for key, value in headers:
         if key == b"x-request-id":
             request_id = value[:200].decode("latin-1")
@@ -109,4 +110,11 @@ def call_of(headers: list[tuple[bytes, bytes]], caller_header: bytes, priority_h
             api_key = value[:500].decode("latin-1")
         elif key == priority_header:
             priority = value[:20].decode("latin-1")
-    return Call(request_id, api_key, priority)
+        elif key == LOG_HEADER:
+            if value.strip().lower() not in (b"on", b"off", b"true", b"false", b"1", b"0"):
+                raise ApiError(400, f"header x-prediction-log must be on or off, got {value[:20].decode('latin-1')!r}")
+            log = value.strip().lower() in (b"on", b"true", b"1")
+    return Call(request_id, api_key, priority, log=log)
+
+
+LOG_HEADER = b"x-prediction-log"  # "off": this request's answer is not written to the prediction log (probes, replays)
