@@ -412,5 +412,5 @@ def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle(
 
     replies = run(scenario())
     assert recorder.batches[0] == [2]
-    assert recorder.batches[1:] == [[8, 8], [8, 8], [8, 8]]  # batches of at most max_batch // 4, never mixed with foreground
+    assert recorder.batches[1:] == [[8] * 6]  # one batch of its own, never mixed with foreground requests
     assert all(r.result.scores.tolist() == [2] * 8 for r in replies)

@@ -15,10 +15,10 @@ client asked) without reaching a batch is dropped (never run) — both with :cla
 queue that only grows makes every answer late.
 
 Background work (a shadow model's copy of a request, which nobody waits for) has a lane of
-its own: it runs in batches of its own of at most ``max_batch // 4`` instances, only when
-``idle()`` says no batcher of the node has a request waiting, and is dropped when its lane
-holds more than ``max_queue_instances // 4`` instances: the requests someone waits for never
-queue behind it for more than one small batch.
+its own: it runs in batches of its own (up to ``max_batch`` instances: a batch's fixed cost is
+most of a small one's), only when ``idle()`` says no batcher of the node has a request
+waiting, and is dropped when its lane holds more than ``max_queue_instances // 4``
+instances: a request someone waits for never queues behind more than one background batch.
 
 Which requests a batch takes: a request of at most ``max_batch // 16`` instances is *small*
 and waits in a lane of its own. A batch takes (1) the oldest request, whatever its size, (2)
@@ -284,7 +284,7 @@ class RequestBatcher:
             await asyncio.sleep(0.0005)
             return
         now, batch, rows = time.perf_counter(), [], 0
-        while self._background and (not batch or rows + len(self._background[0].payload) <= max(1, self.max_batch // 4)):
+        while self._background and (not batch or rows + len(self._background[0].payload) <= self.max_batch):
             request = self._background.popleft()
             self._background_rows -= len(request.payload)
             if now > request.deadline:
