@@ -80,6 +80,23 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     assert late["positives"] > 100 and {"online", "frozen"} <= set(late["overall"]), late
     assert late["overall"]["online"]["logloss"] < 0.95 * late["overall"]["frozen"]["logloss"], late
     assert late["overall"]["online"]["auc"] > late["overall"]["frozen"]["auc"] + 0.01, late
+    # the live experiment, graded from the node's prediction log: every variant graded, on most
+    # samples; only the experiment's requests were logged (the probes' others say
+    # x-prediction-log: off), so no sample went to a later prediction outside it
+    e = result["quality"]["experiment"]
+    assert "error" not in e and result["serving"]["failed_requests_experiment"] == 0, e
+    assert "live experiment online-vs-frozen" in run.stdout
+    log, graded, same = e["prediction_log"], e["graded"], e["like_for_like"]
+    assert log["queued"] > 0 and log.get("dropped", 0) == log.get("failed", 0) == 0, log
+    assert graded["predictions_read"] == log["queued"], (graded, log)  # every logged answer reached the topic
+    assert set(graded["variants"]) == {"online", "frozen"} and graded["other"] == 0, graded
+    assert sum(v["count"] for v in graded["variants"].values()) > 0.85 * graded["samples"], graded
+    for name, v in graded["variants"].items():
+        # each arm is scored by the same model as the probe's like-for-like figure on the same
+        # users' samples; they differ only by the start-up (the online arm answered before the
+        # frozen copy was published) and the answering versions (seconds apart)
+        assert v["count"] > 1000 and v["clicks"] > 20 and v["auc"] is not None and 0 < v["auc"] < 1, (name, v)
+        assert same[name]["samples"] > 1000 and abs(v["auc"] - same[name]["auc"]) < 0.03, (name, v, same[name])
     assert all(p["left"] == 0 for p in result["processes"].values()), result["processes"]
     res = result["resources"]  # each stage's CPU and memory, the Flink JVM counted with the pipeline
     assert {"pipeline", "trainer", "serving", "generator", "demo (probe)"} <= set(res), res

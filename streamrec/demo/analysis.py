@@ -69,6 +69,21 @@ def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: fl
     return out
 
 
+def by_variant(snapshot: dict, manifests: dict[int, dict]) -> dict:
+    """The probe's scores of each experiment variant's users' samples by that variant's model
+    (each variant is named after its scorer: online, frozen): what the variant's grade from
+    the prediction log should come close to, since the probe scored every sample with both."""
+    keep = ~trained_on(snapshot, manifests)
+    variant_of_user = snapshot["experiment"]["variant_of_user"]
+    variant = np.array([variant_of_user.get(u, "") for u in snapshot["user_id"].tolist()], dtype=object)
+    out = {}
+    for name in ("online", "frozen"):
+        use = keep & (variant == name)
+        s, y = snapshot[name][use], snapshot["label"][use]
+        out[name] = {"samples": int(use.sum()), "auc": _round(auc(s, y)), "logloss": _round(logloss(s, y)) if len(y) else None}
+    return out
+
+
 def _round(x: float) -> float | None:
     return None if x is None or np.isnan(x) else round(float(x), 4)
 

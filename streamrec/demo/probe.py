@@ -7,6 +7,8 @@ scored by the **frozen** model (the first version published, i.e. the model afte
 warm-up, loaded here once) and joined with the generator's **Bayes** click probability
 from the truth topic. Each positive sample also carries what freshness needs: the click's
 event time, when the sample became visible, and its (partition, offset) in the topic.
+Every sample is also sent through the node's live experiment (streamrec/demo/experiment.py):
+once per ad request, so that each user sees one variant and the node logs its answer.
 
 :class:`VersionTimeline` polls the server's model status and the model store: when each
 version was snapshotted and published (manifest) and applied (server).
@@ -18,6 +20,8 @@ import http.client
 import logging
 import threading
 import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +33,7 @@ from streamrec.model.inference import InferenceModel
 from streamrec.generator.sinks import decode_truth_message
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.modelstore.store import ModelStore
+from streamrec.demo.experiment import LiveExperiment, publish_copy
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
 
 log = logging.getLogger("streamrec.demo")
@@ -36,7 +41,11 @@ CHUNK = 256  # instances per predict request
 
 
 class ServingClient:
-    """A keep-alive HTTP/JSON client of one serving node."""
+    """A keep-alive HTTP/JSON client of one serving node. Its requests are sent with
+    ``x-prediction-log: off`` (answered, not logged) unless ``logged``: only the live
+    experiment's answers may reach the prediction log, since grading joins each sample to
+    the latest logged prediction of its (user, item), and the probes' other requests for
+    the same impressions (direct scores, by-ids scores, replays) come later."""
 
     def __init__(self, address: str, model: str, admin_token: str = "") -> None:
         host, port = address.rsplit(":", 1)
@@ -44,8 +53,11 @@ class ServingClient:
         self.model, self.token = model, admin_token
         self._lock = threading.Lock()
 
-    def call(self, method: str, path: str, body: bytes | None = None, admin: bool = False) -> tuple[int, dict]:
-        headers = {"Content-Type": "application/json"}
+    def call(self, method: str, path: str, body: bytes | None = None, admin: bool = False,
+             request_id: str | None = None, logged: bool = False) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", "x-prediction-log": "on" if logged else "off"}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
         if admin:
             headers["Authorization"] = f"Bearer {self.token}"
         with self._lock:
@@ -64,6 +76,12 @@ class ServingClient:
     def predict(self, instances: list[bytes]) -> tuple[int, dict]:
         return self.call("POST", f"/v1/models/{self.model}:predict", b'{"instances":[' + b",".join(instances) + b"]}")
 
+    def predict_experiment(self, experiment: str, instances: list[bytes], request_id: str) -> tuple[int, dict]:
+        """One user's instances through the experiment's route: the user's variant scores them,
+        and the node logs the answer (the only requests of the demo it logs)."""
+        return self.call("POST", f"/v1/experiments/{experiment}:predict", b'{"instances":[' + b",".join(instances) + b"]}",
+                         request_id=request_id, logged=True)
+
     def status(self) -> dict:
         return self.call("GET", f"/v1/models/{self.model}")[1]
 
@@ -72,6 +90,16 @@ class ServingClient:
 
     def reload(self) -> tuple[int, dict]:
         return self.call("POST", f"/v1/models/{self.model}:reload", b"{}", admin=True)
+
+
+@dataclass
+class ExperimentRecords:
+    """What the probe's experiment requests got back."""
+
+    requests: int = 0
+    failed_requests: int = 0
+    unscored: int = 0  # samples answered 503 before both variants had answered: a model not loaded yet
+    variant_of_user: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,6 +112,7 @@ class ProbeRecords:
     version: list[int] = field(default_factory=list)
     frozen: list[float] = field(default_factory=list)
     event_id: list[str] = field(default_factory=list)
+    user_id: list[int] = field(default_factory=list)
     sample_partition: list[int] = field(default_factory=list)
     sample_offset: list[int] = field(default_factory=list)
     # positives only, noted by a consumer that does nothing else: the freshness trail of the click
@@ -94,6 +123,7 @@ class ProbeRecords:
     failed_requests: int = 0
     answered: bool = False  # the node has answered a predict: from then on a 503 is a failure
     unscored: int = 0  # samples that arrived before the server had a model
+    experiment: ExperimentRecords = field(default_factory=ExperimentRecords)
 
 
 class BackgroundProbe:
@@ -127,10 +157,14 @@ class BackgroundProbe:
 
 class ServingProbe(BackgroundProbe):
     def __init__(self, bootstrap: str, samples_topic: str, truth_topic: str, client: ServingClient,
-                 model_store: ModelStore, warmup_samples: int) -> None:
+                 model_store: ModelStore, warmup_samples: int, live: LiveExperiment) -> None:
         self.warmup_samples = warmup_samples
         self.bootstrap, self.samples_topic, self.truth_topic = bootstrap, samples_topic, truth_topic
-        self.client, self.model_store = client, model_store
+        self.client, self.model_store, self.live = client, model_store, live
+        self.frozen_version: int | None = None
+        # chunks in order, off the samples thread (whose online scores must not wait); each over every connection
+        self._chunks = ThreadPoolExecutor(1, thread_name_prefix="probe-experiment")
+        self._pool = ThreadPoolExecutor(len(live.clients), thread_name_prefix="probe-experiment-request")
         self.records = ProbeRecords()
         self.bayes: dict[str, float] = {}
         self.frozen: InferenceModel | None = None
@@ -139,6 +173,8 @@ class ServingProbe(BackgroundProbe):
 
     def stop(self) -> None:
         super().stop()
+        self._chunks.shutdown(cancel_futures=True)
+        self._pool.shutdown()
         if self.frozen is not None:  # stop() runs twice on the error path: close once
             self.frozen.close()
             self.frozen = None
@@ -188,12 +224,15 @@ class ServingProbe(BackgroundProbe):
             consumer.close()
 
     def _frozen_model(self) -> InferenceModel | None:
-        """The first version trained on ``warmup_samples``: the model after warm-up, never updated."""
+        """The first version trained on ``warmup_samples``: the model after warm-up, never updated.
+        Published once as the frozen model's only version, for the experiment's frozen variant."""
         if self.frozen is None:
             for version in self.model_store.versions():
                 if self.model_store.manifest(version).get("samples_trained", 0) >= self.warmup_samples:
                     self.frozen = InferenceModel.load(self.model_store, version)
-                    log.info("frozen baseline: version %d", version)
+                    publish_copy(self.model_store, version, self.live.frozen_store)
+                    self.frozen_version = version
+                    log.info("frozen baseline: version %d, published as %s", version, self.live.frozen_store.model)
                     break
         return self.frozen
 
@@ -210,6 +249,7 @@ class ServingProbe(BackgroundProbe):
             log.warning("predict failed (%d): %s", status, body)
             return
         self.records.answered = True
+        self._chunks.submit(self._guarded(lambda: self._score_in_experiment(records)))
         frozen = self._frozen_model()
         if frozen is None:
             self.records.unscored += len(values)
@@ -227,8 +267,42 @@ class ServingProbe(BackgroundProbe):
             rec.version.extend([body["model_version"]] * len(values))
             rec.frozen.extend(frozen_scores.tolist())
             rec.event_id.extend(table["event_id"].to_pylist())
+            rec.user_id.extend(table["user_id"].to_pylist())
             rec.sample_partition.extend(r.partition for r in records)
             rec.sample_offset.extend(r.offset for r in records)
+
+    def _score_in_experiment(self, records: list) -> None:
+        """Send the samples through the experiment, one request per (user, ts): an ad request.
+        A request's logged time is its instances' latest ts and a sample is graded by the
+        latest prediction at or before its own ts, so one user's earlier slates go apart.
+        The requests go out over several connections at once: one at a time, the probe would
+        fall behind the samples and the answering versions would have trained on them.
+        503s until both variants have answered (the frozen model is published after warm-up)
+        are start-up, not failures."""
+        requests: dict[tuple[int, int], list] = defaultdict(list)
+        for r in records:
+            sample = orjson.loads(r.value)
+            requests[(sample["user_id"], sample["ts"])].append(r)
+        groups = list(requests.items())
+        clients = self.live.clients
+        answers = self._pool.map(self._send_to_experiment, clients, [groups[i::len(clients)] for i in range(len(clients))])
+        exp = self.records.experiment
+        for (user, _), group, (status, body) in [a for part in answers for a in part]:
+            exp.requests += 1
+            if status == 200:
+                with self._lock:
+                    exp.variant_of_user[user] = body["variant"]
+            elif status == 503 and len(set(exp.variant_of_user.values())) < 2:
+                exp.unscored += len(group)
+            else:
+                exp.failed_requests += 1
+                log.warning("experiment predict failed (%d): %s", status, body)
+
+    def _send_to_experiment(self, client: ServingClient, groups: list) -> list:
+        """Each (key, records) of ``groups`` with the node's answer, over ``client``'s connection."""
+        return [(key, group, client.predict_experiment(self.live.name, [r.value for r in group],
+                                                        f"probe-{group[0].partition}-{group[0].offset}"))
+                for key, group in groups]
 
     # ------------------------------------------------------------------ results
     def scores_by_event(self) -> dict[str, float]:
@@ -242,11 +316,14 @@ class ServingProbe(BackgroundProbe):
             rec = self.records
             n = len(rec.ts)
             out = {name: np.array(getattr(rec, name)[:n]) for name in ("ts", "label", "online", "version", "frozen",
-                                                                       "sample_partition", "sample_offset")}
+                                                                       "user_id", "sample_partition", "sample_offset")}
             out["bayes"] = np.array([self.bayes.get(e, np.nan) for e in rec.event_id[:n]], dtype=np.float64)
             m = len(rec.click_ts)
             out["positives"] = {name: np.array(getattr(rec, name)[:m]) for name in ("click_ts", "visible_ms", "partition", "offset")}
             out["failed_requests"], out["unscored"] = rec.failed_requests, rec.unscored
+            exp = rec.experiment
+            out["experiment"] = {"requests": exp.requests, "failed_requests": exp.failed_requests, "unscored": exp.unscored,
+                                 "variant_of_user": dict(exp.variant_of_user)}
         return out
 
 

@@ -128,6 +128,7 @@ the same model <b>frozen</b> after warm-up (the first version trained on the war
 {_table(overall, ('scorer', 'AUC', 'logloss', 'AUC, 2nd half', 'logloss, 2nd half'))}
 <p>{q['samples']:,} samples scored ({q['positives']:,} clicks); Bayes known for {q['with_bayes']:,};
 {q['left_out_trained_on']:,} left out because the answering version had already trained on them.</p>
+{_experiment(q.get('experiment'))}
 <h2>Freshness: click event time → prediction served by a version that learned it</h2>
 {fresh}
 {_bars(f['stages_ms'])}
@@ -149,6 +150,26 @@ resident memory. Everything shares the machine's cores.</p>
 <h2>Processes</h2>
 {_table(procs, ('process', 'exit status', 'processes left'))}
 </body></html>"""
+
+
+def _experiment(e: dict | None) -> str:
+    """The live experiment's variants as graded from the prediction log (runs before it had none)."""
+    if not e:
+        return ""
+    if "error" in e:
+        return f"<h3>Live experiment {html.escape(e['name'])}</h3><p>{html.escape(e['error'])}</p>"
+    g, same = e["graded"], e["like_for_like"]
+    rows = [(name, v["model"], f"{v['count']:,}", v["clicks"], v["auc"], v["logloss"], v["calibration"],
+             (same.get(name) or {}).get("auc")) for name, v in g["variants"].items()]
+    return (f"<h3>Live experiment {html.escape(e['name'])}: the same comparison, 50/50 by user</h3>"
+            "<p>Each sample was also sent through the node's experiment route: a user's variant answers, the node logs "
+            "the answer, and each variant is graded by joining the log with the labelled samples (as "
+            "<code>streamrec experiments report</code> does). Each variant scores only its users' samples; beside it, the "
+            "probe's score of the same samples by the same model.</p>"
+            + _table(rows, ("variant", "model", "samples graded", "clicks", "AUC", "logloss", "calibration",
+                            "AUC, probe, same samples"))
+            + f"<p>{g['unmatched']:,} samples had no logged prediction in the {g['window_s']:g} s window; "
+              f"{g['other']:,} were last served outside the experiment.</p>")
 
 
 def _skew(k: dict) -> str:

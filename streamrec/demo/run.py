@@ -1,7 +1,8 @@
 """``streamrec demo``: the whole loop on one machine, measured.
 
 broker → generator → Flink job → samples → trainer (publishes every --publish-interval) → model store
-→ serving node (hot-swaps each version) ← prediction traffic (the probe). Every part runs
+→ serving node (hot-swaps each version) ← prediction traffic (the probe, also through a live
+online-vs-frozen experiment whose answers the node logs and the demo grades). Every part runs
 as its own ``streamrec`` process, exactly as a user would start it, on topics, a model
 store and a Flink job of this run only (``demo-<run id>``), so runs never mix. After the
 traffic ends and the last versions are applied, everything is stopped (process groups,
@@ -27,7 +28,9 @@ from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port
 from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import delete_topics, describe_topics, ensure_topics
 from streamrec.plumbing.config import Config
-from streamrec.demo.analysis import freshness, quality
+from streamrec.demo.analysis import by_variant, freshness, quality
+from streamrec.demo.experiment import (CONNECTIONS, EXPERIMENT, LiveExperiment, check_config, experiment_line, frozen_model_name, grade_experiment,
+                                       prediction_log_counts, serving_config, user_config_file)
 from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
@@ -59,11 +62,17 @@ class DemoRun:
         self.admin_token = secrets.token_hex(16)
         self.topics = {"events": f"{self.prefix}.events", "samples": f"{self.prefix}.samples",
                        "dlq": f"{self.prefix}.events.dlq", "truth": f"{self.prefix}.truth",
-                       "model_updates": f"{self.prefix}.model-updates", "features": f"{self.prefix}.features"}
+                       "model_updates": f"{self.prefix}.model-updates", "features": f"{self.prefix}.features",
+                       "predictions": f"{self.prefix}.predictions"}
 
     def feature_spec(self) -> FeatureSpec:
         """The spec every process of the run uses (the demo sets its attribution window)."""
         return dataclasses.replace(self.cfg.features, attribution_window_s=float(self.args.attribution_window))
+
+    def serving_config(self) -> Path:
+        """The serving node's config file: the online model, its frozen copy and the experiment."""
+        return serving_config(self.work_dir / "serving.toml", user_config_file(getattr(self.args, "config", None)),
+                              self.cfg.model.name)
 
     def env(self) -> dict[str, str]:
         a, store = self.args, str(self.work_dir / "models")
@@ -90,6 +99,7 @@ class DemoRun:
             "STREAMREC_SERVING__MODEL_STORE": store, "STREAMREC_SERVING__PORT": self.serve_address.rsplit(":", 1)[1],
             "STREAMREC_SERVING__ADMIN_TOKEN": self.admin_token, "STREAMREC_SERVING__POLL_INTERVAL_S": "0.5",
             "STREAMREC_SERVING__FEATURE_STORE_DIR": str(self.work_dir / "serving-features"),
+            "STREAMREC_SERVING__PREDICTION_LOG": "true",  # the experiment is graded from it
             # a short run has few samples: smaller steps, a faster dense learning rate
             "STREAMREC_TRAINER__BATCH_SIZE": "256", "STREAMREC_MODEL__DENSE_LR": "0.005",
             "OMP_NUM_THREADS": "1",  # trainer and server share the cores with Flink and the broker
@@ -114,6 +124,7 @@ class Observers:
 def run_demo(args: argparse.Namespace, cfg: Config) -> int:
     """Run the loop, write the report; 0 when versions were applied, every request answered
     and every process stopped, 1 otherwise."""
+    check_config(cfg)
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
     started_broker, run = False, None
@@ -130,13 +141,16 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         start("generator", "generate", "--duration", str(args.duration), "--rate", str(args.rate),
               "--bad-fraction", str(args.bad_fraction), "--start-ms", str(start_ms))
         print(f"[4/6] live traffic: {args.duration:g} s at ~{args.rate:g} events/s; trainer publishes every "
-              f"{args.publish_interval:g} s; the probe scores every sample at the serving node", flush=True)
+              f"{args.publish_interval:g} s; the probe scores every sample at the serving node, "
+              f"and through the live experiment {EXPERIMENT}", flush=True)
         rollback = _drive(args, processes, watch, start_ms)
 
         print("[5/6] traffic done; stopping every process", flush=True)
         for observer in started:
             observer.stop()
-        result = _result(args, run, watch, k.bootstrap_servers, start_ms, rollback, _stop_all(processes))
+        logged = prediction_log_counts(run.serve_address)  # before the node stops
+        stopped = _stop_all(processes)
+        result = _result(args, cfg, run, watch, start_ms, rollback, stopped, logged)
         paths = write_report(run.report_dir, result)
         _print_summary(result, paths)
         return 0 if _succeeded(result) else 1
@@ -188,7 +202,7 @@ def _start_services(run: DemoRun, start: Callable[..., ManagedProcess], processe
     every task of the job runs."""
     start("pipeline", "pipeline", "submit", "--fresh")
     start("trainer", "train")
-    start("serving", "serve", "--host", "127.0.0.1")
+    start("serving", "serve", "--host", "127.0.0.1", "--config", str(run.serving_config()))
     print("[3/6] starting the Flink job (embedded mini-cluster), the trainer and the serving node ...", flush=True)
     wait_until(lambda: _healthy(run.serve_address), 120, "the serving node", list(processes.values()))
     FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
@@ -204,8 +218,10 @@ def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker
     started.append(monitor)
     store = ModelStore(str(run.work_dir / "models"), cfg.model.name)
     client = ServingClient(run.serve_address, cfg.model.name, run.admin_token)
+    live = LiveExperiment(EXPERIMENT, ModelStore(str(run.work_dir / "models"), frozen_model_name(cfg.model.name)),
+                          [ServingClient(run.serve_address, cfg.model.name) for _ in range(CONNECTIONS)])
     probe = ServingProbe(k.bootstrap_servers, run.topics["samples"], run.topics["truth"], client, store,
-                         args.warmup_samples).start()
+                         args.warmup_samples, live).start()
     started.append(probe)
     ad_server = AdServerProbe(k.bootstrap_servers, run.topics["events"], run.topics["samples"],
                               ServingClient(run.serve_address, cfg.model.name), run.feature_spec()).start()
@@ -215,32 +231,54 @@ def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker
     return Observers(client, probe, ad_server, timeline, monitor)
 
 
-def _result(args: argparse.Namespace, run: DemoRun, watch: Observers, bootstrap: str, start_ms: int, rollback: dict,
-            stopped: dict) -> dict:
-    """[5/6]: everything the report shows (run.json), from what the observers saw."""
+def _result(args: argparse.Namespace, cfg: Config, run: DemoRun, watch: Observers, start_ms: int, rollback: dict,
+            stopped: dict, logged: dict[str, int]) -> dict:
+    """[5/6]: everything the report shows (run.json), from what the observers saw and the
+    experiment's grades from the prediction log."""
     snapshot, timeline = watch.probe.snapshot(), watch.timeline
     steady_from_ms = start_ms + int(args.duration * 500)
+    bootstrap = cfg.kafka.bootstrap_servers
     return {
         "run_id": run.run_id, "started_at_ms": start_ms, "duration_s": args.duration, "rate": args.rate,
         "publish_interval_s": args.publish_interval, "topics": run.topics,
-        "quality": quality(snapshot, start_ms, timeline.manifests, steady_from_ms=steady_from_ms),
+        "quality": {**quality(snapshot, start_ms, timeline.manifests, steady_from_ms=steady_from_ms),
+                    "experiment": _experiment(cfg, run, watch.probe, snapshot, timeline.manifests, logged)},
         "freshness": freshness(snapshot["positives"], timeline.manifests, timeline.applied, steady_from_ms=steady_from_ms),
         "versions": {"published": len(timeline.manifests), "applied": len(timeline.applied),
                      "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
         "rollback": rollback,
         "feature_skew": feature_skew(watch.ad_server.snapshot(), run.feature_spec(), watch.probe.scores_by_event()),
         "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
-                    "failed_requests_by_ids": watch.ad_server.failed_requests},
+                    "failed_requests_by_ids": watch.ad_server.failed_requests,
+                    "failed_requests_experiment": snapshot["experiment"]["failed_requests"]},
         "throughput": _throughput(bootstrap, run, args.duration, snapshot),
         "resources": watch.monitor.report(),
         "processes": stopped,
     }
 
 
+def _experiment(cfg: Config, run: DemoRun, probe: ServingProbe, snapshot: dict, manifests: dict[int, dict],
+                logged: dict[str, int]) -> dict:
+    """The live experiment: what the probe sent, what the node logged, each variant graded from
+    the log, and the probe's own scores of the same users' samples to set beside them."""
+    sent = snapshot["experiment"]
+    out = {"name": EXPERIMENT, "frozen_model": probe.live.frozen_store.model, "frozen_version": probe.frozen_version,
+           "requests": sent["requests"], "unscored_samples": sent["unscored"], "prediction_log": logged,
+           "like_for_like": by_variant(snapshot, manifests)}
+    try:
+        out["graded"] = grade_experiment(cfg.kafka.bootstrap_servers, run.topics["samples"], run.topics["predictions"],
+                                         run.feature_spec(), cfg.kafka.connect_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_succeeded)
+        out["error"] = f"the experiment could not be graded: {type(exc).__name__}: {exc}"
+    return out
+
+
 def _succeeded(result: dict) -> bool:
-    """Versions were applied, every request answered, and no process left anything running."""
+    """Versions were applied, every request answered (the experiment's too, and graded), and no
+    process left anything running."""
     serving = result["serving"]
     return (result["versions"]["applied"] >= 1 and not serving["failed_requests"] and not serving["failed_requests_by_ids"]
+            and not serving["failed_requests_experiment"] and "error" not in result["quality"]["experiment"]
             and all(s["left"] == 0 for s in result["processes"].values()))
 
 
@@ -375,6 +413,8 @@ def _print_summary(result: dict, paths: dict) -> None:
             late = steady.get("overall", {}).get(name)
             print(f"  serving-side {name:6s} AUC {q[name]['auc']}  logloss {q[name]['logloss']}"
                   + (f"  (second half: AUC {late['auc']}  logloss {late['logloss']})" if late else ""))
+    experiment = result["quality"]["experiment"]
+    print(f"  {experiment.get('error') or experiment_line(experiment)}")
     e = f["event_to_servable_ms"]
     if e.get("n"):
         print(f"  freshness (click event time -> servable), {e['n']} clicks: p50 {e['p50'] / 1000:.1f} s, p99 {e['p99'] / 1000:.1f} s")
