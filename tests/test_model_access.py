@@ -55,6 +55,12 @@ name = "batch-jobs"
 key = "batch-key"
 rate_per_s = 0
 priority = "low"
+
+[[serving.callers]]
+name = "checkout"
+key = "checkout-key"
+rate_per_s = 0
+priority = "high"
 """
 
 
@@ -89,7 +95,7 @@ def nodes(published_model, broker, tmp_path_factory):
     env = {**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
            "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__FEATURES": f"{name}.features",
            "STREAMREC_TOPICS__PREDICTIONS": f"{name}.predictions", "STREAMREC_SERVING__PREDICTION_LOG": "true",
-           "STREAMREC_SERVING__POLL_INTERVAL_S": "0.2"}
+           "STREAMREC_SERVING__POLL_INTERVAL_S": "0.2", "STREAMREC_SERVING__MAX_QUEUE_INSTANCES": "4096"}
     procs, bases = [], []
     for frontends in (0, 2):
         port = free_port()
@@ -263,3 +269,31 @@ def test_the_prediction_log_records_answers_and_shadow_scores(nodes, broker, sam
             np.testing.assert_allclose(record.scores, answer["scores"], rtol=0, atol=1e-6)
     metrics = urllib.request.urlopen(a + "/metrics", timeout=30).read().decode()
     assert 'streamrec_serving_shadow_requests_total{model="cvr",outcome="scored"}' in metrics
+
+
+def test_under_overload_low_priority_requests_are_shed_first(nodes, sample_run):
+    (a, b), _, _ = nodes
+    rows = pq.read_table(sample_run / "samples.parquet").slice(2000, 1000).drop(["label", "click_ts"]).to_pylist()
+    body = {"instances": [dict(r, user_id=11) for r in rows]}  # 1,000 instances: 8 in flight fill the 4,096-instance queue
+    outcomes: dict[str, list[tuple[int, str]]] = {"flood": [], "batch-jobs": [], "checkout": []}
+    stop = time.monotonic() + 6
+
+    def send(who: str, headers: dict) -> None:
+        while time.monotonic() < stop:
+            status, answer, _ = http(a, "POST", "/v1/models/ctr:predict", body, headers)
+            outcomes[who].append((status, answer.get("error", {}).get("message", "")))
+
+    threads = [threading.Thread(target=send, args=("flood", {})) for _ in range(8)]
+    threads += [threading.Thread(target=send, args=("batch-jobs", {"x-api-key": "batch-key"})),
+                threading.Thread(target=send, args=("checkout", {"x-api-key": "checkout-key"}))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    low = [m for s, m in outcomes["batch-jobs"] if s == 429]
+    assert low and all("low-priority requests are shed" in m for m in low), outcomes["batch-jobs"][:5]
+    assert not [m for s, m in outcomes["checkout"] if "priority" in m]  # high priority is never shed for its priority
+    shed_share = {who: sum(s == 429 for s, _ in got) / max(len(got), 1) for who, got in outcomes.items()}
+    assert shed_share["batch-jobs"] > shed_share["checkout"], shed_share
+    metrics = urllib.request.urlopen(a + "/metrics", timeout=30).read().decode()
+    assert 'streamrec_serving_caller_requests_total{caller="batch-jobs",outcome="shed"}' in metrics
