@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +23,20 @@ from streamrec.plumbing.bus.topics import delete_topics, list_topics
 from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the serving node at ``base`` answers ``/readyz`` with 200; its output if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=10) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
+        time.sleep(0.2)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:

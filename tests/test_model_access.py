@@ -17,7 +17,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, copy_store, free_port, read_topic
+from conftest import REPO, copy_store, free_port, read_topic, wait_ready
 from streamrec.contracts.predictions import decode_prediction
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.bus.topics import ensure_topics
@@ -105,16 +105,8 @@ def nodes(published_model, broker, tmp_path_factory):
             cwd=REPO, env={**env, "STREAMREC_SERVING__FEATURE_STORE_DIR": str(tmp / f"features{frontends}")},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         bases.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 180
     for proc, base in zip(procs, bases):
-        while True:
-            try:
-                if http(base, "GET", "/readyz")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
-            time.sleep(0.2)
+        wait_ready(base, proc, 180)
     yield bases, versions, f"{name}.predictions"
     for proc in procs:
         proc.terminate()

@@ -9,13 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, run_cli, wait_ready
 from test_model_access import http
 
 pytestmark = pytest.mark.slow
@@ -48,15 +47,7 @@ def test_a_frozen_broker_never_holds_an_answer_and_the_log_recovers(published_mo
     rows = pq.read_table(sample_run / "samples.parquet").slice(500, 4).drop(["label", "click_ts"]).to_pylist()
     body = {"instances": rows}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if http(base, "GET", "/readyz")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert node.poll() is None and time.monotonic() < deadline, node.stdout.read() if node.poll() is not None else "not ready"
-            time.sleep(0.2)
+        wait_ready(base, node)
         for _ in range(20):
             assert http(base, "POST", "/v1/models/ctr:predict", body)[0] == 200
         deadline = time.monotonic() + 60

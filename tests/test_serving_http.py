@@ -21,7 +21,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, copy_store, free_port
+from conftest import REPO, copy_store, free_port, wait_ready
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.model.batch import batch_from_table
@@ -320,15 +320,7 @@ def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if call(base, "GET", "/readyz")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
-            time.sleep(0.2)
+        wait_ready(base, proc, 60)
         time.sleep(3)  # the listener connects on its own thread
         v = versions[-1]
         shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
