@@ -24,9 +24,25 @@ Targets (issue: model access): experiment route within 5% of direct, shadow p99 
 The server's per-model request counts are taken around every window, so the JSON shows which
 model answered (and that the shadow copies were scored).
 
+``--stalled-log`` (CPU/CI box: it needs the embedded broker) measures instead the issue target
+"Prediction log: no response waits for Kafka (p99 unchanged, drops counted)". A private
+embedded broker (free port, its own data dir, ``streamrec kafka up``) and two nodes of the same
+store and settings: "plain" (``serving.prediction_log = false``) and "logged" (true, writing
+``topics.predictions`` to that broker through a queue of ``--log-queue``). At one fixed
+open-loop offered load (``--rate``, default ``--load-share`` x plain's closed-loop throughput
+at concurrency 4), the direct route's p50/p99 on both nodes, windows alternated, in two phases:
+1. broker healthy; 2. broker stalled (SIGSTOP to its process group: connections stay open,
+nothing answers; SIGCONT at the end, always). The logged node's
+``streamrec_serving_prediction_log_records{outcome}`` are read around each phase (and while
+it catches up after SIGCONT). ``--log-connect-timeout-s`` (kafka.connect_timeout_s of the
+logged node, default 2: request timeout 5 s, delivery timeout 12 s) lets a short stall reach
+kafka-python's timeouts and give-ups; the default 20 s would ride it out in its buffer.
+The routing and shadow parts are skipped.
+
 Usage: python bench/bench_model_access.py [--quick] [--device cpu|cuda] [--frontends N] [--instances 200]
-           [--samples RUN | --model-store STORE] [--out FILE]
-Writes bench/results/model_access_<device>.json unless --out names another file.
+           [--samples RUN | --model-store STORE] [--stalled-log] [--out FILE]
+Writes bench/results/model_access_<device>.json (with --stalled-log,
+model_access_stalled_log_<device>.json) unless --out names another file.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ import http.client
 import json
 import os
 import platform
+import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -50,6 +68,7 @@ import pyarrow.parquet as pq
 from bench_serving import best_point, load, start_server  # bench/ is on sys.path (script dir)
 from bench_serving_overload import open_loop
 from bench_trainer import make_samples
+from streamrec.plumbing.bus.broker import free_port
 from streamrec.trainer.sources import sample_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,13 +211,20 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                         help="load-generator processes (default: half the cores, at most 8)")
     parser.add_argument("--p99-target-ms", type=float, default=10.0)
+    parser.add_argument("--stalled-log", action="store_true",
+                        help="instead: prediction log on vs off, broker healthy then SIGSTOPped (needs the embedded broker)")
+    parser.add_argument("--log-queue", type=int, default=10000, help="--stalled-log: serving.prediction_log_queue of the logged node")
+    parser.add_argument("--log-connect-timeout-s", type=float, default=2.0,
+                        help="--stalled-log: kafka.connect_timeout_s of the logged node (its producer's request timeout: max(this, 5) s)")
+    parser.add_argument("--stall-reps", type=int, default=3, help="--stalled-log: windows per node and phase, nodes alternated")
     parser.add_argument("--out", help="the JSON file (default bench/results/model_access_<device>.json)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or ([1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
     args.reps = args.reps or 2
     args.fixed_reps = args.fixed_reps or (2 if args.quick else 3)
-    out = Path(args.out or REPO / "bench" / "results" / f"model_access_{args.device.split(':')[0]}.json")
+    kind = "model_access_stalled_log" if args.stalled_log else "model_access"
+    out = Path(args.out or REPO / "bench" / "results" / f"{kind}_{args.device.split(':')[0]}.json")
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="streamrec-bench-access-"))
     try:
@@ -213,13 +239,18 @@ def main() -> None:
         result = {"bench": "model_access", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(args.device),
                   "config": {**{k: v for k, v in vars(args).items() if k not in ("out",)}, "request_bodies": len(bodies), "users": users,
                              "serving_toml": CONFIG, "feature_store": False, "follow_updates": False, "prediction_log": False}}
-        proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
-                                  extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
-        try:
-            measure(port, bodies, args, result)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+        if args.stalled_log:
+            result["bench"] = "model_access_stalled_log"
+            result["config"].update(serving_toml=None, prediction_log="plain: false, logged: true")
+            stalled_log(root, bodies, args, result, tmp)
+        else:
+            proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
+                                      extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
+            try:
+                measure(port, bodies, args, result)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result["wall_s"] = time.monotonic() - started
@@ -320,6 +351,185 @@ def print_table(result: dict, args) -> None:
     for k, v in result["ratios"].items():
         print(f"  {k:40s} {v:.3f}" if v is not None else f"  {k:40s} -")
     print(f"  shadow copies scored per primary request: {result['shadow_scored_share']}")
+
+
+# ---------------------------------------------------------------------------- --stalled-log
+LOG_OUTCOMES = ("queued", "sent", "dropped", "failed")
+PREDICTIONS_TOPIC = "streamrec.predictions"
+
+
+def log_counts(port: int) -> dict[str, int]:
+    """The node's prediction log counters by outcome, from /metrics (pending = queued - sent - failed)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    found = dict(re.findall(r'^streamrec_serving_prediction_log_records\{outcome="(\w+)"\} (\S+)$', text, re.MULTILINE))
+    counts = {k: int(float(found.get(k, 0))) for k in LOG_OUTCOMES}
+    counts["pending"] = counts["queued"] - counts["sent"] - counts["failed"]
+    return counts
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+class PrivateBroker:
+    """An embedded broker of this run only (free port, its own data dir), through the CLI."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.port, self.data_dir, self.pid, self.stopped = free_port(), data_dir, None, False
+        self.env = {**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": "", "STREAMREC_KAFKA__EMBEDDED_PORT": str(self.port),
+                    "STREAMREC_KAFKA__DATA_DIR": str(data_dir), "STREAMREC_TOPICS__PREDICTIONS": PREDICTIONS_TOPIC}
+        self.env.pop("STREAMREC_CONFIG", None)
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def cli(self, action: str, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "streamrec.cli", "kafka", action, "--port", str(self.port),
+                               "--data-dir", str(self.data_dir), *extra], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=120)
+
+    def up(self) -> None:
+        done = self.cli("up", "--partitions", "1")
+        try:  # the pid first: a broker that started but whose topics failed is still stopped in down()
+            self.pid = json.loads((self.data_dir / "broker.pid").read_text())["pid"]
+        except (OSError, ValueError):
+            pass
+        if done.returncode != 0:
+            raise RuntimeError(f"kafka up failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        assert f"topic {PREDICTIONS_TOPIC}:" in done.stdout, done.stdout
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the broker's process group (it runs in a session of its own: pgid = pid)."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return
+        self.stopped = sig == signal.SIGSTOP
+
+    def down(self) -> None:
+        """SIGCONT (a stopped broker would not act on SIGTERM), `kafka down`, then SIGKILL if it is still there."""
+        self.signal(signal.SIGCONT)
+        try:
+            done = self.cli("down")
+            if done.returncode != 0:
+                print(f"kafka down failed ({done.returncode}): {done.stderr.strip()}", file=sys.stderr)
+        except subprocess.TimeoutExpired:
+            print("kafka down timed out", file=sys.stderr)
+        self.signal(signal.SIGKILL)  # nothing left to kill after a clean down
+
+
+def stalled_log(root: Path, bodies: list[bytes], args, result: dict, tmp: Path) -> None:
+    broker = PrivateBroker(tmp / "kafka")
+    nodes: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        broker.up()
+        print(f"private broker {broker.bootstrap} (pid {broker.pid})", flush=True)
+        common = {"STREAMREC_KAFKA__BOOTSTRAP": broker.bootstrap, "STREAMREC_TOPICS__PREDICTIONS": PREDICTIONS_TOPIC}
+        for name, env in (("plain", {"STREAMREC_SERVING__PREDICTION_LOG": "false"}),
+                          ("logged", {"STREAMREC_SERVING__PREDICTION_LOG": "true",
+                                      "STREAMREC_SERVING__PREDICTION_LOG_QUEUE": str(args.log_queue),
+                                      "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": str(args.log_connect_timeout_s)})):
+            nodes[name] = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
+                                       extra_env={**common, **env})
+        ports = {name: port for name, (_, port) in nodes.items()}
+        stalled_measure(ports, broker, bodies, args, result)
+    finally:
+        broker.down()  # SIGCONT first: the broker never stays stopped
+        for proc, _ in nodes.values():
+            proc.terminate()
+        for proc, _ in nodes.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def stalled_measure(ports: dict[str, int], broker: PrivateBroker, bodies: list[bytes], args, result: dict) -> None:
+    seconds = max(args.seconds, 4.0)
+    for name, port in ports.items():  # the same warm-up on both
+        load(port, bodies, 4, 2.0, args.client_processes)
+    deadline = time.monotonic() + 30  # the logged node's producer has connected and written the warm-up
+    while log_counts(ports["logged"])["sent"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    warm = log_counts(ports["logged"])
+    assert warm["sent"] > 0, f"the logged node wrote nothing to {broker.bootstrap}: {warm}"
+    if args.rate:
+        rate, basis = args.rate, None
+    else:
+        basis = load(ports["plain"], bodies, 4, seconds, args.client_processes)
+        rate = args.load_share * basis["qps"]
+    print(f"fixed offered load {rate:.1f} req/s (plain closed loop c=4: {basis and round(basis['qps'], 1)} req/s); "
+          f"warm-up log counters {warm}", flush=True)
+    phases: dict[str, dict] = {}
+    for phase in ("healthy", "stalled"):
+        rows: dict[str, list[dict]] = {"plain": [], "logged": []}
+        before = log_counts(ports["logged"])
+        t0 = time.monotonic()
+        if phase == "stalled":
+            broker.signal(signal.SIGSTOP)
+        try:
+            for rep in range(args.stall_reps):
+                for name in (("plain", "logged") if rep % 2 == 0 else ("logged", "plain")):
+                    c0 = log_counts(ports["logged"])
+                    row = open_loop(ports[name], bodies, rate, seconds, args.client_processes, args.threads)
+                    row["node"], row["log_counts"] = name, delta(log_counts(ports["logged"]), c0)
+                    rows[name].append(row)
+                    print(f"  {phase:7s} {name:6s} {rate:7.1f} req/s offered: p50 {row['accepted_p50_ms']:7.2f}  "
+                          f"p99 {row['accepted_p99_ms']:7.2f} ms  accepted {row['accepted']}/{row['sent']}  "
+                          f"log meanwhile {row['log_counts']}", flush=True)
+            after = log_counts(ports["logged"])
+            stall_s = time.monotonic() - t0
+        finally:
+            if phase == "stalled":
+                broker.signal(signal.SIGCONT)
+        entry = {"seconds": stall_s, "log_before": before, "log_after": after, "log_delta": delta(after, before),
+                 "nodes": {name: {**median_row(rs, ("goodput_rps", "accepted_p50_ms", "accepted_p99_ms", "send_lateness_p99_ms")),
+                                  "errors": sum(w["errors"] + w["shed"] for w in rs), "windows": rs} for name, rs in rows.items()}}
+        if phase == "stalled":  # the backlog after SIGCONT: sent or failed, or still pending
+            resumed, deadline = time.monotonic(), time.monotonic() + 20
+            while (now := log_counts(ports["logged"]))["pending"] > 0 and time.monotonic() < deadline:
+                time.sleep(0.25)
+            entry["after_resume"] = {"waited_s": time.monotonic() - resumed, "log": now, "log_delta_since_phase_end": delta(now, after)}
+        phases[phase] = entry
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    result["stalled_log"] = {
+        "offered_rps": rate, "basis_plain_closed_loop_c4": basis, "window_s": seconds, "windows_per_node_and_phase": args.stall_reps,
+        "broker": broker.bootstrap, "topic": PREDICTIONS_TOPIC, "log_queue": args.log_queue,
+        "log_connect_timeout_s": args.log_connect_timeout_s, "warm_up_log": warm, "phases": phases,
+        "ratios": {phase: {f"logged_vs_plain_{q}": ratio(e["nodes"]["logged"][f"accepted_{q}_ms"], e["nodes"]["plain"][f"accepted_{q}_ms"])
+                           for q in ("p50", "p99")} for phase, e in phases.items()},
+        "stalled_vs_healthy_logged_p99": ratio(phases["stalled"]["nodes"]["logged"]["accepted_p99_ms"],
+                                               phases["healthy"]["nodes"]["logged"]["accepted_p99_ms"]),
+    }
+    print_stalled(result, args)
+
+
+def print_stalled(result: dict, args) -> None:
+    r = result["stalled_log"]
+    print(f"\nprediction log on vs off, {args.instances} instances/request, {r['offered_rps']:.1f} req/s offered (open loop), "
+          f"median of {r['windows_per_node_and_phase']} windows of {r['window_s']:g} s ({result['machine']['cpu']}, "
+          f"{result['machine']['cores']} cores, device {args.device}, frontends {args.frontends}, queue {r['log_queue']})")
+    print(f"{'phase':8s} {'node':7s} {'p50 ms':>8s} {'p99 ms':>8s} {'goodput':>8s} {'errors':>6s}")
+    for phase, e in r["phases"].items():
+        for name, row in e["nodes"].items():
+            print(f"{phase:8s} {name:7s} {row['accepted_p50_ms']:8.2f} {row['accepted_p99_ms']:8.2f} {row['goodput_rps']:8.1f} {row['errors']:6d}")
+    print(f"\n{'phase':8s} {'p50 log/plain':>14s} {'p99 log/plain':>14s}   log records during the phase (logged node)")
+    for phase, e in r["phases"].items():
+        q = r["ratios"][phase]
+        d = e["log_delta"]
+        print(f"{phase:8s} {q['logged_vs_plain_p50']:14.3f} {q['logged_vs_plain_p99']:14.3f}   "
+              + ", ".join(f"{k} {d[k]}" for k in (*LOG_OUTCOMES, "pending")) + f" (over {e['seconds']:.0f} s)")
+    resume = r["phases"]["stalled"]["after_resume"]
+    print(f"after SIGCONT ({resume['waited_s']:.1f} s): " + ", ".join(f"{k} {v}" for k, v in resume["log_delta_since_phase_end"].items())
+          + f"; totals {resume['log']}")
 
 
 if __name__ == "__main__":
