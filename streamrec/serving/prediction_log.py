@@ -1,20 +1,33 @@
 """``PredictionLog``: every answered predict request, written to ``topics.predictions``
 (streamrec/contracts/predictions.py) off the response path, so experiments can be graded.
 
-The serving thread only appends to a bounded deque (atomic under the GIL, no lock a stalled
-thread could hold): when the deque is full the prediction is dropped and counted, never
-waited for. A daemon thread encodes what is queued and hands it to a kafka-python producer,
-which batches (linger) and retries on its own I/O thread. The broker being away at start
-is ridden out by reconnecting every ``retry_s``; once connected, kafka-python reconnects by
-itself. Whatever the broker does, ``record`` costs the same: the queue fills, then drops.
+Two processes. The serving process encodes each prediction (a MessagePack map: microseconds)
+and hands it to a sender process over a Unix SEQPACKET socket, never blocking: when the
+socket is full the prediction is dropped and counted. The sender process (``python -m
+streamrec.serving.prediction_log``, started by the log) keeps a bounded queue and a kafka-python
+producer, which batches (linger) and retries on its own I/O thread; a broker away at start is
+ridden out by reconnecting every ``retry_s``. Why a process of its own: a producer whose broker
+stops answering keeps its threads busy, and in the serving process they took the GIL from the
+event loop (bench/RESULTS.md, "Model access": answers went from milliseconds to a second with
+the broker stalled). Whatever the broker does now, ``record`` costs the same: one ``send``.
+The sender's counters are in a small shared file the serving process reads when asked.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrec.contracts.predictions import Prediction, encode_prediction, prediction_key
@@ -23,12 +36,136 @@ if TYPE_CHECKING:
     from streamrec.plumbing.config import Config
 
 log = logging.getLogger(__name__)
+_COUNTERS = struct.Struct("<7q")  # the sender's: received, sent, dropped, failed, backlog, connected, done
+_COUNTER_NAMES = ("received", "sent", "dropped", "failed", "backlog", "connected", "done")
+MAX_RECORD = 1 << 20  # bytes of one encoded prediction the socket takes
+SOCKET_BYTES = 8 << 20  # what may wait in the socket while the sender is busy (asked for; the kernel may give less)
 
 
 class PredictionLog:
-    """A bounded, non-blocking producer of prediction records.
+    """A bounded, non-blocking log of prediction records (the serving side).
 
     ``record`` is meant for one thread (the serving event loop); it never blocks or raises.
+    Counters (:meth:`counters`): ``queued`` (handed to the sender process), ``sent``
+    (acknowledged by the broker), ``dropped`` (the socket or the sender's queue full, the
+    sender gone, or still queued when ``close`` gave up), ``failed`` (the producer refused it
+    or gave up on it), ``pending`` (fate not known yet), ``backlog`` (in the sender's queue
+    now) and ``connected`` (1 once the sender has a producer).
+    """
+
+    RESPAWN_EVERY_S = 10.0  # a sender that died is started again at most this often
+
+    def __init__(self, bootstrap: str, topic: str, queue_size: int, connect_timeout_s: float = 5.0,
+                 retry_s: float = 5.0, linger_ms: int = 50) -> None:
+        if queue_size < 1:
+            raise ValueError(f"the prediction log's queue must hold at least 1 prediction, got {queue_size}")
+        self.args = ["--bootstrap", bootstrap, "--topic", topic, "--queue-size", str(queue_size), "--connect-timeout-s",
+                     str(connect_timeout_s), "--retry-s", str(retry_s), "--linger-ms", str(linger_ms)]
+        self._queued = self._dropped = 0
+        self._closed = False
+        self._lost_before = dict.fromkeys(("sent", "dropped", "failed"), 0)  # counts of senders that died
+        fd, path = tempfile.mkstemp(prefix="streamrec-prediction-log-")
+        os.ftruncate(fd, _COUNTERS.size)
+        self._counters_path = Path(path)
+        self._shared = mmap.mmap(fd, _COUNTERS.size)
+        os.close(fd)
+        self._started_at = 0.0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent.setblocking(False)
+        parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BYTES)  # the kernel caps it (net.core.wmem_max)
+        _COUNTERS.pack_into(self._shared, 0, *([0] * len(_COUNTER_NAMES)))
+        self._sock = parent
+        self._proc = subprocess.Popen([sys.executable, "-m", "streamrec.serving.prediction_log", "--fd", str(child.fileno()),
+                                       "--counters", str(self._counters_path), *self.args], pass_fds=(child.fileno(),), env=python_env())
+        child.close()
+        self._started_at = time.monotonic()
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "PredictionLog":
+        """The log ``serving.prediction_log`` asks for: ``topics.predictions`` on the configured cluster."""
+        return cls(cfg.kafka.bootstrap_servers, cfg.topics.predictions, cfg.serving.prediction_log_queue,
+                   cfg.kafka.connect_timeout_s)
+
+    def record(self, prediction: Prediction) -> None:
+        """Hand one answered request to the sender; never blocks, never raises."""
+        if self._closed:
+            self._dropped += 1
+            return
+        try:
+            key = prediction_key(prediction.user_id)
+            self._sock.send(bytes((len(key),)) + key + encode_prediction(prediction))
+        except BlockingIOError:  # the sender is behind: its socket is full
+            self._dropped += 1
+            return
+        except (OSError, ValueError):  # the sender is gone, or a malformed prediction
+            self._dropped += 1
+            self._respawn_if_dead()
+            return
+        self._queued += 1
+
+    def _respawn_if_dead(self) -> None:
+        if self._proc.poll() is None or time.monotonic() - self._started_at < self.RESPAWN_EVERY_S:
+            return
+        log.error("prediction log: its sender process exited with %s; starting a new one", self._proc.returncode)
+        sender = self._sender()
+        for name in self._lost_before:
+            self._lost_before[name] += sender[name]
+        self._lost_before["dropped"] += sender["backlog"]
+        self._sock.close()
+        self._spawn()
+
+    def _sender(self) -> dict[str, int]:
+        return dict(zip(_COUNTER_NAMES, _COUNTERS.unpack_from(self._shared, 0)))
+
+    def counters(self) -> dict[str, int]:
+        sender = self._sender()
+        sent, failed = sender["sent"] + self._lost_before["sent"], sender["failed"] + self._lost_before["failed"]
+        dropped = self._dropped + sender["dropped"] + self._lost_before["dropped"]
+        return {"queued": self._queued, "sent": sent, "dropped": dropped, "failed": failed,
+                "pending": max(0, self._queued - sent - failed - dropped + self._dropped), "backlog": sender["backlog"],
+                "connected": sender["connected"]}
+
+    def close(self, timeout_s: float = 5.0) -> dict[str, int]:
+        """Let the sender send what it holds and wait for the broker's acknowledgements, up to
+        ``timeout_s``; what was still queued then is counted as dropped, what the broker had not
+        acknowledged stays ``pending``. Returns the final counters."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_WR)  # the sender reads the end: it flushes and exits
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if not self._sender()["done"]:  # it did not finish: what it still held is lost
+                self._lost_before["dropped"] += self._sender()["backlog"]
+            self._sock.close()
+            self._counters_path.unlink(missing_ok=True)
+        counters = self.counters()
+        if counters["dropped"] or counters["failed"] or counters["pending"]:
+            log.warning("prediction log closed: %s", counters)
+        return counters
+
+
+def python_env() -> dict[str, str]:
+    """The environment of a child ``python -m streamrec...``: a source checkout's package importable."""
+    env = dict(os.environ)
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+class KafkaSender:
+    """The sender process's producer of encoded predictions, behind a bounded queue.
+
+    ``record`` is meant for one thread (the process's reader); it never blocks or raises.
     Counters (:meth:`counters`): ``queued`` (taken into the queue), ``sent`` (acknowledged
     by the broker), ``dropped`` (queue full, or still queued when ``close`` gave up),
     ``failed`` (the producer refused it or gave up on it), ``pending`` (queued, fate not
@@ -46,7 +183,7 @@ class PredictionLog:
             raise ValueError(f"the prediction log's queue must hold at least 1 prediction, got {queue_size}")
         self.bootstrap, self.topic = bootstrap, topic
         self.queue_size, self.connect_timeout_s, self.retry_s, self.linger_ms = queue_size, connect_timeout_s, retry_s, linger_ms
-        self._queue: deque[Prediction] = deque()
+        self._queue: deque[tuple[bytes, bytes]] = deque()  # (key, encoded prediction)
         self._producer: Any = None
         # Each counter has one writer: record() (queued, dropped), the sender thread (refused),
         # close() (abandoned), kafka-python's I/O thread (sent, undelivered).
@@ -60,19 +197,12 @@ class PredictionLog:
         self._thread = threading.Thread(target=self._run, name="prediction-log", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_config(cls, cfg: "Config") -> "PredictionLog":
-        """The log ``serving.prediction_log`` asks for: ``topics.predictions`` on the configured cluster."""
-        return cls(cfg.kafka.bootstrap_servers, cfg.topics.predictions, cfg.serving.prediction_log_queue,
-                   cfg.kafka.connect_timeout_s)
-
-    # ------------------------------------------------------------------ the serving side
-    def record(self, prediction: Prediction) -> None:
-        """Queue one answered request for the log; O(1), never blocks, never raises."""
+    def record(self, key: bytes, value: bytes) -> None:
+        """Queue one encoded prediction; O(1), never blocks, never raises."""
         if len(self._queue) >= self.queue_size or self._closing.is_set():
             self._dropped += 1
             return
-        self._queue.append(prediction)
+        self._queue.append((key, value))
         self._queued += 1
 
     def counters(self) -> dict[str, int]:
@@ -141,12 +271,11 @@ class PredictionLog:
 
         n = 0
         while self._queue and n < self.DRAIN_AT_ONCE:
-            prediction = self._queue.popleft()
+            key, value = self._queue.popleft()
             n += 1
             try:
-                future = self._producer.send(self.topic, key=prediction_key(prediction.user_id),
-                                             value=encode_prediction(prediction))
-            except (KafkaError, ValueError, TypeError, OverflowError) as exc:  # a full buffer, or a malformed prediction
+                future = self._producer.send(self.topic, key=key, value=value)
+            except (KafkaError, ValueError, TypeError, OverflowError) as exc:  # a full buffer
                 self._refused += 1
                 self._note_error(exc)
                 continue
@@ -184,3 +313,51 @@ def _warn_if_slow_checksums() -> None:
     if getattr(util, "crc32c_c", None) is None:
         log.warning("prediction log: kafka-python checksums batches in pure Python (the crc32c package is not "
                     "installed); its CPU time grows with every byte logged and is taken from serving")
+
+
+def serve_sender(sock: socket.socket, sender: KafkaSender, shared: mmap.mmap, report_every_s: float = 0.1) -> None:
+    """The sender process's loop: encoded predictions from ``sock`` into ``sender`` until the
+    serving process closes its end (or goes away); its counters into ``shared`` as it goes."""
+    sock.settimeout(report_every_s)
+    while True:
+        try:
+            data = sock.recv(MAX_RECORD)
+        except TimeoutError:
+            data = None
+        except OSError:
+            break
+        if data == b"":
+            break
+        if data:
+            sender.record(data[1: 1 + data[0]], data[1 + data[0]:])
+        _report(shared, sender, done=False)
+
+
+def _report(shared: mmap.mmap, sender: KafkaSender, done: bool) -> None:
+    c = sender.counters()
+    _COUNTERS.pack_into(shared, 0, c["queued"], c["sent"], c["dropped"], c["failed"], c["backlog"], c["connected"], int(done))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The prediction log's sender process (started by the serving node).")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--counters", required=True)
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--queue-size", type=int, required=True)
+    parser.add_argument("--connect-timeout-s", type=float, required=True)
+    parser.add_argument("--retry-s", type=float, required=True)
+    parser.add_argument("--linger-ms", type=int, required=True)
+    parser.add_argument("--close-timeout-s", type=float, default=5.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s prediction-log %(process)d %(levelname)s %(message)s")
+    with open(args.counters, "r+b") as f:
+        shared = mmap.mmap(f.fileno(), _COUNTERS.size)
+    sender = KafkaSender(args.bootstrap, args.topic, args.queue_size, args.connect_timeout_s, args.retry_s, args.linger_ms)
+    serve_sender(socket.socket(fileno=args.fd), sender, shared)
+    sender.close(args.close_timeout_s)
+    _report(shared, sender, done=True)
+
+
+if __name__ == "__main__":
+    main()
