@@ -214,3 +214,18 @@ def test_records_on_an_object_store(s3_endpoint):
     node1.delete("base")
     node2.refresh()
     assert node2.names() == ["new"] and node2.as_json() == node1.as_json()
+
+
+def test_a_put_that_the_rebuilt_set_would_not_serve_is_refused_and_writes_nothing(tmp_path):
+    x = ExperimentEntry("x", (VariantEntry("c", "m1", 0.5), VariantEntry("t", "m2", 0.5)), layer="L", range_end=0.5)
+    book = Experiments([x], ["m1", "m2"], ExperimentStore(str(tmp_path)))
+    book.delete("x")
+    book.put(entry_from_json({"variants": [{"name": "c", "model": "m1", "share": 1.0}], "layer": "L", "range_end": 0.5}, name="a"))
+    (tmp_path / "_experiments" / "x.json").unlink()  # the configured x is back: it is taken first, "a" is ignored
+    book.refresh()
+    assert book.names() == ["x"] and "a" in book.ignored
+    stored = sorted(p.name for p in (tmp_path / "_experiments").iterdir())
+    with pytest.raises(ValueError, match="overlaps 'a'"):  # a PUT of x would bring "a" back and push x out on every node
+        book.put(entry_from_json({"variants": [{"name": "c", "model": "m1", "share": 0.8}, {"name": "t", "model": "m2", "share": 0.2}],
+                                  "layer": "L", "range_end": 0.5}, name="x"))
+    assert book.names() == ["x"] and sorted(p.name for p in (tmp_path / "_experiments").iterdir()) == stored

@@ -18,7 +18,8 @@ Background work (a shadow model's copy of a request, which nobody waits for) has
 its own: it runs in batches of its own (up to ``max_batch`` instances: a batch's fixed cost is
 most of a small one's), only when ``idle()`` says no batcher of the node has a request
 waiting, and is dropped when its lane holds more than ``max_queue_instances // 4``
-instances: a request someone waits for never queues behind more than one background batch.
+instances: a request someone waits for never queues behind more than the background batch in
+progress and one more.
 
 Which requests a batch takes: a request of at most ``max_batch // 16`` instances is *small*
 and waits in a lane of its own. A batch takes (1) the oldest request, whatever its size, (2)
@@ -298,6 +299,7 @@ class RequestBatcher:
         self._free -= 1
         if self._executor is None:
             self._run_here(batch, rows)
+            await self._read_backlog()  # requests that came meanwhile are queued before the next look at idle()
         else:
             asyncio.create_task(self._run(batch, rows))
 

@@ -235,6 +235,12 @@ class Experiments:
     def names(self) -> list[str]:
         return sorted(self._live)
 
+    def entries(self) -> list[ExperimentEntry]:
+        """Every experiment served now, by name (one read of the current map: a change on
+        another thread never shows half of it)."""
+        live = self._live
+        return [live[name].entry for name in sorted(live)]
+
     def get(self, name: str) -> ExperimentEntry:
         """The experiment ``name``; KeyError if this node serves none of that name."""
         return self._live[name].entry
@@ -271,9 +277,15 @@ class Experiments:
             if problems:
                 raise ValueError(f"experiment {entry.name!r}: " + "; ".join(problems))
             record = entry_to_json(entry)
+            records = {**self._records, entry.name: record}
+            live, ignored = self._resolve(records)
+            lost = sorted(set(self._live) - set(live))
+            if entry.name not in live or lost:  # the whole set, as every node will rebuild it, must serve it and drop nothing
+                why = ignored.get(entry.name) or f"it would stop experiment(s) {lost} in force (their layer and range overlap)"
+                raise ValueError(f"experiment {entry.name!r}: {why}")
             if self.store is not None:
                 self.store.put(entry.name, record)
-            self._apply({**self._records, entry.name: record})
+            self._apply(records)
 
     def delete(self, name: str) -> None:
         """Stop serving ``name`` on every node (KeyError if not served; OSError as ``put``)."""
@@ -297,6 +309,13 @@ class Experiments:
         model this node does not serve, or conflicts with an experiment already taken (the
         configuration's first, then the store's by name: every node decides alike) is not served
         here, and is listed in ``ignored``."""
+        live, ignored = self._resolve(records)
+        for name in sorted(set(ignored) - set(self.ignored)):
+            log.warning("experiment %r from the model store is not served on this node: %s", name, ignored[name])
+        self._records, self.ignored, self._live = records, ignored, live
+
+    def _resolve(self, records: dict[str, dict | None]) -> tuple[dict[str, _Live], dict[str, str]]:
+        """The experiments served and the records ignored (with why) under ``records``."""
         live = {n: _Live(e, "config") for n, e in self._config.items() if n not in records}
         ignored = {}
         for name in sorted(records):
@@ -312,6 +331,4 @@ class Experiments:
                 ignored[name] = "; ".join(problems)
             else:
                 live[name] = _Live(entry, "store")
-        for name in sorted(set(ignored) - set(self.ignored)):
-            log.warning("experiment %r from the model store is not served on this node: %s", name, ignored[name])
-        self._records, self.ignored, self._live = records, ignored, live
+        return live, ignored

@@ -42,6 +42,7 @@ from streamrec.serving.by_ids import ByIdsQuery, answer_json, fan_out_json
 from streamrec.serving.ipc import TO_FRONTEND, Outbox, frame, pack_columns, read_frame
 from streamrec.serving.messages import PROTOCOL, Call, Failed, Hello, PredictByIds, PredictColumns, Requests, Welcome
 from streamrec.serving.pauses import freeze_heap
+from streamrec.serving.quotas import OverQuota
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.routing import RequestRouter
 from streamrec.serving.shortcut import PredictShortcut, read_body, send_answer
@@ -155,6 +156,8 @@ class EngineClient:
         if isinstance(answer, Failed):
             if answer.spec_changed:
                 await self.hello()
+            if answer.retry_after_s is not None:
+                raise OverQuota(answer.message, answer.retry_after_s)
             raise ApiError(answer.status, answer.message)
         if answer.fan_out is not None:
             return fan_out_json(query.ts, answer.features_as_of, answer.features_stale, answer.features, answer.fan_out)

@@ -107,6 +107,7 @@ class Failed(msgspec.Struct, tag="failed"):
     status: int
     message: str
     spec_changed: bool = False  # the served feature spec may have changed: send Hello again
+    retry_after_s: int | None = None  # a caller over its quota: when its bucket holds a request again
 
 
 class Requests(msgspec.Struct, tag="requests"):

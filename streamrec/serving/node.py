@@ -17,13 +17,14 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import msgspec
 import numpy as np
 import orjson
 
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.predictions import Prediction
 from streamrec.model.columns import FeatureColumns
-from streamrec.serving.batcher import BatchResult
+from streamrec.serving.batcher import BatchResult, Shed
 from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
 from streamrec.serving.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
 from streamrec.serving.errors import ApiError, SpecChanged
@@ -62,7 +63,13 @@ class ShadowReply:
             self.node.log_prediction(self.engine, self.payload, result, self.call, shadow=True)
 
     def set_exception(self, exc: BaseException) -> None:
+        if isinstance(exc, Shed):  # waited past serving.queue_timeout_ms in the background lane
+            self.node.metrics.shadow.labels(self.engine.name, "shed").inc()
+            return
         self.node.metrics.shadow.labels(self.engine.name, "failed").inc()
+        if not self.node.shadow_failure_logged:
+            self.node.shadow_failure_logged = True
+            log.error("shadow model %s failed a request (logged once): %s", self.engine.name, exc)
 
 
 class ServingNode:
@@ -77,6 +84,7 @@ class ServingNode:
         self.welcome_listeners: list[Callable[[Welcome], None]] = []  # front-end links: told when experiments change
         self._caller_header, self._priority_header = (h.lower().encode("latin-1") for h in (settings.caller_header, settings.priority_header))
         self._request_prefix, self._request_ids = f"{socket.gethostname()}-{os.getpid()}-", itertools.count()  # the log's ids
+        self.shadow_failure_logged = False
         self._refresh: asyncio.Task | None = None
         for engine in engines:
             engine.on_answer = self._answered if prediction_log is not None or experiments is not None else None
@@ -108,7 +116,7 @@ class ServingNode:
         engine = self.engine(routed.model)
         result = await engine.score(routed.payload, timeout_s)
         if engine.on_answer is not None:
-            engine.on_answer(engine, routed.payload, result, routed.call)
+            engine.on_answer(engine, routed.payload, result, routed.call)  # never raises (_answered)
         if isinstance(result.scores, ByIdsScores):
             return result.scores.json(routed.ts, routed.extra)
         return orjson.dumps({"model_version": result.version, "scores": result.scores.tolist(), **routed.extra})
@@ -126,7 +134,7 @@ class ServingNode:
             engine = self.engine(message.model)
             engine.enqueue(payload, message.timeout_s, LinkReply(engine, message.id, outbox, payload, message.call, started))
         except ApiError as exc:
-            outbox.put(Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged)))
+            outbox.put(failed(message.id, exc))
 
     def admit(self, call: Call) -> None:
         """429 for a caller over its quota, or of a priority shed at the node's queue fill."""
@@ -159,9 +167,13 @@ class ServingNode:
 
     async def _fan_out_json(self, models: list[str], query: ByIdsQuery, timeout_s: float | None, call: Call) -> bytes:
         assembled, parts = await self._fan_out(models, query, timeout_s)
-        self._log_fan_out(query, assembled.as_of, parts, call)
+        try:
+            self._log_fan_out(query, assembled.as_of, parts, call)
+        except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
+            log.exception("prediction log of a fan-out failed")
+        features = assembled.features[0]
         return fan_out_json(query.ts, assembled.as_of, stale_features(assembled.as_of, self.settings),
-                            orjson.dumps(assembled.features[0]) if assembled.features else None, parts)
+                            orjson.dumps(features) if features is not None else None, parts)
 
     async def _fan_out_link(self, message: PredictByIds, query: ByIdsQuery, outbox: Outbox) -> None:
         try:
@@ -173,13 +185,25 @@ class ServingNode:
             log.exception("fan-out failed")
             outbox.put(Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}"))
             return
-        self._log_fan_out(query, assembled.as_of, parts, message.call)
-        features = orjson.dumps(assembled.features[0]) if assembled.features else None
+        try:
+            self._log_fan_out(query, assembled.as_of, parts, message.call)
+        except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
+            log.exception("prediction log of a fan-out failed")
+        features = orjson.dumps(assembled.features[0]) if assembled.features[0] is not None else None
         outbox.put(Scored(message.id, 0, b"", by_ids=True, features_as_of=assembled.as_of,
                           features_stale=stale_features(assembled.as_of, self.settings), features=features, fan_out=parts))
 
     def _answered(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
-        """Every answered request: into the prediction log, and to its shadow model if it has one."""
+        """Every answered request: into the prediction log, and to its shadow model if it has one.
+        Never raises: it runs among a batch's answers."""
+        try:
+            self._log_and_shadow(engine, payload, result, call)
+        except Exception:  # noqa: BLE001 -- the answer went out; the log and the shadow are best effort
+            log.exception("prediction log / shadow of an answered request failed")
+
+    def _log_and_shadow(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
+        if call.request_id is None and (self.prediction_log is not None and call.log):
+            call = msgspec.structs.replace(call, request_id=self.new_request_id())  # the primary's and its shadow's records share it
         if self.prediction_log is not None:
             self.log_prediction(engine, payload, result, call)
         if call.shadow_model:
@@ -196,8 +220,14 @@ class ServingNode:
         as_of = result.scores.features_as_of if isinstance(result.scores, ByIdsScores) else None
         self._record(call, engine.name, result.version, payload, scores, as_of, shadow)
 
+    def new_request_id(self) -> str:
+        """An id for the prediction log's records of a request that came without x-request-id."""
+        return f"{self._request_prefix}{next(self._request_ids)}"
+
     def _log_fan_out(self, query: ByIdsQuery, as_of: int | None, parts: list[ModelScores], call: Call) -> None:
-        if self.prediction_log is not None:
+        if self.prediction_log is not None and call.log:
+            if call.request_id is None:
+                call = msgspec.structs.replace(call, request_id=self.new_request_id())  # every model's record shares it
             for part in parts:
                 if part.scores is not None:
                     self._record(call, part.model, part.model_version, query, np.frombuffer(part.scores, np.float32), as_of, False)
@@ -209,7 +239,7 @@ class ServingNode:
         their instances' latest ``ts``). A request sent with ``x-prediction-log: off`` is not logged."""
         if not call.log:
             return
-        request_id = call.request_id or f"{self._request_prefix}{next(self._request_ids)}"
+        request_id = call.request_id or self.new_request_id()
         if isinstance(payload, ByIdsQuery):
             parts = [(payload.ts, payload.user_id, payload.candidates[:, 0], scores)]
         else:
@@ -234,7 +264,7 @@ class ServingNode:
         """The experiments in force, as front-ends rebuild them (serving/experiments.py ``entry_from_json``)."""
         if self.experiments is None:
             return []
-        return [entry_to_json(self.experiments.get(name)) for name in self.experiments.names()]
+        return [entry_to_json(entry) for entry in self.experiments.entries()]
 
     def experiments_changed(self) -> None:
         """Tell every front-end the experiments now in force."""
@@ -252,6 +282,8 @@ class ServingNode:
                 await loop.run_in_executor(None, self.experiments.refresh)
             except (OSError, ValueError) as exc:
                 log.warning("experiments: the model store cannot be read (%s); keeping the ones in force", exc)
+            except Exception:  # noqa: BLE001 -- the node keeps following the store whatever one refresh does
+                log.exception("experiments: refresh failed; keeping the ones in force")
             if self.experiments_json() != before:
                 self.experiments_changed()
 
@@ -316,3 +348,8 @@ class ServingNode:
         if self.prediction_log is not None:
             self.prediction_log.close()
 
+
+def failed(request_id: int, exc: ApiError) -> Failed:
+    """The link's answer for a request refused with ``exc``."""
+    return Failed(request_id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged),
+                  retry_after_s=getattr(exc, "retry_after_s", None))

@@ -107,8 +107,12 @@ def call_of(headers: list[tuple[bytes, bytes]], caller_header: bytes, priority_h
         if key == b"x-request-id":
             request_id = value[:200].decode("latin-1")
         elif key == caller_header:
+            if api_key is not None:
+                raise ApiError(400, f"more than one {caller_header.decode('latin-1')} header: send exactly one")
             api_key = value[:500].decode("latin-1")
         elif key == priority_header:
+            if priority is not None:
+                raise ApiError(400, f"more than one {priority_header.decode('latin-1')} header: send exactly one")
             priority = value[:20].decode("latin-1")
         elif key == LOG_HEADER:
             if value.strip().lower() not in (b"on", b"off", b"true", b"false", b"1", b"0"):
