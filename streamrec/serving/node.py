@@ -87,8 +87,8 @@ class ServingNode:
         self.shadow_failure_logged = False
         self._refresh: asyncio.Task | None = None
         for engine in engines:
-            engine.on_answer = self._answered if prediction_log is not None or experiments is not None else None
             engine.batcher.idle = self._idle
+        self._install_hooks()
 
     # ------------------------------------------------------------------ models
     def engine(self, model: str) -> ServingEngine:
@@ -266,8 +266,15 @@ class ServingNode:
             return []
         return [entry_to_json(entry) for entry in self.experiments.entries()]
 
+    def _install_hooks(self) -> None:
+        """The per-answer hook only where something needs it: the prediction log, or a shadow model."""
+        shadows = self.experiments is not None and any(e.shadow_model for e in self.experiments.entries())
+        for engine in self.engines.values():
+            engine.on_answer = self._answered if self.prediction_log is not None or shadows else None
+
     def experiments_changed(self) -> None:
         """Tell every front-end the experiments now in force."""
+        self._install_hooks()
         welcome = self.hello()
         for listener in self.welcome_listeners:
             listener(welcome)
