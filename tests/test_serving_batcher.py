@@ -390,7 +390,7 @@ class BackgroundReply:
 
 
 def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle():
-    recorder, gate = Recorder(gate=threading.Event()), threading.Event()
+    recorder = Recorder(gate=threading.Event())
     busy_elsewhere = [True]  # another batcher of the node has a request waiting
 
     async def scenario():
