@@ -35,6 +35,7 @@ from streamrec.contracts.sample_wire import decode_samples
 from streamrec.modelstore.store import ModelStore
 from streamrec.demo.experiment import LiveExperiment, publish_copy
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.serving.errors import NOT_LOADED
 
 log = logging.getLogger("streamrec.demo")
 CHUNK = 256  # instances per predict request
@@ -277,8 +278,8 @@ class ServingProbe(BackgroundProbe):
         latest prediction at or before its own ts, so one user's earlier slates go apart.
         The requests go out over several connections at once: one at a time, the probe would
         fall behind the samples and the answering versions would have trained on them.
-        503s until both variants have answered (the frozen model is published after warm-up)
-        are start-up, not failures."""
+        A 503 because the user's variant has no version yet (the frozen model is published after
+        warm-up) is start-up, not a failure."""
         requests: dict[tuple[int, int], list] = defaultdict(list)
         for r in records:
             sample = orjson.loads(r.value)
@@ -292,8 +293,8 @@ class ServingProbe(BackgroundProbe):
             if status == 200:
                 with self._lock:
                     exp.variant_of_user[user] = body["variant"]
-            elif status == 503 and len(set(exp.variant_of_user.values())) < 2:
-                exp.unscored += len(group)
+            elif status == 503 and isinstance(body, dict) and str(body.get("error", {}).get("message", "")).startswith(NOT_LOADED):
+                exp.unscored += len(group)  # the user's variant has no version yet: the frozen copy comes after warm-up
             else:
                 exp.failed_requests += 1
                 log.warning("experiment predict failed (%d): %s", status, body)

@@ -41,8 +41,11 @@ def no_feature_store() -> ApiError:
                          'send {"instances": [...]} with every feature')
 
 
+NOT_LOADED = "no model version is loaded yet"  # how a 503 of a model without a version begins (clients may tell it apart)
+
+
 def not_loaded() -> ApiError:
-    return SpecChanged("no model version is loaded yet; try again shortly (GET /readyz)")
+    return SpecChanged(f"{NOT_LOADED}; try again shortly (GET /readyz)")
 
 
 def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:
