@@ -20,21 +20,23 @@ from streamrec.contracts.feature_state import END_OF_INPUT
 def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Per query ``i``: ``np.searchsorted(values[starts[i]: starts[i] + lengths[i]], targets[i])``
     (each segment ascending; side "left"), all queries at once. ``starts``, ``lengths``, ``targets``:
-    int64 [q]; returns int64 [q] positions within the segments."""
-    lo = np.zeros(len(targets), np.int64)
-    hi = lengths.astype(np.int64, copy=True)
-    if not len(values):
-        return lo
+    int64 [q]; returns int64 [q] positions within the segments.
+
+    Branch-free halving: every step halves each query's remaining range (whatever its answer),
+    so there is no mask of finished queries to keep and no test of it per step."""
+    base = np.zeros(len(targets), np.int64)
+    if not len(values) or not len(targets):
+        return base
+    remaining = lengths.astype(np.int64, copy=True)
     last = len(values) - 1
-    active = lo < hi
-    while active.any():
-        mid = (lo + hi) >> 1
-        at = values[np.minimum(starts + mid, last)]
-        right = (at < targets) & active
-        lo = np.where(right, mid + 1, lo)
-        hi = np.where(active & ~right, mid, hi)
-        active = lo < hi
-    return lo
+    while True:
+        half = remaining >> 1
+        if not half.any():
+            break
+        below = values[np.minimum(starts + base + half - 1, last)] < targets
+        base += np.where(below, half, 0)
+        remaining -= half
+    return base + ((remaining > 0) & (values[np.minimum(starts + base, last)] < targets))
 
 
 def counts_until_many(lists: tuple, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -51,13 +53,18 @@ def counts_until_many(lists: tuple, slots: np.ndarray, ts: np.ndarray, windows_m
     # One search per list for ts and every window's start: times are integers, so "after
     # ts - W" (side right) is "at or after ts - W + 1" (side left); and ts - W < ts, so a
     # window's start searched in the whole list lands before ts's position anyway.
-    targets = np.concatenate([ts[:, None], ts[:, None] - windows + 1], axis=1).reshape(-1)
+    starts_of = ts[:, None] - windows + 1
     for k, times in enumerate(lists):
         values = times.values[: max(times.used, 1)]
         last = len(values) - 1
         starts, lengths = times.start[slots].astype(np.int64), times.length[slots].astype(np.int64)
-        found = segment_searchsorted(values, np.repeat(starts, w + 1), np.repeat(lengths, w + 1), targets).reshape(q, w + 1)
-        hi, lows = found[:, 0], found[:, 1:]  # times before ts; times at or before each window's start
+        # times before ts: all of them when the newest is (requests ask about now: nearly always), else searched
+        hi = lengths.copy()
+        later = np.flatnonzero((lengths > 0) & (values[np.minimum(starts + lengths - 1, last)] >= ts))
+        if len(later):
+            hi[later] = segment_searchsorted(values, starts[later], lengths[later], ts[later])
+        # times at or before each window's start, searched among those before ts
+        lows = segment_searchsorted(values, np.repeat(starts, w), np.repeat(hi, w), starts_of.reshape(-1)).reshape(q, w)
         counts[:, k::2] = hi[:, None] - lows
         entering = hi < lengths  # the next event enters every window
         until = np.where(entering, np.minimum(until, values[np.minimum(starts + hi, last)] + 1), until)
