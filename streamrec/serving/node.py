@@ -151,7 +151,11 @@ class ServingNode:
         queued on every model's batcher as columns. A model that cannot answer says why in its part."""
         engines = [self.engine(m) for m in models]
         engines[0].check_horizon(query)
-        assembled = self.features.assemble_batch([query])
+        try:
+            assembled = self.features.assemble_batch([query])
+        except Exception as exc:  # noqa: BLE001 -- as in a batch: the request fails with a 503, the node goes on
+            log.exception("online feature assembly of a fan-out failed")
+            raise ApiError(503, f"the online features could not be assembled: {type(exc).__name__}: {exc}; retry") from None
         self.metrics.fan_out.inc()
         outcomes = await asyncio.gather(*(e.score(assembled.columns, timeout_s) for e in engines), return_exceptions=True)
         parts = []
