@@ -39,10 +39,17 @@ logged node, default 2: request timeout 5 s, delivery timeout 12 s) lets a short
 kafka-python's timeouts and give-ups; the default 20 s would ride it out in its buffer.
 The routing and shadow parts are skipped.
 
+``--quotas`` measures instead "a caller over its quota is held to it while the others keep
+their p99": one node with a caller "metered" (``--quota-rate`` requests/s, burst the same);
+the others (no key) at one fixed open-loop load, alone and beside the metered caller flooding
+on ``--flood-threads`` connections, windows alternated. Reported: the metered caller's
+admitted rate after its burst vs its quota, and the others' p50/p99 beside vs alone.
+
 Usage: python bench/bench_model_access.py [--quick] [--device cpu|cuda] [--frontends N] [--instances 200]
-           [--samples RUN | --model-store STORE] [--stalled-log] [--out FILE]
+           [--samples RUN | --model-store STORE] [--stalled-log | --quotas] [--out FILE]
 Writes bench/results/model_access_<device>.json (with --stalled-log,
-model_access_stalled_log_<device>.json) unless --out names another file.
+model_access_stalled_log_<device>.json; with --quotas, model_access_quotas_<device>.json)
+unless --out names another file.
 """
 
 from __future__ import annotations
@@ -217,13 +224,17 @@ def main() -> None:
     parser.add_argument("--log-connect-timeout-s", type=float, default=2.0,
                         help="--stalled-log: kafka.connect_timeout_s of the logged node (its producer's request timeout: max(this, 5) s)")
     parser.add_argument("--stall-reps", type=int, default=3, help="--stalled-log: windows per node and phase, nodes alternated")
+    parser.add_argument("--quotas", action="store_true",
+                        help="instead: a caller flooding past its quota vs the others' latency (serving.callers)")
+    parser.add_argument("--quota-rate", type=float, default=20.0, help="--quotas: the metered caller's rate_per_s (burst: the same)")
+    parser.add_argument("--flood-threads", type=int, default=4, help="--quotas: the metered caller's closed-loop connections")
     parser.add_argument("--out", help="the JSON file (default bench/results/model_access_<device>.json)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or ([1, 2, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
     args.seconds = args.seconds or (3.0 if args.quick else 5.0)
     args.reps = args.reps or 2
     args.fixed_reps = args.fixed_reps or (2 if args.quick else 3)
-    kind = "model_access_stalled_log" if args.stalled_log else "model_access"
+    kind = "model_access_stalled_log" if args.stalled_log else "model_access_quotas" if args.quotas else "model_access"
     out = Path(args.out or REPO / "bench" / "results" / f"{kind}_{args.device.split(':')[0]}.json")
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="streamrec-bench-access-"))
@@ -243,6 +254,18 @@ def main() -> None:
             result["bench"] = "model_access_stalled_log"
             result["config"].update(serving_toml=None, prediction_log="plain: false, logged: true")
             stalled_log(root, bodies, args, result, tmp)
+        elif args.quotas:
+            result["bench"] = "model_access_quotas"
+            callers = QUOTAS.format(rate=args.quota_rate)
+            config.write_text(CONFIG + callers)
+            result["config"]["serving_toml"] = CONFIG + callers
+            proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
+                                      extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
+            try:
+                quotas(port, bodies, args, result)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
         else:
             proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
                                       extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
@@ -530,6 +553,83 @@ def print_stalled(result: dict, args) -> None:
     resume = r["phases"]["stalled"]["after_resume"]
     print(f"after SIGCONT ({resume['waited_s']:.1f} s): " + ", ".join(f"{k} {v}" for k, v in resume["log_delta_since_phase_end"].items())
           + f"; totals {resume['log']}")
+
+
+QUOTAS = """
+[[serving.callers]]
+name = "metered"
+key = "metered-key"
+rate_per_s = {rate}
+burst = {rate:.0f}
+"""
+
+
+def flood(port: int, body: bytes, key: str, seconds: float, threads: int) -> dict:
+    """A caller sending as fast as its ``threads`` connections allow, for ``seconds``."""
+    import threading
+
+    statuses: list[int] = []
+    stop = time.monotonic() + seconds
+
+    def send() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        while time.monotonic() < stop:
+            conn.request("POST", DIRECT, body=body, headers={"content-type": "application/json", "x-api-key": key})
+            response = conn.getresponse()
+            response.read()
+            statuses.append(response.status)
+
+    started = time.monotonic()
+    workers = [threading.Thread(target=send) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - started
+    return {"seconds": elapsed, "sent": len(statuses), "admitted": statuses.count(200), "over_quota": statuses.count(429),
+            "admitted_per_s": statuses.count(200) / elapsed, "other": len(statuses) - statuses.count(200) - statuses.count(429)}
+
+
+def quotas(port: int, bodies: list[bytes], args, result: dict) -> None:
+    """The other callers' latency at a fixed open-loop load, alone and beside a metered caller
+    flooding past its quota (windows alternated); the metered caller's admitted rate vs its quota."""
+    import threading
+
+    seconds = max(args.seconds, 4.0)
+    load(port, bodies, 4, 2.0, args.client_processes)  # warm-up
+    basis = load(port, bodies, 4, seconds, args.client_processes)
+    rate = args.rate or args.load_share * basis["qps"]
+    print(f"others: {rate:.1f} req/s offered (open loop); metered caller: quota {args.quota_rate:g}/s, "
+          f"{args.flood_threads} connections flooding", flush=True)
+    alone, beside, floods = [], [], []
+    for rep in range(args.fixed_reps):
+        for phase in (("alone", "beside") if rep % 2 == 0 else ("beside", "alone")):
+            if phase == "alone":
+                alone.append(open_loop(port, bodies, rate, seconds, args.client_processes, args.threads))
+                continue
+            time.sleep(1.0 + 1.0)  # the metered bucket refills (burst = one second's worth): each flood starts from a full one
+            got: dict = {}
+            flooder = threading.Thread(target=lambda: got.update(flood(port, bodies[0], "metered-key", seconds + 1.0, args.flood_threads)))
+            flooder.start()
+            beside.append(open_loop(port, bodies, rate, seconds, args.client_processes, args.threads))
+            flooder.join()
+            floods.append(got)
+            print(f"  metered: {got['admitted_per_s']:.1f} admitted/s of {got['sent'] / got['seconds']:.0f} sent/s "
+                  f"(quota {args.quota_rate:g}/s); others p50 {beside[-1]['accepted_p50_ms']:.2f} p99 {beside[-1]['accepted_p99_ms']:.2f} ms "
+                  f"vs alone p50 {alone[-1]['accepted_p50_ms'] if alone else float('nan'):.2f} p99 "
+                  f"{alone[-1]['accepted_p99_ms'] if alone else float('nan'):.2f} ms", flush=True)
+    keys = ("goodput_rps", "accepted_p50_ms", "accepted_p99_ms")
+    a, b = median_row(alone, keys), median_row(beside, keys)
+    # the bucket's burst is admitted once at the start of each flood: the sustained rate is the rest
+    held = [(f["admitted"] - args.quota_rate) / f["seconds"] for f in floods]
+    result["quotas"] = {"others_offered_rps": rate, "window_s": seconds, "quota_rate_per_s": args.quota_rate,
+                        "others_alone": {**a, "windows": alone}, "others_beside_flood": {**b, "windows": beside}, "floods": floods,
+                        "metered_sustained_per_s": held, "metered_vs_quota": [h / args.quota_rate for h in held],
+                        "others_p50_ratio": b["accepted_p50_ms"] / a["accepted_p50_ms"],
+                        "others_p99_ratio": b["accepted_p99_ms"] / a["accepted_p99_ms"]}
+    q = result["quotas"]
+    print(f"metered caller held to {', '.join(f'{r:.3f}' for r in q['metered_vs_quota'])} x its quota (burst excluded); "
+          f"others beside the flood: p50 {q['others_p50_ratio']:.2f}x, p99 {q['others_p99_ratio']:.2f}x alone", flush=True)
 
 
 if __name__ == "__main__":
