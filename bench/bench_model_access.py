@@ -259,27 +259,26 @@ def main() -> None:
             callers = QUOTAS.format(rate=args.quota_rate)
             config.write_text(CONFIG + callers)
             result["config"]["serving_toml"] = CONFIG + callers
-            proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
-                                      extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
-            try:
-                quotas(port, bodies, args, result)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+            on_one_node(root, config, args, lambda port: quotas(port, bodies, args, result))
         else:
-            proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
-                                      extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
-            try:
-                measure(port, bodies, args, result)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+            on_one_node(root, config, args, lambda port: measure(port, bodies, args, result))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result["wall_s"] = time.monotonic() - started
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
+
+
+def on_one_node(root: Path, config: Path, args, run) -> None:
+    """``run(port)`` against one node of ``config`` (no prediction log), stopped afterwards."""
+    proc, port = start_server(root, args.device, args.max_batch, args.max_delay_us, args.workers, args.compile, args.frontends,
+                              extra_env={"STREAMREC_CONFIG": str(config), "STREAMREC_SERVING__PREDICTION_LOG": "false"})
+    try:
+        run(port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def measure(port: int, bodies: list[bytes], args, result: dict) -> None:
