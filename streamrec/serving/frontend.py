@@ -28,13 +28,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import orjson
 import uvicorn
 
 from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.plumbing.processes import python_env
 from streamrec.serving.errors import ApiError, SpecChanged, not_loaded
 from streamrec.serving.experiments import Experiments, entry_from_json
 from streamrec.serving.guard import HttpLimits, throttle_logs
@@ -269,10 +269,7 @@ class FrontendPool:
         self._watch: threading.Thread | None = None
 
     def start(self) -> "FrontendPool":
-        env = dict(os.environ)
-        checkout = Path(__file__).resolve().parents[2]  # a source checkout's root: its package must be importable
-        if (checkout / "pyproject.toml").is_file():
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
+        env = python_env()
         self._spawn = lambda: subprocess.Popen(self.plan.command(), env=env)
         self.procs = [self._spawn() for _ in range(self.plan.count)]
         self._watch = threading.Thread(target=self._supervise, name="frontend-supervisor", daemon=True)

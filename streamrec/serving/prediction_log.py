@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrec.contracts.predictions import Prediction, encode_prediction, prediction_key
+from streamrec.plumbing.processes import python_env
 
 if TYPE_CHECKING:
     from streamrec.plumbing.config import Config
@@ -151,15 +152,6 @@ class PredictionLog:
         if counters["dropped"] or counters["failed"] or counters["pending"]:
             log.warning("prediction log closed: %s", counters)
         return counters
-
-
-def python_env() -> dict[str, str]:
-    """The environment of a child ``python -m streamrec...``: a source checkout's package importable."""
-    env = dict(os.environ)
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
-    return env
 
 
 class KafkaSender:
