@@ -25,8 +25,8 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded
-from streamrec.serving.ipc import Outbox
-from streamrec.serving.messages import Call, Failed, Scored
+from streamrec.serving.ipc import Outbox, failed
+from streamrec.serving.messages import Call, Scored
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ModelMetrics
 from streamrec.serving.request import InstanceDecoder
@@ -87,8 +87,7 @@ class LinkReply:
 
     def set_exception(self, exc: BaseException) -> None:
         self.answered = True
-        error = self.engine.failure(exc, self.started)
-        self.outbox.put(Failed(self.id, error.status, error.message, spec_changed=isinstance(error, SpecChanged)))
+        self.outbox.put(failed(self.id, self.engine.failure(exc, self.started)))
 
 
 class ServingEngine:

@@ -166,8 +166,16 @@ class EngineLink:
     def _take(self, message: PredictColumns | PredictByIds, outbox: Outbox) -> None:
         try:
             self.take(message, outbox)
-        except ApiError as exc:
-            outbox.put(Failed(message.id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged)))
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer
-            log.exception("unexpected error")
-            outbox.put(Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}"))
+            if not isinstance(exc, ApiError):
+                log.exception("unexpected error")
+            outbox.put(failed(message.id, exc))
+
+
+def failed(request_id: int, exc: BaseException) -> Failed:
+    """The link's answer for a request that failed with ``exc``: an ApiError as it says (a quota's
+    Retry-After with it), anything else a 500."""
+    if not isinstance(exc, ApiError):
+        return Failed(request_id, 500, f"internal error: {type(exc).__name__}: {exc}")
+    return Failed(request_id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged),
+                  retry_after_s=getattr(exc, "retry_after_s", None))

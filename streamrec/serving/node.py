@@ -27,10 +27,10 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.serving.batcher import BatchResult, Shed
 from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
 from streamrec.serving.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
-from streamrec.serving.errors import ApiError, SpecChanged
+from streamrec.serving.errors import ApiError
 from streamrec.serving.experiments import entry_to_json
-from streamrec.serving.ipc import Outbox, payload_of
-from streamrec.serving.messages import PROTOCOL, Call, Failed, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
+from streamrec.serving.ipc import Outbox, failed, payload_of
+from streamrec.serving.messages import PROTOCOL, Call, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.pauses import GcPauses
@@ -146,9 +146,10 @@ class ServingNode:
         self.callers.admit(headers, fill)
 
     # ------------------------------------------------------------------ fan-out, shadow, log
-    async def _fan_out(self, models: list[str], query: ByIdsQuery, timeout_s: float | None) -> tuple[Any, list[ModelScores]]:
+    async def _fan_out(self, models: list[str], query: ByIdsQuery, timeout_s: float | None, call: Call) -> tuple[Any, list[ModelScores]]:
         """One by-ids request scored by several models: its features assembled once, then
-        queued on every model's batcher as columns. A model that cannot answer says why in its part."""
+        queued on every model's batcher as columns, every answer logged. A model that cannot
+        answer says why in its part."""
         engines = [self.engine(m) for m in models]
         engines[0].check_horizon(query)
         try:
@@ -167,32 +168,26 @@ class ServingNode:
                 parts.append(ModelScores(engine.name, status=500, message=f"internal error: {type(outcome).__name__}: {outcome}"))
             else:
                 parts.append(ModelScores(engine.name, outcome.version, np.asarray(outcome.scores, np.float32).tobytes()))
-        return assembled, parts
-
-    async def _fan_out_json(self, models: list[str], query: ByIdsQuery, timeout_s: float | None, call: Call) -> bytes:
-        assembled, parts = await self._fan_out(models, query, timeout_s)
         try:
             self._log_fan_out(query, assembled.as_of, parts, call)
         except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
             log.exception("prediction log of a fan-out failed")
+        return assembled, parts
+
+    async def _fan_out_json(self, models: list[str], query: ByIdsQuery, timeout_s: float | None, call: Call) -> bytes:
+        assembled, parts = await self._fan_out(models, query, timeout_s, call)
         features = assembled.features[0]
         return fan_out_json(query.ts, assembled.as_of, stale_features(assembled.as_of, self.settings),
                             orjson.dumps(features) if features is not None else None, parts)
 
     async def _fan_out_link(self, message: PredictByIds, query: ByIdsQuery, outbox: Outbox) -> None:
         try:
-            assembled, parts = await self._fan_out(message.models, query, message.timeout_s)
-        except ApiError as exc:
-            outbox.put(Failed(message.id, exc.status, exc.message))
-            return
+            assembled, parts = await self._fan_out(message.models, query, message.timeout_s, message.call)
         except Exception as exc:  # noqa: BLE001 -- every request gets an answer
-            log.exception("fan-out failed")
-            outbox.put(Failed(message.id, 500, f"internal error: {type(exc).__name__}: {exc}"))
+            if not isinstance(exc, ApiError):
+                log.exception("fan-out failed")
+            outbox.put(failed(message.id, exc))
             return
-        try:
-            self._log_fan_out(query, assembled.as_of, parts, message.call)
-        except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
-            log.exception("prediction log of a fan-out failed")
         features = orjson.dumps(assembled.features[0]) if assembled.features[0] is not None else None
         outbox.put(Scored(message.id, 0, b"", by_ids=True, features_as_of=assembled.as_of,
                           features_stale=stale_features(assembled.as_of, self.settings), features=features, fan_out=parts))
@@ -206,9 +201,8 @@ class ServingNode:
             log.exception("prediction log / shadow of an answered request failed")
 
     def _log_and_shadow(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
-        if call.request_id is None and (self.prediction_log is not None and call.log):
-            call = msgspec.structs.replace(call, request_id=self.new_request_id())  # the primary's and its shadow's records share it
         if self.prediction_log is not None:
+            call = self._with_request_id(call)  # the primary's and its shadow's records share it
             self.log_prediction(engine, payload, result, call)
         if call.shadow_model:
             shadow = self.engines.get(call.shadow_model)
@@ -224,26 +218,27 @@ class ServingNode:
         as_of = result.scores.features_as_of if isinstance(result.scores, ByIdsScores) else None
         self._record(call, engine.name, result.version, payload, scores, as_of, shadow)
 
-    def new_request_id(self) -> str:
-        """An id for the prediction log's records of a request that came without x-request-id."""
-        return f"{self._request_prefix}{next(self._request_ids)}"
+    def _with_request_id(self, call: Call) -> Call:
+        """``call`` with the id its prediction-log records share: the client's x-request-id, else one made up here."""
+        if call.request_id is not None or not call.log:
+            return call
+        return msgspec.structs.replace(call, request_id=f"{self._request_prefix}{next(self._request_ids)}")
 
     def _log_fan_out(self, query: ByIdsQuery, as_of: int | None, parts: list[ModelScores], call: Call) -> None:
         if self.prediction_log is not None and call.log:
-            if call.request_id is None:
-                call = msgspec.structs.replace(call, request_id=self.new_request_id())  # every model's record shares it
+            call = self._with_request_id(call)  # every model's record shares it
             for part in parts:
                 if part.scores is not None:
                     self._record(call, part.model, part.model_version, query, np.frombuffer(part.scores, np.float32), as_of, False)
 
     def _record(self, call: Call, model: str, version: int, payload: FeatureColumns | ByIdsQuery, scores: np.ndarray,
                 as_of: int | None, shadow: bool) -> None:
-        """An answer into the prediction log (cheap here: the log encodes on its own thread):
+        """An answer into the prediction log (one encode and a non-blocking send a record):
         one record per user, at the request's event time (an instances request: per user,
         their instances' latest ``ts``). A request sent with ``x-prediction-log: off`` is not logged."""
         if not call.log:
             return
-        request_id = call.request_id or self.new_request_id()
+        request_id = self._with_request_id(call).request_id
         if isinstance(payload, ByIdsQuery):
             parts = [(payload.ts, payload.user_id, payload.candidates[:, 0], scores)]
         else:
@@ -359,8 +354,3 @@ class ServingNode:
         if self.prediction_log is not None:
             self.prediction_log.close()
 
-
-def failed(request_id: int, exc: ApiError) -> Failed:
-    """The link's answer for a request refused with ``exc``."""
-    return Failed(request_id, exc.status, exc.message, spec_changed=isinstance(exc, SpecChanged),
-                  retry_after_s=getattr(exc, "retry_after_s", None))
