@@ -56,8 +56,8 @@ class RequestRouter:
         self._keys = itertools.count()
 
     def route(self, kind: str, name: str, body: bytes, call: Call) -> Routed:
-        by_ids = is_by_ids(body)
-        request = self._decode_ids(body) if by_ids else None
+        now = int(time.time() * 1000)
+        request = self._decode_ids(body, now) if is_by_ids(body) else None
         extra: dict = {}
         if kind == EXPERIMENTS:
             if request is not None and request.models:
@@ -77,18 +77,17 @@ class RequestRouter:
                 raise invalid_instances([f"instance {i}: {reason}" for i, reason in rejected])
             return Routed(model, columns, call, extra=extra)
         fan_out = None
-        if request.models:
-            fan_out = list(dict.fromkeys([model, *request.models])) if kind == EXPERIMENTS else list(dict.fromkeys(request.models))
+        if request.models:  # (models only: an experiment's request with "models" was refused above)
+            fan_out = list(dict.fromkeys(request.models))
             for m in fan_out:
                 self.served(m)
             model = fan_out[0]
-        now = int(time.time() * 1000)
         return Routed(model, query_of(request, now), call, fan_out, extra)
 
-    def _decode_ids(self, body: bytes):
+    def _decode_ids(self, body: bytes, now_ms: int):
         if not self.by_ids:
             raise no_feature_store()
-        return self.ids_decoder.decode(body, int(time.time() * 1000))
+        return self.ids_decoder.decode(body, now_ms)
 
     def _assign(self, name: str, user: int, call: Call):
         if self.experiments is None:
