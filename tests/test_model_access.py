@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 
 import numpy as np
 import orjson
@@ -215,6 +216,17 @@ def test_a_caller_is_held_to_its_quota_while_others_are_served(nodes):
         status, error, headers = http(b, "POST", "/v1/models/ctr:predict", by_ids(3, ts), {"x-api-key": "metered-key"})
     assert status == 429 and "'metered'" in error["error"]["message"] and int(headers["retry-after"]) >= 1
     assert http(b, "POST", "/v1/models/ctr:predict", by_ids(3, ts), {"x-priority": "urgent"})[0] == 400
+    status, error, _ = http(b, "POST", "/v1/models/ctr:predict", by_ids(3, ts), {"x-prediction-log": "maybe"})
+    assert status == 400 and "x-prediction-log" in error["error"]["message"]
+    conn = HTTPConnection("127.0.0.1", int(b.rsplit(":", 1)[1]), timeout=30)  # a repeated key: which one counts?
+    conn.putrequest("POST", "/v1/models/ctr:predict")
+    for header, value in (("x-api-key", "metered-key"), ("x-api-key", "batch-key"), ("content-type", "application/json")):
+        conn.putheader(header, value)
+    data = orjson.dumps(by_ids(3, ts))
+    conn.putheader("content-length", str(len(data)))
+    conn.endheaders(data)
+    response = conn.getresponse()
+    assert response.status == 400 and b"more than one x-api-key" in response.read()
     metrics = urllib.request.urlopen(b + "/metrics", timeout=30).read().decode()
     assert 'streamrec_serving_caller_requests_total{caller="metered",outcome="over_quota"}' in metrics
     assert "metered-key" not in metrics

@@ -7,9 +7,9 @@ socket is full the prediction is dropped and counted. The sender process (``pyth
 streamrec.serving.prediction_log``, started by the log) keeps a bounded queue and a kafka-python
 producer, which batches (linger) and retries on its own I/O thread; a broker away at start is
 ridden out by reconnecting every ``retry_s``. Why a process of its own: a producer whose broker
-stops answering keeps its threads busy, and in the serving process they took the GIL from the
-event loop (bench/RESULTS.md, "Model access": answers went from milliseconds to a second with
-the broker stalled). Whatever the broker does now, ``record`` costs the same: one ``send``.
+stops answering keeps its threads busy, and in the serving process they would take the GIL from
+the event loop (bench/RESULTS.md, "Prediction log with its broker stalled"). Whatever the broker
+does, ``record`` costs the same: one ``send``.
 The sender's counters are in a small shared file the serving process reads when asked.
 """
 
