@@ -80,12 +80,20 @@ def _join(rank: int, world: int, init: str, backend: str) -> tuple[torch.device,
     return device, Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
 
 
-def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool) -> tuple[Any, dict]:
-    """One step of the exchange: split sizes agreed first (``agreed``) or exchanged by
+def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool, on_host: bool = False) -> tuple[Any, dict]:
+    """One step of the exchange: split sizes agreed first (``agreed``; the ids laid out on
+    the host with ``on_host``, as the trainer's prefetch thread does) or exchanged by
     find_or_insert; then backward with ``_grad`` as the model's would leave it, and the update.
     Returns the rows found and a copy of them taken before the update."""
     if agreed:
-        sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=sharded.plan(ids)).counts)
+        host = sharded.layout_on_host({n: t.cpu() for n, t in ids.items()}) if on_host else None
+        if on_host:  # the host's layout is the device's
+            on_device = sharded._layout(ids)
+            assert host.send_counts == on_device.send_counts and host.sizes == on_device.sizes
+            assert torch.equal(host.routed[0].to(ids["a"].device), on_device.keys)
+            assert torch.equal(host.routed[1].to(ids["a"].device), on_device.order)
+        counts = sharded.plan(None if on_host else ids, host=host)
+        sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
     pulled = sharded.find_or_insert(ids, now_ms=step)
     before = {n: pulled.embeddings[n].detach().cpu() for n in ids}
     torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
@@ -111,15 +119,17 @@ def _replay_on_one_store(ref: EmbeddingCollection, per_rank: list, tables: tuple
             ref[n].apply_gradients(pulled[n], summed / 2)
 
 
-def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", agreed: bool = False) -> None:
-    """``agreed``: the split sizes travel in the trainer's per-step agreement (``plan``,
-    ``agree``, ``agreed``), else in the exchange's own counts all_to_all."""
+def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", how: str = "counts_exchanged") -> None:
+    """``how``: the split sizes travel in the trainer's per-step agreement (``plan``,
+    ``agree``, ``agreed``) from ids laid out on the device (``counts_agreed``) or on the host
+    (``laid_out_on_host``), else in the exchange's own counts all_to_all (``counts_exchanged``)."""
     device, ranks = _join(rank, world, init, backend)
     store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
     sharded = ShardedCollection(store)
     pulled_rows = []
     for step, ids in enumerate(_batches(rank)):
-        pulled_rows.append(_step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, agreed)[1])
+        pulled_rows.append(_step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, how != "counts_exchanged",
+                                 on_host=how == "laid_out_on_host")[1])
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats)}, out)
     dist.destroy_process_group()
@@ -128,14 +138,15 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
 BACKENDS = ["gloo"] + ([pytest.param("nccl", marks=pytest.mark.gpu)] if torch.cuda.device_count() >= 2 else [])
 
 
-@pytest.mark.parametrize("agreed", [True, False], ids=["counts_agreed", "counts_exchanged"])
+@pytest.mark.parametrize("how", ["counts_agreed", "laid_out_on_host", "counts_exchanged"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, backend, agreed):
+def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, backend, how):
     """Rows read by each rank and rows stored by each owner equal one store that sees both
     ranks' ids and the average of their gradients (DDP's averaging) at each step; with the
-    split sizes from the step's agreement (the trainer's way) or from the exchange's own
-    counts all_to_all."""
-    _run_two_ranks(_exchange_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), backend, agreed), timeout_s=120)
+    split sizes from the step's agreement (the trainer's way, the ids laid out on the device
+    or on the host) or from the exchange's own counts all_to_all."""
+    agreed = how != "counts_exchanged"
+    _run_two_ranks(_exchange_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), backend, how), timeout_s=120)
     got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
     tol = 1e-6 if backend == "gloo" else 1e-5  # the GPU's fused optimizer kernels round differently from torch on CPU
 

@@ -69,6 +69,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -131,8 +132,33 @@ class Route:
     order: torch.Tensor  # requester: the ids of all tables in send order (by owner, then table)
     send_splits: list[int]  # rows sent to / received back from each rank
     recv_splits: list[int]  # rows received from / sent back to each rank
-    by_table: torch.Tensor  # owner: received rows in table order
+    recv_grid: list[list[int]]  # owner: ids received from each rank (rows) of each table (columns)
     table_sizes: list[int]  # owner: rows received per table
+
+    def to_table_order(self, arrived: torch.Tensor) -> torch.Tensor:
+        """Rows in the order they arrived (rank by rank, each rank's table by table) regrouped
+        table by table (each table's rank by rank): a block transpose, one concatenation."""
+        grid, world, tables = self.recv_grid, len(self.recv_grid), len(self.names)
+        chunks = arrived.split([n for row in grid for n in row])
+        return torch.cat([chunks[r * tables + t] for t in range(tables) for r in range(world)])
+
+    def to_arrival_order(self, by_table: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_table_order``."""
+        grid, world, tables = self.recv_grid, len(self.recv_grid), len(self.names)
+        chunks = by_table.split([grid[r][t] for t in range(tables) for r in range(world)])
+        return torch.cat([chunks[t * world + r] for r in range(world) for t in range(tables)])
+
+
+@dataclass
+class HostPlan:
+    """A step's sharded ids laid out for their owners on the host, off the training thread
+    (``ShardedCollection.layout_on_host``): what ``plan`` would compute on the device,
+    without the device sync for the counts."""
+
+    names: list[str]
+    sizes: list[int]  # input ids per table
+    routed: torch.Tensor  # int64 [2, n]: the ids in send order (by owner, then table), then their positions in the input
+    send_counts: list[int]  # ids to each (owner, table), owner-major
 
 
 @dataclass
@@ -316,12 +342,10 @@ class ShardedCollection:
         if grouped is not None:
             # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
             # rank), so the rows go out and the gradients come back without a regrouping by table
-            inverse = grouped.inverse[:sum(route.table_sizes)]  # the sharded tables' ids come first
-            served = torch.empty_like(inverse).index_copy_(0, route.by_table, inverse)
+            served = route.to_arrival_order(grouped.inverse[:sum(route.table_sizes)])  # the sharded tables' ids come first
             outgoing = grouped.rows.index_select(0, served)
         else:
-            outgoing = torch.empty(sum(route.table_sizes), self.dim, device=self.device)
-            outgoing[route.by_table] = torch.cat([owned[n].embeddings() for n in route.names])
+            outgoing = route.to_arrival_order(torch.cat([owned[n].embeddings() for n in route.names]))
         t1 = self._lap("owner_find_or_insert", t0)
         leaf = self._send_rows(route, outgoing).requires_grad_(True)
         self._lap("rows", t1)
@@ -448,7 +472,7 @@ class ShardedCollection:
                 summed[replicated.first_key:] += rep_grad
             apply_gradients_grouped(rows.grouped, summed.div_(self.world))
         else:
-            for name, grad in zip(route.names, torch.split(received.index_select(0, route.by_table), route.table_sizes)):
+            for name, grad in zip(route.names, torch.split(route.to_table_order(received), route.table_sizes)):
                 owned = rows.owned[name]
                 summed = torch.zeros(len(owned.keys), self.dim, device=grad.device).index_add_(0, owned.inverse, grad)
                 self.local[name].apply_gradients(owned, summed.div_(self.world))
@@ -463,18 +487,43 @@ class ShardedCollection:
         """The rows of ``splits`` (one count per rank) that go to or come from other ranks."""
         return sum(splits) - splits[self.rank]
 
-    def plan(self, ids: Mapping[str, torch.Tensor]) -> list[int]:
+    def plan(self, ids: Mapping[str, torch.Tensor] | None, host: HostPlan | None = None) -> list[int]:
         """Lay out a step's ids before the step, and return this rank's counts for the step's
-        agreement (int, on the host: the step's one host sync for the split sizes): its ids
-        per (owner, sharded table), then its unique ids per replicated table. The caller
-        sends them in the agreement (``trainer.distributed.agree``), then hands every rank's
-        list to ``agreed``: the exchange then goes out with known split sizes, with no
-        collective of its own for them. Collective only through that agreement; the next
-        find_or_insert or prefetch must be of these ``ids``."""
+        agreement (int, on the host): its ids per (owner, sharded table), then its unique ids
+        per replicated table. Laid out here on the device, the counts cost a host sync;
+        ``host`` (``layout_on_host`` of the same ``ids``, made off the training thread) costs
+        none, only one copy of its ids to the device. The caller sends the counts in the
+        agreement (``trainer.distributed.agree``), then hands every rank's list to ``agreed``:
+        the exchange then goes out with known split sizes, with no collective of its own for
+        them. Collective only through that agreement; the next find_or_insert or prefetch
+        must be of these ``ids``."""
         t0 = time.perf_counter()
-        self._plan = self._layout(ids)
+        if host is not None:
+            routed = host.routed.to(self.device, non_blocking=True)
+            self._plan = Plan(host.names, host.sizes, routed[0], routed[1], host.send_counts, asked=list(host.names))
+        else:
+            self._plan = self._layout(ids)
         self._lap("ids", t0)
         return self._plan.counts()
+
+    def layout_on_host(self, ids: Mapping[str, torch.Tensor]) -> HostPlan | None:
+        """``plan``'s layout of ``ids`` (table -> int64 [n] in host memory) made on the host, for
+        a thread other than the step's (the trainer's prefetch thread): owners hashed, ids put
+        in send order by a radix sort of their (owner, table) codes, counts taken, the ids and
+        their positions pinned for one copy to the device. None where it does not apply: ids
+        on a device, or replicated tables (their unique ids are laid out on the device)."""
+        if self.replicated or any(t.device.type != "cpu" for t in ids.values()):
+            return None
+        names = list(ids)
+        flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
+        sizes = [len(f) for f in flat]
+        keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
+        tables = np.repeat(np.arange(len(names), dtype=np.int16), sizes)
+        code = owner_of(torch.from_numpy(keys), self.world).numpy().astype(np.int16) * len(names) + tables
+        order = np.argsort(code, kind="stable")  # small integer codes: numpy sorts them by radix
+        counts = np.bincount(code, minlength=self.world * len(names))
+        routed = torch.from_numpy(np.stack([keys[order], order.astype(np.int64)]))
+        return HostPlan(names, sizes, routed.pin_memory() if self.device.type == "cuda" else routed, counts.tolist())
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The sharded tables' ids in send order (by owner, then table), the replicated
@@ -541,23 +590,21 @@ class ShardedCollection:
         sizes: (the route, what this rank owns of every rank's ids, by table)."""
         world, device = self.world, self.device
         names, n_tables = plan.names, len(plan.names)
-        send_counts = torch.tensor(plan.send_counts, dtype=torch.int64).view(world, n_tables)
-        recv_counts = torch.tensor(plan.recv_counts, dtype=torch.int64).view(world, n_tables)
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv_grid = [plan.recv_counts[r * n_tables:(r + 1) * n_tables] for r in range(world)]
+        send_splits = [sum(plan.send_counts[r * n_tables:(r + 1) * n_tables]) for r in range(world)]
+        recv_splits = [sum(row) for row in recv_grid]
         received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
         dist.all_to_all_single(received, plan.keys, recv_splits, send_splits, group=self.group)
         # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
-        tag = torch.arange(n_tables, device=device).repeat(world)
-        recv_table = torch.repeat_interleave(tag, recv_counts.view(-1).to(device, non_blocking=True), output_size=len(received))
-        by_table = torch.argsort(recv_table, stable=True)
-        table_sizes = recv_counts.sum(0).tolist()
-        wanted = dict(zip(names, torch.split(received[by_table], table_sizes)))
+        route = Route(names, plan.sizes, plan.order, send_splits, recv_splits, recv_grid,
+                      [sum(row[t] for row in recv_grid) for t in range(n_tables)])
+        wanted = dict(zip(names, torch.split(route.to_table_order(received), route.table_sizes)))
         stats = self.stats
         stats.steps += 1
         stats.ids_sent += sum(send_splits)
         stats.ids_received += sum(recv_splits)
         stats.ids_bytes_out += self._off_rank(send_splits) * plan.keys.element_size()
-        return Route(names, plan.sizes, plan.order, send_splits, recv_splits, by_table, table_sizes), wanted
+        return route, wanted
 
     def _replicated_union(self, plan: ReplicatedPlan) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Every rank's unique ids of the replicated tables (and how often each came), on

@@ -53,6 +53,7 @@ class SampleBatch:
     event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
     rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
+    plan: object | None = None  # the trainer's layout of its ids, made off the training thread (trainer/prefetch.py)
 
     def __len__(self) -> int:
         return len(self.user)
@@ -73,14 +74,28 @@ class SampleBatch:
         buffer = torch.empty(max(offsets[-1], 64), dtype=torch.uint8, pin_memory=True)
         for name, t, offset, size in zip(names, tensors, offsets, sizes):
             setattr(self, name, buffer[offset : offset + size].view(t.dtype).view(t.shape).copy_(t))
+        self._pinned = (buffer, names, offsets)  # so that ``to`` moves them all in one copy
         return self
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "SampleBatch":
+        """The tensors on ``device``. A pinned batch crosses to a GPU as one copy of its
+        buffer (each tensor a view of it there too): one transfer instead of one a tensor."""
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None and torch.device(device).type == "cuda":
+            buffer, names, offsets = pinned
+            if all(getattr(self, n).data_ptr() == buffer.data_ptr() + o for n, o in zip(names, offsets)):
+                moved = buffer.to(device, non_blocking=non_blocking)
+                for name, offset in zip(names, offsets):
+                    t = getattr(self, name)
+                    setattr(self, name, moved[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+                self._pinned = None
+                return self
         for name in self._tensors():
             setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
         return self
 
     def max_ts(self) -> int:
+        """The newest sample's time (a host sync when ``ts`` is on a GPU: ask before ``to``)."""
         return int(self.ts.max()) if len(self) else 0
 
     def longest_history(self) -> int:

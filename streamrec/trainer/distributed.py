@@ -56,16 +56,19 @@ class DenseGradients:
 
     def all_reduce(self, world: int) -> None:
         """Average every parameter's gradient over ``world`` ranks (a parameter without one,
-        e.g. on a rank whose batch was empty, counts as zeros)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        flat /= world
-        for p, reduced in zip(self.params, flat.split([g.numel() for g in grads])):
+        e.g. on a rank whose batch was empty, counts as zeros). A handful of launches
+        whatever the number of parameters (the step is bound by its host thread): one
+        concatenation, the reduction (averaging itself on NCCL), one grouped copy back."""
+        for p in self.params:
             if p.grad is None:
-                p.grad = reduced.view_as(p).clone()
-            else:
-                p.grad.copy_(reduced.view_as(p))
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        nccl = flat.is_cuda and dist.get_backend(self.group) == "nccl"
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM, group=self.group)
+        if not nccl:
+            flat /= world
+        torch._foreach_copy_(grads, [r.view_as(g) for r, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 class RankFailure(RuntimeError):
     """Another rank died or stopped answering: this one stops too."""
@@ -81,7 +84,7 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        """Under a launcher: the collectives run, even for one rank (what they cost is measurable)."""
+        """Two ranks or more: the tables are sharded and the collectives run."""
         return self.group is not None
 
     def close(self) -> None:
@@ -92,10 +95,14 @@ class Ranks:
 def join(device: torch.device, timeout_s: float) -> Ranks:
     """This process's place among the ranks, from the launcher's environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); a lone process without a launcher when
-    WORLD_SIZE is unset."""
+    WORLD_SIZE is unset, and when it is 1: one rank has nobody to exchange rows or gradients
+    with, so it trains exactly as a lone process does, with no process group."""
     if "WORLD_SIZE" not in os.environ:
         return Ranks()
     world = int(os.environ["WORLD_SIZE"])
+    if world == 1:
+        log.info("one rank: training as a lone process (no collectives)")
+        return Ranks()
     if timeout_s <= 0:
         raise ValueError("trainer.collective_timeout_s must be > 0 when training on several ranks")
     timeout = datetime.timedelta(seconds=timeout_s)

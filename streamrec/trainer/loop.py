@@ -173,7 +173,8 @@ class TrainingLoop:
         source = _open_source(self.session)
         prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
                               pin_memory=self.device.type == "cuda",
-                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000).start()
+                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000,
+                              prepare=self._lay_out if self.exchange is not None else None).start()
         self.started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
@@ -228,20 +229,27 @@ class TrainingLoop:
             bool(opts.idle_exit_s and idle_s > opts.idle_exit_s)
         publish, checkpoint = self._decide() if self.ranks.rank == 0 else (Publish.NO, False)
         counts: list[int] = []
+        newest = batch.max_ts() if batch is not None else 0  # on the host, before the batch goes to the device
         if self.exchange is not None:  # the exchange's split sizes go in the agreement
             batch = batch if batch is not None else _empty_batch(self.session)
             t0 = time.perf_counter()
+            if batch.plan is None:  # an empty batch, or one no prefetch thread laid out
+                self._lay_out(batch)
             with self.exchange.ahead_stream() if ahead else nullcontext():
                 batch.to(self.device, non_blocking=True)
-                counts = self.exchange.plan(SparseFeatures.table_ids(batch))
+                counts = self.exchange.plan(None if batch.plan is not None else SparseFeatures.table_ids(batch), host=batch.plan)
             self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
-        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop,
-                       batch.max_ts() if batch is not None else 0, publish, checkpoint, counts)
+        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts)
         if self.exchange is not None:
             self.exchange.agreed(agreed.counts)
         self.times["agree"] += time.perf_counter() - t1
         return Turn(batch, agreed, ended, idle_s)
+
+    def _lay_out(self, batch: SampleBatch) -> None:
+        """The exchange's layout of ``batch``'s ids on the host (on the prefetch thread, as it
+        makes the batch), so that the step's split sizes cost no device sync."""
+        batch.plan = self.exchange.layout_on_host(SparseFeatures.table_ids(batch))
 
     def _look_ahead(self, prefetch: Prefetcher, ended: bool, agreed: Agreed) -> Turn | None:
         """During a step (``agreed``), after its backward is queued: the next step's turn, and

@@ -20,11 +20,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
-from streamrec.model.batch import batch_from_table
+from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.trainer.sources import Rejection, SampleSource
 
@@ -41,12 +42,16 @@ class Skipped:
 
 
 class Prefetcher:
+    """``prepare``: more work on each batch in this thread, before it is pinned (the
+    trainer's exchange lays out its ids here: ``ShardedCollection.layout_on_host``)."""
+
     def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
-                 pin_memory: bool = False, max_delay_s: float | None = None) -> None:
+                 pin_memory: bool = False, max_delay_s: float | None = None,
+                 prepare: Callable[[SampleBatch], None] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
-        self.pin_memory, self.max_delay_s = pin_memory, max_delay_s
+        self.pin_memory, self.max_delay_s, self.prepare = pin_memory, max_delay_s, prepare
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.rejected: Counter = Counter()  # every reason decoded so far (batches carry their own share)
         self.decode_s = 0.0
@@ -119,8 +124,7 @@ class Prefetcher:
                     batch = batch_from_table(table.slice(0, n), self.spec, self.history_len)
                     batch.positions = self._positions(consumed, part[n:], off[n:])
                     batch.rejected, rejects = self._settle(rejects, batch.positions)
-                    if self.pin_memory:
-                        batch.pin_memory()
+                    self._ready(batch)
                     tables, parts, offs = [table.slice(n)], [part[n:]], [off[n:]]
                     buffered -= n
                     oldest = time.monotonic() if buffered else None
@@ -138,12 +142,18 @@ class Prefetcher:
                 table = pa.concat_tables(tables)
                 batch = batch_from_table(table, self.spec, self.history_len)
                 batch.positions, batch.rejected = dict(consumed), _count_reasons(rejects)
-                self._put(batch.pin_memory() if self.pin_memory else batch)
+                self._put(self._ready(batch))
             elif rejects:
                 self._put(Skipped(dict(consumed), _count_reasons(rejects)))
             self._put(END)
         except BaseException as exc:  # hand the failure to the training thread
             self._put(exc)
+
+    def _ready(self, batch: SampleBatch) -> SampleBatch:
+        """The batch as the trainer takes it: prepared, then pinned."""
+        if self.prepare is not None:
+            self.prepare(batch)
+        return batch.pin_memory() if self.pin_memory else batch
 
     @staticmethod
     def _positions(consumed: dict[int, int], rest_parts: np.ndarray, rest_offsets: np.ndarray) -> dict[int, int]:
