@@ -257,6 +257,24 @@ class ExchangeStats:
                 "ms": {part: 1000 * s / steps for part, s in self.seconds.items()}}
 
 
+def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False) -> HostPlan:
+    """``ShardedCollection.plan``'s layout of ``ids`` (table -> int64 [n] in host memory) over
+    ``world`` ranks, made on the host by any thread or process (the trainer's sample reader):
+    owners hashed, ids put in send order by a radix sort of their (owner, table) codes, counts
+    taken; ``pin``: the ids and their positions in page-locked memory, for one asynchronous
+    copy to the device."""
+    names = list(ids)
+    flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
+    sizes = [len(f) for f in flat]
+    keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
+    tables = np.repeat(np.arange(len(names), dtype=np.int16), sizes)
+    code = owner_of(torch.from_numpy(keys), world).numpy().astype(np.int16) * len(names) + tables
+    order = np.argsort(code, kind="stable")  # small integer codes: numpy sorts them by radix
+    counts = np.bincount(code, minlength=world * len(names))
+    routed = torch.from_numpy(np.stack([keys[order], order.astype(np.int64)]))
+    return HostPlan(names, sizes, routed.pin_memory() if pin else routed, counts.tolist())
+
+
 class ShardedCollection:
     """The tables of ``local`` (this rank's shard) as one logical collection over ``group``
     (the default group when None). Every verb is collective: every rank calls it every step."""
@@ -507,23 +525,11 @@ class ShardedCollection:
         return self._plan.counts()
 
     def layout_on_host(self, ids: Mapping[str, torch.Tensor]) -> HostPlan | None:
-        """``plan``'s layout of ``ids`` (table -> int64 [n] in host memory) made on the host, for
-        a thread other than the step's (the trainer's prefetch thread): owners hashed, ids put
-        in send order by a radix sort of their (owner, table) codes, counts taken, the ids and
-        their positions pinned for one copy to the device. None where it does not apply: ids
-        on a device, or replicated tables (their unique ids are laid out on the device)."""
+        """``layout_on_host`` of ``ids`` for this collection: None where it does not apply (ids on
+        a device, or replicated tables, whose unique ids are laid out on the device)."""
         if self.replicated or any(t.device.type != "cpu" for t in ids.values()):
             return None
-        names = list(ids)
-        flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
-        sizes = [len(f) for f in flat]
-        keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
-        tables = np.repeat(np.arange(len(names), dtype=np.int16), sizes)
-        code = owner_of(torch.from_numpy(keys), self.world).numpy().astype(np.int16) * len(names) + tables
-        order = np.argsort(code, kind="stable")  # small integer codes: numpy sorts them by radix
-        counts = np.bincount(code, minlength=self.world * len(names))
-        routed = torch.from_numpy(np.stack([keys[order], order.astype(np.int64)]))
-        return HostPlan(names, sizes, routed.pin_memory() if self.device.type == "cuda" else routed, counts.tolist())
+        return layout_on_host(ids, self.world, pin=self.device.type == "cuda")
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The sharded tables' ids in send order (by owner, then table), the replicated

@@ -2,7 +2,7 @@
 
 Per step (the embedding tables are single-writer)::
 
-    batch  <- prefetch queue (decoded, batched, pinned by a background thread)
+    batch  <- the sample reader (decoded, batched, laid out by a process of its own: reader.py)
     the ranks agree on the step (several ranks)        -- "agree"
     find_or_insert sparse rows (unique ids per table)  -- "lookup"
     forward + backward                                 -- "forward_backward"
@@ -44,18 +44,17 @@ import torch.nn.functional as F
 from streamrec.embedding.budget import tier_usage
 from streamrec.embedding.collection import training_collection
 from streamrec.embedding.sharded import ShardedCollection
-from streamrec.model.batch import SampleBatch, batch_from_table
+from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_names
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
-from streamrec.trainer.prefetch import END, Prefetcher, Skipped
+from streamrec.trainer.prefetch import END, Skipped
+from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
 from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
 from streamrec.trainer.publisher import ChainPosition, PoisonedModel, PublishFailed, Publisher, PublishSettings, TopicAnnouncer
-from streamrec.trainer.rejected import RejectedLog
 from streamrec.trainer.session import TrainingSession
-from streamrec.trainer.sources import FileSampleSource, KafkaSampleSource, SampleSource
 
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "agree", "lookup", "forward_backward", "all_reduce", "update", "evaluate", "publish")
@@ -84,17 +83,17 @@ def _dense_forward(session: TrainingSession) -> Callable[..., torch.Tensor]:
     return model
 
 
-def _open_source(session: TrainingSession) -> SampleSource:
+def _source_spec(session: TrainingSession) -> SourceSpec:
     """This rank's share of the samples (files or the topic), from the session's positions."""
     cfg, opts, ranks = session.cfg, session.opts, session.ranks
     positions = {int(p): int(o) for p, o in session.state.get("positions", {}).items()}
     shard = (ranks.rank, ranks.world)
     if opts.files:
-        return FileSampleSource(opts.files, session.feature_spec, positions, loop=opts.loop_files, shard=shard)
+        return SourceSpec(files=list(opts.files), loop=opts.loop_files, shard=shard, positions=positions)
     kept = session.home / "rejected" / f"rank-{ranks.rank:05d}.jsonl"
-    return KafkaSampleSource(cfg.kafka.bootstrap_servers, cfg.topics.samples, cfg.trainer.group, session.feature_spec,
-                             positions, timeout_s=cfg.kafka.connect_timeout_s, shard=shard,
-                             rejected_log=RejectedLog(kept, cfg.trainer.rejected_keep_mb << 20))
+    return SourceSpec(shard=shard, positions=positions, bootstrap=cfg.kafka.bootstrap_servers, topic=cfg.topics.samples,
+                      group=cfg.trainer.group, timeout_s=cfg.kafka.connect_timeout_s, rejected_path=str(kept),
+                      rejected_keep_bytes=cfg.trainer.rejected_keep_mb << 20)
 
 
 def _empty_batch(session: TrainingSession) -> SampleBatch:
@@ -170,41 +169,41 @@ class TrainingLoop:
         """Train until the source ends or a stop is due, then publish what the store lacks,
         checkpoint and commit the positions. Failures propagate to the caller."""
         tcfg = self.cfg.trainer
-        source = _open_source(self.session)
-        prefetch = Prefetcher(source, self.feature_spec, tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
-                              pin_memory=self.device.type == "cuda",
-                              max_delay_s=None if self.opts.files else tcfg.max_batch_delay_ms / 1000,
-                              prepare=self._lay_out if self.exchange is not None else None).start()
+        laid_out = self.exchange is not None and not self.exchange.replicated  # the reader lays out the exchange's ids
+        settings = ReaderSettings(tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
+                                  None if self.opts.files else tcfg.max_batch_delay_ms / 1000,
+                                  self.ranks.world if laid_out else None)
+        reader = SampleReader(_source_spec(self.session), self.feature_spec, settings, self.device,
+                              len(dense_feature_names(self.feature_spec))).start()
         self.started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
         self.samples_at_start, self.steps_at_start, self.rank_samples_at_start = self._counts()
         self._positions = {int(p): int(o) for p, o in self.state.get("positions", {}).items()}
         try:
-            self._train(source, prefetch)
-            self._finish(source)
+            self._train(reader)
+            self._finish(reader)
         finally:
-            prefetch.stop()
-            source.close()
+            reader.stop()
 
-    def _train(self, source: SampleSource, prefetch: Prefetcher) -> None:
+    def _train(self, reader: SampleReader) -> None:
         opts, ended, ahead = self.opts, False, None
         while True:
-            turn = ahead if ahead is not None else self._next(prefetch, ended)
+            turn = ahead if ahead is not None else self._next(reader, ended)
             ended, agreed, ahead = turn.ended, turn.agreed, None
             if agreed.samples:
                 self._last_data = time.monotonic()
                 ahead = self._step(turn.batch if turn.batch is not None else _empty_batch(self.session), agreed,
-                                   lambda: self._look_ahead(prefetch, turn.ended, agreed))
+                                   lambda: self._look_ahead(reader, turn.ended, agreed))
             if agreed.ended:
                 return
             if agreed.stop:
                 if opts.idle_exit_s and turn.idle_s > opts.idle_exit_s:
                     log.info("no samples for %.0f s: stopping", opts.idle_exit_s)
                 return
-            self._between_steps(source, agreed)
+            self._between_steps(reader, agreed)
 
-    def _next(self, prefetch: Prefetcher, ended: bool, ahead: bool = False) -> Turn:
+    def _next(self, reader: SampleReader, ended: bool, ahead: bool = False) -> Turn:
         """The next step as every rank agrees it: this rank's batch, whether to stop, rank
         0's word on publishing and checkpointing after it (``ended``: this rank's source is
         done). On several ranks the batch goes to the device here and its ids' counts per
@@ -216,7 +215,7 @@ class TrainingLoop:
         # empty step (steps then hold the same samples run after run). Idle on the topic,
         # look again soon while a version is due or on its way (its publish waits on this loop)
         idle_wait = 0.05 if self.publisher.busy or self._dirty() else 0.5
-        item = END if ended else prefetch.get(timeout=None if opts.files else idle_wait)
+        item = END if ended else reader.get(timeout=None if opts.files else idle_wait)
         self.times["input"] += time.perf_counter() - t0
         batch = item if isinstance(item, SampleBatch) else None
         ended = ended or item is END
@@ -233,7 +232,7 @@ class TrainingLoop:
         if self.exchange is not None:  # the exchange's split sizes go in the agreement
             batch = batch if batch is not None else _empty_batch(self.session)
             t0 = time.perf_counter()
-            if batch.plan is None:  # an empty batch, or one no prefetch thread laid out
+            if batch.plan is None:  # an empty batch, or one the reader did not lay out
                 self._lay_out(batch)
             with self.exchange.ahead_stream() if ahead else nullcontext():
                 batch.to(self.device, non_blocking=True)
@@ -247,11 +246,11 @@ class TrainingLoop:
         return Turn(batch, agreed, ended, idle_s)
 
     def _lay_out(self, batch: SampleBatch) -> None:
-        """The exchange's layout of ``batch``'s ids on the host (on the prefetch thread, as it
-        makes the batch), so that the step's split sizes cost no device sync."""
+        """The exchange's layout of ``batch``'s ids on the host, so that the step's split sizes
+        cost no device sync (the reader does it for the batches it makes)."""
         batch.plan = self.exchange.layout_on_host(SparseFeatures.table_ids(batch))
 
-    def _look_ahead(self, prefetch: Prefetcher, ended: bool, agreed: Agreed) -> Turn | None:
+    def _look_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed) -> Turn | None:
         """During a step (``agreed``), after its backward is queued: the next step's turn, and
         its ids sent to their owners, with the owners' find_or_insert where it can run ahead
         (``ShardedCollection.prefetch``), while this step's dense work runs. Only where
@@ -260,7 +259,7 @@ class TrainingLoop:
         expires = bool(self.cfg.model.ttl_s) and (self.state["step"] + 1) % EXPIRE_EVERY == 0
         if not self.pipelined or agreed.publish or agreed.checkpoint or agreed.stop or agreed.ended or expires:
             return None
-        turn = self._next(prefetch, ended, ahead=True)
+        turn = self._next(reader, ended, ahead=True)
         if turn.agreed.samples:
             t0 = time.perf_counter()
             with self.exchange.ahead_stream():
@@ -268,7 +267,7 @@ class TrainingLoop:
             self.times["lookup"] += time.perf_counter() - t0
         return turn
 
-    def _finish(self, source: SampleSource) -> None:
+    def _finish(self, source: SampleReader) -> None:
         self.publisher.flush()
         if self._dirty():
             self._begin_publish()
@@ -386,7 +385,7 @@ class TrainingLoop:
             self._positions[p] = max(self._positions.get(p, 0), o)
         self.rejected.update(rejected)
 
-    def _between_steps(self, source: SampleSource, agreed: Agreed) -> None:
+    def _between_steps(self, source: SampleReader, agreed: Agreed) -> None:
         t0 = time.perf_counter()
         record = self.publisher.pump()
         if record is not None:
@@ -413,7 +412,7 @@ class TrainingLoop:
         self.publisher.begin(self.model.state_dict(), _version_meta(self.session, self._positions), kind)
         self.state["published_samples"] = self.state["global_samples"]
 
-    def checkpoint(self, source: SampleSource) -> Path:
+    def checkpoint(self, source: SampleReader) -> Path:
         """Consistent checkpoint (only between steps, never during a publish); then commit
         offsets. On several ranks every rank saves the same step (of its own shard and
         positions), and offsets are committed once all have."""
@@ -440,7 +439,7 @@ class TrainingLoop:
             out["all_reduce_bytes"] = self.dense_gradients.bytes
         return out
 
-    def status(self, source: SampleSource | None = None) -> dict[str, Any]:
+    def status(self, source: SampleReader | None = None) -> dict[str, Any]:
         """This rank's view (on several ranks: the metrics of its own samples)."""
         out = {
             "samples": self.state["global_samples"],

@@ -72,6 +72,14 @@ class Prefetcher:
             raise item
         return item
 
+    def poll(self, timeout: float) -> object | None:
+        """The next item as the reading thread queued it (a SampleBatch, Skipped, IDLE, END or
+        the thread's failure, not raised), or None if none came within ``timeout``."""
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def stop(self) -> None:
         self._stop.set()
         while self._thread.is_alive():

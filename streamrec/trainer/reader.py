@@ -1,0 +1,382 @@
+"""The trainer's samples read, checked, batched and laid out in a process of their own.
+
+Why a process: the step's thread releases the GIL at every torch call, and a decoding
+thread in the same process takes it each time and holds it through its own Python work,
+so the step waits on the decoder hundreds of times a step (bench/RESULTS.md, "Trainer
+scaling": the same batches decoded beforehand train far faster). In a process of its own
+the decoder never competes for the step's GIL.
+
+The child (``_child_main``) runs the source (files or the topic) and the ``Prefetcher``,
+and writes each batch's tensors into a free slot of a shared file mapping (one per
+``depth + 2`` batches in flight). It sends a small message per batch (the slot, each
+tensor's place, the batch's other fields) over a pipe. The parent (``SampleReader``) makes
+the batch's tensors views of that slot: on CUDA the mapping is page-locked once
+(``cudaHostRegister``), so the step's copy to the device is one asynchronous transfer, and
+the slot goes back to the child once the device has copied it (a CUDA event recorded at the
+next ``get``, when the step has queued every copy of it). On CPU the batch is copied out at
+once. A batch larger than a slot travels through the pipe instead.
+
+The source's ``commit`` and ``lag`` pass through the same pipe: commits go to the child's
+source between batches, lag comes with every message. A failure in the child (a missing
+topic, a corrupt file) is raised by the next ``get`` (or ``start``) with its own type and
+message; a child that dies says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.model.batch import SampleBatch
+from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
+
+log = logging.getLogger(__name__)
+ALIGN = 64  # bytes: each tensor's place in a slot
+START_TIMEOUT_S = 120.0  # the child's imports and the source's connection
+
+
+@dataclass
+class SourceSpec:
+    """How the child opens the trainer's source (trainer/sources.py), picklable."""
+
+    files: list[str] | None = None  # sample files; else the topic below
+    loop: bool = False
+    shard: tuple[int, int] = (0, 1)
+    positions: dict[int, int] | None = None
+    bootstrap: str = ""
+    topic: str = ""
+    group: str = ""
+    timeout_s: float = 20.0
+    rejected_path: str | None = None  # the topic's refused messages are kept there
+    rejected_keep_bytes: int = 0
+
+    def open(self, spec: FeatureSpec) -> Any:
+        from streamrec.trainer.rejected import RejectedLog
+        from streamrec.trainer.sources import FileSampleSource, KafkaSampleSource
+
+        if self.files:
+            return FileSampleSource(self.files, spec, self.positions, loop=self.loop, shard=self.shard)
+        kept = RejectedLog(Path(self.rejected_path), self.rejected_keep_bytes) if self.rejected_path else None
+        return KafkaSampleSource(self.bootstrap, self.topic, self.group, spec, self.positions, timeout_s=self.timeout_s,
+                                 shard=self.shard, rejected_log=kept)
+
+
+@dataclass
+class ReaderSettings:
+    """What the child's Prefetcher does (trainer/prefetch.py), and ``layout_world``: the
+    ranks to lay each batch's ids out for (``embedding.sharded.layout_on_host``), or None."""
+
+    batch_size: int
+    history_len: int
+    depth: int
+    max_delay_s: float | None
+    layout_world: int | None = None
+
+
+def slot_bytes(batch_size: int, history_len: int, dense_width: int, laid_out: bool) -> int:
+    """Room for one batch of ``batch_size`` samples with full histories (SampleBatch's tensors
+    and, ``laid_out``, the exchange's ids and their positions), each tensor 64-byte aligned."""
+    b, ids = batch_size, batch_size * (7 + 2 * history_len)  # every table's ids (SparseFeatures.table_ids)
+    tensors = 8 * b * 5 + 4 * b + 4 * b * dense_width + 8 * 3 * b + 8 * 3 * b * history_len + 8 * b
+    return tensors + (16 * ids if laid_out else 0) + 16 * ALIGN
+
+
+class SampleReader:
+    """The parent's side: ``get`` as ``Prefetcher.get`` (a SampleBatch, IDLE, END or Skipped),
+    and the source's ``lag``, ``commit`` and ``close``. ``device``: where the batches go
+    (CUDA: the shared slots are page-locked for asynchronous copies)."""
+
+    def __init__(self, source: SourceSpec, spec: FeatureSpec, settings: ReaderSettings, device: torch.device,
+                 dense_width: int) -> None:
+        self.source, self.spec, self.settings, self.device = source, spec, settings, device
+        self.slots = settings.depth + 2
+        self.slot_size = -(-slot_bytes(settings.batch_size, settings.history_len, dense_width,
+                                       settings.layout_world is not None) // ALIGN) * ALIGN
+        self._lag: int | None = None
+        self._handed: int | None = None  # the slot of the batch handed out last (CUDA: freed once copied)
+        self._copying: list[tuple[torch.cuda.Event, int]] = []
+        self._registered = False
+        self._process: mp.process.BaseProcess | None = None
+        self._conn: Any = None
+        self._mapping: mmap.mmap | None = None
+        self._view: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "SampleReader":
+        """Start the child and wait until its source is open (raising its failure if not)."""
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="streamrec-batches-", dir=directory)
+        try:
+            os.ftruncate(fd, self.slots * self.slot_size)
+            self._mapping = mmap.mmap(fd, self.slots * self.slot_size)
+        finally:
+            os.close(fd)
+        self._view = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            self._registered = torch.cuda.cudart().cudaHostRegister(self._view.data_ptr(), self._view.numel(), 0) == 0
+            if not self._registered:
+                log.warning("could not page-lock the batch slots: each batch's copy to the device will wait for it")
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(target=_child_main, name="streamrec-sample-reader", daemon=True,
+                                    args=(child_conn, path, self.slot_size, self.slots, self.source, self.spec, self.settings))
+        try:
+            self._process.start()
+            child_conn.close()
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise TimeoutError(f"the sample reader did not start within {START_TIMEOUT_S:.0f} s")
+            self._receive()  # "ready", or the source's failure raised
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            os.unlink(path)  # both sides hold the mapping; nothing is left behind whatever happens next
+        return self
+
+    def stop(self) -> None:
+        """Stop the child (its source commits what it was last asked to, then closes)."""
+        if self._process is not None:
+            try:
+                self._conn.send(("stop",))
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and self._process.is_alive():  # read what it still sends, so it can stop
+                    if self._conn.poll(0.1):
+                        self._conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                log.warning("the sample reader did not stop within 30 s: killing it")
+                self._process.kill()
+                self._process.join(timeout=5)
+            self._process = None
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no copy from a slot still in flight
+            torch.cuda.cudart().cudaHostUnregister(self._view.data_ptr())
+            self._registered = False
+        self._view = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:  # a batch still views it: the mapping goes with the last view
+                pass
+            self._mapping = None
+
+    # ------------------------------------------------------------------ Prefetcher's verb
+    def get(self, timeout: float | None = None) -> Any:
+        """The next SampleBatch, IDLE (nothing within ``timeout``), END or Skipped; raises the
+        child's failure."""
+        self._free_copied()
+        if not self._conn.poll(timeout):
+            return IDLE
+        return self._receive()
+
+    def _receive(self) -> Any:
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            code = self._process.exitcode if self._process is not None else None
+            raise RuntimeError(f"the sample reader process died (exit code {code}); see its log above") from None
+        kind = message[0]
+        if kind == "error":
+            raise message[1]
+        self._lag = message[-1]
+        if kind == "batch":
+            return self._batch(*message[1:-1])
+        if kind == "inline":
+            return message[1]
+        if kind == "skipped":
+            return Skipped(message[1], message[2])
+        return {"idle": IDLE, "end": END, "ready": None}[kind]
+
+    def _batch(self, slot: int, places: list[tuple[str, str, tuple[int, ...], int]], fields: dict[str, Any]) -> SampleBatch:
+        """The batch in ``slot``: its tensors views of the slot (CUDA), or copies (CPU)."""
+        base = slot * self.slot_size
+        tensors: dict[str, torch.Tensor] = {}
+        for name, dtype, shape, offset in places:
+            nbytes = int(np.prod(shape)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            tensors[name] = self._view[base + offset: base + offset + nbytes].view(getattr(torch, dtype)).view(shape)
+        if self.device.type != "cuda":
+            tensors = {name: t.clone() for name, t in tensors.items()}
+            self._conn.send(("free", slot))
+        else:
+            self._handed = slot
+        plan = fields.pop("plan", None)
+        routed = tensors.pop("plan.routed", None)
+        batch = SampleBatch(**tensors, **fields)
+        if plan is not None:
+            from streamrec.embedding.sharded import HostPlan
+
+            batch.plan = HostPlan(plan[0], plan[1], routed, plan[2])
+        if self.device.type == "cuda":  # one copy of the batch's tensors (the exchange's ids, placed last, go on their own)
+            mine = [(n, o) for n, _, _, o in places if n != "plan.routed"]
+            used = max((o + getattr(batch, n).numel() * getattr(batch, n).element_size() for n, o in mine), default=0)
+            batch._pinned = (self._view[base: base + max(used, 1)], [n for n, _ in mine], [o for _, o in mine])
+        return batch
+
+    def _free_copied(self) -> None:
+        """Slots whose batch the device has copied go back to the child. The batch handed out
+        last has had every copy queued by now (the step copies a batch before it asks for the
+        next): an event on the current stream marks them."""
+        if self._handed is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._copying.append((event, self._handed))
+            self._handed = None
+        while self._copying and self._copying[0][0].query():
+            self._conn.send(("free", self._copying.pop(0)[1]))
+
+    # ------------------------------------------------------------------ the source's verbs
+    def lag(self) -> int | None:
+        return self._lag
+
+    def commit(self, positions: dict[int, int]) -> None:
+        try:
+            self._conn.send(("commit", dict(positions)))
+        except (BrokenPipeError, OSError) as exc:  # the group's copy is for lag tools; checkpoints hold positions
+            log.warning("could not hand the offsets to the sample reader: %s", exc)
+
+    def close(self) -> None:
+        self.stop()
+
+
+def _child_main(conn: Any, path: str, size: int, slots: int, source_spec: SourceSpec, spec: FeatureSpec,
+                settings: ReaderSettings) -> None:
+    """The child: open the source, run the Prefetcher, write batches into free slots."""
+    torch.set_num_threads(2)
+    source = None
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size * slots)
+        finally:
+            os.close(fd)
+        source = source_spec.open(spec)
+    except BaseException as exc:
+        conn.send(("error", _portable(exc)))
+        return
+    layout = _laying_out(settings.layout_world) if settings.layout_world is not None else None
+    prefetcher = Prefetcher(source, spec, settings.batch_size, settings.history_len, max(1, settings.depth),
+                            max_delay_s=settings.max_delay_s, prepare=layout).start()
+    free = list(range(slots))
+    conn.send(("ready", source.lag()))
+    try:
+        _serve(conn, prefetcher, source, mapping, size, free)
+    except _Stop:
+        pass
+    except BaseException as exc:
+        try:
+            conn.send(("error", _portable(exc)))
+        except (BrokenPipeError, OSError):
+            pass
+    finally:
+        prefetcher.stop()
+        source.close()
+
+
+def _laying_out(world: int) -> Callable[[SampleBatch], None]:
+    """The exchange's layout of each batch's ids over ``world`` ranks (embedding/sharded.py)."""
+    from streamrec.embedding.sharded import layout_on_host
+    from streamrec.model.sparse import SparseFeatures
+
+    def lay_out(batch: SampleBatch) -> None:
+        batch.plan = layout_on_host(SparseFeatures.table_ids(batch), world)
+
+    return lay_out
+
+
+class _Stop(Exception):
+    """The parent asked the child to stop."""
+
+
+def _serve(conn: Any, prefetcher: Prefetcher, source: Any, mapping: mmap.mmap, size: int, free: list[int]) -> None:
+    pending = None
+    while True:
+        waiting = pending is not None and not free  # a batch is ready and no slot: wait for the parent
+        while conn.poll(0.05 if waiting else 0):
+            message = conn.recv()
+            if message[0] == "free":
+                free.append(message[1])
+            elif message[0] == "commit":
+                source.commit(message[1])
+            else:
+                raise _Stop
+            waiting = False
+        if pending is None:
+            pending = prefetcher.poll(timeout=0.05)
+            if pending is None:
+                continue
+        if isinstance(pending, BaseException):
+            raise pending
+        if isinstance(pending, SampleBatch):
+            if not free:
+                continue
+            conn.send(_batch_message(pending, mapping, size, free, source.lag()))
+        elif isinstance(pending, Skipped):
+            conn.send(("skipped", pending.positions, pending.rejected, source.lag()))
+        else:
+            conn.send(("end" if pending is END else "idle", source.lag()))
+        if pending is END:
+            _wait_for_stop(conn, source)
+            return
+        pending = None
+
+
+def _wait_for_stop(conn: Any, source: Any) -> None:
+    """After the last batch: apply the parent's commits until it says stop."""
+    while True:
+        message = conn.recv()
+        if message[0] == "commit":
+            source.commit(message[1])
+        elif message[0] != "free":
+            return
+
+
+def _batch_message(batch: SampleBatch, mapping: mmap.mmap, size: int, free: list[int], lag: int | None) -> tuple:
+    """The batch written into a free slot, and the message that places it (or the whole
+    batch through the pipe, where it does not fit a slot)."""
+    tensors = {name: getattr(batch, name).contiguous() for name in batch._tensors()}
+    plan = batch.plan
+    if plan is not None:
+        tensors["plan.routed"] = plan.routed.contiguous()
+    places, offset = [], 0
+    for name, t in tensors.items():
+        places.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    if offset > size:
+        return ("inline", batch, lag)
+    slot = free.pop()
+    base = slot * size
+    target = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=base)
+    for (name, _, _, at), t in zip(places, tensors.values()):
+        raw = t.numpy().reshape(-1).view(np.uint8)
+        target[at: at + len(raw)] = raw
+    fields = {name: getattr(batch, name) for name in ("history_len", "history_groups", "event_ids", "positions", "rejected")}
+    if batch.hist_group is None:
+        fields["hist_group"] = None
+    if plan is not None:
+        fields["plan"] = (plan.names, plan.sizes, plan.send_counts)
+    return ("batch", slot, places, fields, lag)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError with its message."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
