@@ -88,8 +88,9 @@ _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64'
 
 
 def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
-    """The rank that owns each key. A different mix than the hash index's (which takes the
-    top bits of ``key * 0x9E37...``), so one shard's keys do not crowd one part of its index."""
+    """The rank that owns each key (int64 keys: a tensor, or a numpy array alike). A different
+    mix than the hash index's (which takes the top bits of ``key * 0x9E37...``), so one shard's
+    keys do not crowd one part of its index."""
     mixed = (keys ^ (keys >> 31)) * _MIX
     return ((mixed >> 32) & 0x7FFFFFFF) % world
 
@@ -260,19 +261,25 @@ class ExchangeStats:
 def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False) -> HostPlan:
     """``ShardedCollection.plan``'s layout of ``ids`` (table -> int64 [n] in host memory) over
     ``world`` ranks, made on the host by any thread or process (the trainer's sample reader):
-    owners hashed, ids put in send order by a radix sort of their (owner, table) codes, counts
-    taken; ``pin``: the ids and their positions in page-locked memory, for one asynchronous
-    copy to the device."""
+    each table's owners hashed and its ids put in owner order by a radix sort of one byte, then
+    the ids in send order (by owner, then table) with their counts; ``pin``: the ids and their
+    positions in page-locked memory, for one asynchronous copy to the device."""
     names = list(ids)
     flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
-    sizes = [len(f) for f in flat]
+    counts = np.zeros((world, len(names)), np.int64)
+    by_owner: list[list[np.ndarray]] = [[] for _ in range(world)]
+    start = 0
+    for t, keys in enumerate(flat):
+        owners = owner_of(keys, world).astype(np.uint8 if world <= 256 else np.int32)
+        order = np.argsort(owners, kind="stable")
+        counts[:, t] = np.bincount(owners, minlength=world)
+        for r, part in enumerate(np.split(order, np.cumsum(counts[:-1, t]))):
+            by_owner[r].append(part + start)
+        start += len(keys)
+    order = np.concatenate([part for parts in by_owner for part in parts]) if start else np.empty(0, np.int64)
     keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
-    tables = np.repeat(np.arange(len(names), dtype=np.int16), sizes)
-    code = owner_of(torch.from_numpy(keys), world).numpy().astype(np.int16) * len(names) + tables
-    order = np.argsort(code, kind="stable")  # small integer codes: numpy sorts them by radix
-    counts = np.bincount(code, minlength=world * len(names))
-    routed = torch.from_numpy(np.stack([keys[order], order.astype(np.int64)]))
-    return HostPlan(names, sizes, routed.pin_memory() if pin else routed, counts.tolist())
+    routed = torch.from_numpy(np.stack([keys[order], order]))
+    return HostPlan(names, [len(f) for f in flat], routed.pin_memory() if pin else routed, counts.reshape(-1).tolist())
 
 
 class ShardedCollection:

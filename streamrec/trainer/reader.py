@@ -24,10 +24,13 @@ message; a child that dies says so.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import mmap
-import multiprocessing as mp
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,9 +39,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from multiprocessing.connection import Connection
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import SampleBatch
+from streamrec.plumbing.processes import python_env
 from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
 
 log = logging.getLogger(__name__)
@@ -107,8 +112,8 @@ class SampleReader:
         self._handed: int | None = None  # the slot of the batch handed out last (CUDA: freed once copied)
         self._copying: list[tuple[torch.cuda.Event, int]] = []
         self._registered = False
-        self._process: mp.process.BaseProcess | None = None
-        self._conn: Any = None
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
         self._mapping: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
 
@@ -127,13 +132,14 @@ class SampleReader:
             self._registered = torch.cuda.cudart().cudaHostRegister(self._view.data_ptr(), self._view.numel(), 0) == 0
             if not self._registered:
                 log.warning("could not page-lock the batch slots: each batch's copy to the device will wait for it")
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=_child_main, name="streamrec-sample-reader", daemon=True,
-                                    args=(child_conn, path, self.slot_size, self.slots, self.source, self.spec, self.settings))
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
         try:
-            self._process.start()
-            child_conn.close()
+            # python -m, not multiprocessing's spawn: that would import the caller's main script again
+            self._process = subprocess.Popen([sys.executable, "-m", "streamrec.trainer.reader", "--fd", str(theirs.fileno())],
+                                             pass_fds=(theirs.fileno(),), env=python_env())
+            theirs.close()
+            self._conn.send((path, self.slot_size, self.slots, self.source, self.spec, self.settings))
             if not self._conn.poll(START_TIMEOUT_S):
                 raise TimeoutError(f"the sample reader did not start within {START_TIMEOUT_S:.0f} s")
             self._receive()  # "ready", or the source's failure raised
@@ -150,17 +156,21 @@ class SampleReader:
             try:
                 self._conn.send(("stop",))
                 deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and self._process.is_alive():  # read what it still sends, so it can stop
+                while time.monotonic() < deadline and self._process.poll() is None:  # read what it still sends, so it can stop
                     if self._conn.poll(0.1):
                         self._conn.recv()
             except (BrokenPipeError, EOFError, OSError):
                 pass
-            self._process.join(timeout=5)
-            if self._process.is_alive():
-                log.warning("the sample reader did not stop within 30 s: killing it")
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("the sample reader did not stop within 35 s: killing it")
                 self._process.kill()
-                self._process.join(timeout=5)
+                self._process.wait(timeout=5)
             self._process = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
         if self._registered:
             torch.cuda.synchronize(self.device)  # no copy from a slot still in flight
             torch.cuda.cudart().cudaHostUnregister(self._view.data_ptr())
@@ -186,7 +196,7 @@ class SampleReader:
         try:
             message = self._conn.recv()
         except EOFError:
-            code = self._process.exitcode if self._process is not None else None
+            code = self._process.wait(timeout=5) if self._process is not None else None
             raise RuntimeError(f"the sample reader process died (exit code {code}); see its log above") from None
         kind = message[0]
         if kind == "error":
@@ -194,24 +204,34 @@ class SampleReader:
         self._lag = message[-1]
         if kind == "batch":
             return self._batch(*message[1:-1])
-        if kind == "inline":
-            return message[1]
+        if kind == "inline":  # arrays by value (torch would share its tensors by file descriptors)
+            return self._assemble({name: torch.from_numpy(a) for name, a in message[1].items()}, message[2])
         if kind == "skipped":
             return Skipped(message[1], message[2])
         return {"idle": IDLE, "end": END, "ready": None}[kind]
 
-    def _batch(self, slot: int, places: list[tuple[str, str, tuple[int, ...], int]], fields: dict[str, Any]) -> SampleBatch:
-        """The batch in ``slot``: its tensors views of the slot (CUDA), or copies (CPU)."""
+    def _batch(self, slot: int, places: list[tuple[str, str, tuple[int, ...], int, int]], used: int,
+               fields: dict[str, Any]) -> SampleBatch:
+        """The batch in ``slot`` (its tensors in the slot's first ``used`` bytes, the exchange's
+        ids after them): its tensors views of the slot (CUDA), or copies (CPU)."""
         base = slot * self.slot_size
         tensors: dict[str, torch.Tensor] = {}
-        for name, dtype, shape, offset in places:
-            nbytes = int(np.prod(shape)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        for name, dtype, shape, offset, nbytes in places:
             tensors[name] = self._view[base + offset: base + offset + nbytes].view(getattr(torch, dtype)).view(shape)
         if self.device.type != "cuda":
             tensors = {name: t.clone() for name, t in tensors.items()}
             self._conn.send(("free", slot))
         else:
             self._handed = slot
+        batch = self._assemble(tensors, fields)
+        if self.device.type == "cuda":  # one copy of the batch's tensors (the exchange's ids go on their own)
+            mine = [(name, offset) for name, _, _, offset, _ in places if name != "plan.routed"]
+            batch._pinned = (self._view[base: base + max(used, 1)], [n for n, _ in mine], [o for _, o in mine])
+        return batch
+
+    @staticmethod
+    def _assemble(tensors: dict[str, torch.Tensor], fields: dict[str, Any]) -> SampleBatch:
+        """A SampleBatch of its tensors and other fields, with the exchange's layout."""
         plan = fields.pop("plan", None)
         routed = tensors.pop("plan.routed", None)
         batch = SampleBatch(**tensors, **fields)
@@ -219,10 +239,6 @@ class SampleReader:
             from streamrec.embedding.sharded import HostPlan
 
             batch.plan = HostPlan(plan[0], plan[1], routed, plan[2])
-        if self.device.type == "cuda":  # one copy of the batch's tensors (the exchange's ids, placed last, go on their own)
-            mine = [(n, o) for n, _, _, o in places if n != "plan.routed"]
-            used = max((o + getattr(batch, n).numel() * getattr(batch, n).element_size() for n, o in mine), default=0)
-            batch._pinned = (self._view[base: base + max(used, 1)], [n for n, _ in mine], [o for _, o in mine])
         return batch
 
     def _free_copied(self) -> None:
@@ -251,11 +267,10 @@ class SampleReader:
         self.stop()
 
 
-def _child_main(conn: Any, path: str, size: int, slots: int, source_spec: SourceSpec, spec: FeatureSpec,
-                settings: ReaderSettings) -> None:
+def _child_main(conn: Connection) -> None:
     """The child: open the source, run the Prefetcher, write batches into free slots."""
     torch.set_num_threads(2)
-    source = None
+    path, size, slots, source_spec, spec, settings = conn.recv()
     try:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -350,24 +365,24 @@ def _batch_message(batch: SampleBatch, mapping: mmap.mmap, size: int, free: list
     plan = batch.plan
     if plan is not None:
         tensors["plan.routed"] = plan.routed.contiguous()
-    places, offset = [], 0
-    for name, t in tensors.items():
-        places.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    if offset > size:
-        return ("inline", batch, lag)
-    slot = free.pop()
-    base = slot * size
-    target = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=base)
-    for (name, _, _, at), t in zip(places, tensors.values()):
-        raw = t.numpy().reshape(-1).view(np.uint8)
-        target[at: at + len(raw)] = raw
+    places, offset, used = [], 0, 0
+    for name, t in tensors.items():  # the exchange's ids last: the batch's own tensors are one span
+        nbytes = t.numel() * t.element_size()
+        places.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        used = offset + nbytes if name != "plan.routed" else used
+        offset += -(-nbytes // ALIGN) * ALIGN
     fields = {name: getattr(batch, name) for name in ("history_len", "history_groups", "event_ids", "positions", "rejected")}
     if batch.hist_group is None:
         fields["hist_group"] = None
     if plan is not None:
         fields["plan"] = (plan.names, plan.sizes, plan.send_counts)
-    return ("batch", slot, places, fields, lag)
+    if offset > size:
+        return ("inline", {name: t.numpy() for name, t in tensors.items()}, fields, lag)
+    slot = free.pop()
+    target = np.frombuffer(mapping, dtype=np.uint8, count=size, offset=slot * size)
+    for (_, _, _, at, nbytes), t in zip(places, tensors.values()):
+        target[at: at + nbytes] = t.numpy().reshape(-1).view(np.uint8)
+    return ("batch", slot, places, used, fields, lag)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -380,3 +395,16 @@ def _portable(exc: BaseException) -> BaseException:
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m streamrec.trainer.reader --fd N``: the child, on its end of the parent's socket."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _child_main(Connection(args.fd))
+
+
+if __name__ == "__main__":
+    main()
