@@ -1,7 +1,7 @@
 """Trainer throughput and per-step time split, against a plain-PyTorch static-table baseline.
 
-Ours: the real engine (trainer.engine.Trainer) reading a sample file in a loop: prefetch
-thread (decode + batch), ps/ dynamic tables (hash index, unique ids, fused row-wise
+Ours: the real engine (trainer.engine.Trainer) reading a sample file in a loop: the sample
+reader process (decode + batch, trainer/reader.py), ps/ dynamic tables (hash index, unique ids, fused row-wise
 Adagrad), the CTR model with Adam, progressive validation, and publishing a version every
 ``--publish-interval`` seconds into a temporary model store. Two passes: one with a device
 sync between phases (exact split: input / lookup / forward_backward / update / evaluate /
@@ -10,10 +10,10 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). A second baseline run gets our front end instead: the engine's Prefetcher over
-the same file (the same decoding thread, pinned batches, copy per step) and ids mapped to
-rows on the device. Ours runs once more with every batch decoded before its first step
-(PredecodedPrefetcher), the device-resident baseline's terms. ratio = our step time /
+(input time 0). A second baseline run gets our front end instead: the engine's sample reader
+over the same file (the same decoding process, page-locked slots, one copy per step) and ids
+mapped to rows on the device. Ours runs once more with every batch decoded before its first
+step (PredecodedReader), the device-resident baseline's terms. ratio = our step time /
 baseline step time, on equal terms twice (pre-decoded over device-resident; live front end
 over the same front end) and once across (our live run over the device-resident baseline).
 On CUDA both run the dense model's full batches as CUDA graphs (trainer/dense_graph.py;
@@ -24,10 +24,12 @@ million touched rows (begin + every snapshot slice), and the longest single paus
 a bare device-to-host copy of the same rows.
 
 Scaling (``--nproc-per-node N``): the same command, ``streamrec train`` on the sample file
-in a loop, at 1 rank (a lone process, no collectives), at 1 rank under the launcher (the
-sharded exchange and DDP in place at world size 1), and at N ranks under the launcher, each
+in a loop, at 1 rank (a lone process), at 1 rank under the launcher (which trains as a lone
+process does: what the launcher itself costs), and at N ranks under the launcher, each
 rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per rank and
-in total, and scaling efficiency = total at N / (N x the lone process's). A short warm-up
+in total, and scaling efficiency = total at N / (N x the lone process's). ``--reps R`` runs
+the configurations in turn R times and reports each one's best run (every run's figure is
+in the JSON). A short warm-up
 run first fills the on-disk kernel caches, so no measured run compiles more than another;
 every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
 by the trainer itself (from its first step), so the launcher's start is not counted. CPU ranks get
@@ -60,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from unittest import mock
@@ -76,12 +79,13 @@ from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.engine import Trainer, TrainOptions
-from streamrec.model.batch import TABLES, SampleBatch, batch_from_table
+from streamrec.model.batch import TABLES, SampleBatch, batch_from_table, dense_feature_names
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.trainer.publisher import Publisher, PublishSettings
 import streamrec.trainer.loop as trainer_loop
-from streamrec.trainer.prefetch import END, Prefetcher
-from streamrec.trainer.sources import FileSampleSource, sample_files
+from streamrec.trainer.prefetch import END
+from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
+from streamrec.trainer.sources import sample_files
 from streamrec.model.sparse import ModelInputs, SparseFeatures
 
 from output import write_result  # bench/ is on sys.path (script dir; `streamrec bench` adds it)
@@ -92,21 +96,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-class PredecodedPrefetcher(Prefetcher):
-    """The engine's Prefetcher with the run's batches decoded (and pinned) before the first
-    step: ``start`` returns once ``batches`` of them are ready, ``get`` hands them out in
-    order, then END. Ours then runs on the device-resident baseline's terms (its batches
-    are built before timing too); the trainer's clock starts after ``start``."""
+class PredecodedReader(SampleReader):
+    """The engine's sample reader with the run's batches decoded (copied out of its slots, and
+    pinned on CUDA) before the first step: ``start`` returns once ``batches`` of them are
+    ready, ``get`` hands them out in order, then END. Ours then runs on the device-resident
+    baseline's terms (its batches are built before timing too); the trainer's clock starts
+    after ``start``."""
 
     def __init__(self, *args, batches: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.batches = batches
         self.ready: deque = deque()
 
-    def start(self) -> "PredecodedPrefetcher":
+    def start(self) -> "PredecodedReader":
         super().start()
         while len(self.ready) < self.batches:
             item = super().get()
+            if isinstance(item, SampleBatch):
+                item = replace(item, **{name: getattr(item, name).clone() for name in item._tensors()})
+                item = item.pin_memory() if self.device.type == "cuda" else item
             self.ready.append(item)
             if item is END:
                 break
@@ -120,7 +128,7 @@ class PredecodedPrefetcher(Prefetcher):
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
              name: str, graphs: bool = True, predecoded: bool = False) -> dict:
     """One engine run from a fresh store (the first pass over the data creates rows as a stream does).
-    ``predecoded``: its front end decodes every batch before the first step (PredecodedPrefetcher)."""
+    ``predecoded``: its front end decodes every batch before the first step (PredecodedReader)."""
     cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
         "trainer.batch_size": batch, "trainer.device": device, "trainer.publish_interval_s": publish_interval,
@@ -129,8 +137,8 @@ def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval
     }, environ={})
     trainer = Trainer(cfg, TrainOptions(files=[samples], loop_files=True, max_samples=batch * steps, sync_timings=sync_timings,
                                         fresh=True, progress=False))
-    front_end = partial(PredecodedPrefetcher, batches=steps + 2) if predecoded else Prefetcher
-    with mock.patch.object(trainer_loop, "Prefetcher", front_end):
+    front_end = partial(PredecodedReader, batches=steps + 2) if predecoded else SampleReader
+    with mock.patch.object(trainer_loop, "SampleReader", front_end):
         summary = trainer.run()
     return {k: summary[k] for k in ("samples_this_run", "elapsed_s", "samples_per_s", "ms_per_step", "auc_online",
                                     "publish_stall_ms_per_million_rows", "table_rows")} | {"versions": len(summary["published"])}
@@ -155,9 +163,9 @@ class StaticSparse(nn.Module):
 def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int,
                  graphs: bool = True, samples: str | None = None) -> dict:
     """The static-table baseline. Its batches: built on the device before timing (input time
-    0), or, with ``samples``, from the same front end as ours: the engine's Prefetcher over
-    the same file in a loop (decoding in a thread that shares the GIL, pinned batches, one
-    copy to the device per step), with ids mapped to table rows on the device (searchsorted
+    0), or, with ``samples``, from the same front end as ours: the engine's sample reader over
+    the same file in a loop (decoding in a process of its own, page-locked slots, one copy to
+    the device per step), with ids mapped to table rows on the device (searchsorted
     over the sorted vocabulary: a static table's id map, done per step)."""
     batches = [batch_from_table(table.slice(i * batch, batch), spec, model_spec.history_len) for i in range(n_batches)]
     # Pre-size every table and remap ids to 0..N-1 (the static world the baseline needs).
@@ -180,8 +188,8 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
     times = {"input": 0.0, "lookup": 0.0, "forward_backward": 0.0, "update": 0.0}
     prefetch = None
     if samples is not None:
-        source = FileSampleSource([samples], spec, loop=True)
-        prefetch = Prefetcher(source, spec, batch, model_spec.history_len, depth=8, pin_memory=device.type == "cuda").start()
+        settings = ReaderSettings(batch, model_spec.history_len, 8, None)
+        prefetch = SampleReader(SourceSpec(files=[samples], loop=True), spec, settings, device, len(dense_feature_names(spec))).start()
 
     def next_batch(i: int) -> tuple[SampleBatch, dict[str, torch.Tensor]]:
         if prefetch is None:
@@ -233,7 +241,7 @@ def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, st
         if prefetch is not None:
             prefetch.stop()
     return {"samples_per_s": steps * batch / elapsed, "ms_per_step": 1000 * elapsed / steps, "ms_per_step_split": split,
-            "table_rows": sizes, "front_end": "prefetcher" if prefetch is not None else "device-resident batches"}
+            "table_rows": sizes, "front_end": "sample reader" if prefetch is not None else "device-resident batches"}
 
 
 def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int, work: Path) -> dict:
@@ -271,8 +279,8 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
 
 def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path,
               sync_timings: bool = False) -> dict:
-    """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher,
-    collectives in place even for one rank); its summary's throughput and every rank's step
+    """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher);
+    its summary's throughput and every rank's step
     figures (``sync_timings``: the device drained between phases)."""
     import os
 
@@ -340,19 +348,27 @@ def scaling(args: argparse.Namespace) -> None:
         print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
         run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")
         runs = [(1, False), (1, True), *((n, True) for n in args.nproc_per_node if n > 1)]
-        result["runs"] = []
+        result["runs"], result["reps"] = [], args.reps
+        tries: dict[tuple[int, bool], list[dict]] = {key: [] for key in runs}
+        for rep in range(args.reps):  # configurations in turn, rep after rep: drifts of the host hit all alike
+            for nproc, launcher in runs:
+                print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}: {args.steps} steps of "
+                      f"{args.batch} per rank{f' (rep {rep + 1} of {args.reps})' if args.reps > 1 else ''} ...", flush=True)
+                run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp))
+                tries[(nproc, launcher)].append(run)
+                print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
         for nproc, launcher in runs:
-            print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}: {args.steps} steps of {args.batch} per rank ...",
-                  flush=True)
-            run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp))
+            run = max(tries[(nproc, launcher)], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
+            run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[(nproc, launcher)]]
             result["runs"].append(run)
-            print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
             if args.split:
-                print("  again with the device drained between phases (per-rank split) ...", flush=True)
+                print(f"{nproc} rank(s){' under the launcher' if launcher else ''}, again with the device drained between phases "
+                      "(per-rank split) ...", flush=True)
                 synced = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), sync_timings=True)
                 run["split"] = {k: synced[k] for k in ("samples_per_s", "by_rank", "ids_received_imbalance")}
             shown = run.get("split", run)
-            print(f"  per rank, ms/step{' (device drained between phases)' if 'split' in run else ''}, "
+            print(f"  best of {args.reps}: {run['samples_per_s']:,.0f} samples/s; per rank, ms/step"
+                  f"{' (device drained between phases)' if 'split' in run else ''}, "
                   "exchange KiB sent to other ranks per step, ids received per step:", flush=True)
             print(rank_table(shown), flush=True)
     lone = result["runs"][0]["samples_per_s"]
@@ -388,6 +404,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
     parser.add_argument("--nproc-per-node", type=int, nargs="+", default=[], metavar="N",
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="scaling: run every configuration this many times, in turn; report the best (and every rep's)")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="scaling: skip the second run of each configuration with the device drained between phases")
     args = parser.parse_args()
