@@ -1,10 +1,19 @@
 """The sample reader process: the batches the trainer gets from it are the in-thread
 Prefetcher's, with the exchange's layout; its source's failures surface in the trainer."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections import Counter
 
 import pytest
 import torch
+
+from conftest import REPO
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.sharded import layout_on_host
@@ -119,3 +128,39 @@ def test_on_cuda_every_batch_reaches_the_device_intact_while_slots_are_reused(sa
         for name in b._tensors():
             assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
         assert torch.equal(routed.cpu(), layout_on_host(SparseFeatures.table_ids(b), 2).routed)
+
+
+def test_ctrl_c_stops_the_trainer_cleanly_and_its_reader_with_it(sample_run, tmp_path):
+    """A terminal's Ctrl-C reaches the trainer's whole process group, the reader included:
+    the trainer still finishes its step, publishes and checkpoints (exit 0, its summary
+    printed), and no process of the group is left."""
+    cmd = [sys.executable, "-m", "streamrec.cli", "train", "--samples", str(sample_run), "--loop", "--batch-size", "512",
+           "--device", "cpu", "--no-frozen", "--no-announce", "--json", "--publish-interval", "1",
+           "--model-store", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("published version 1 " in line for line in lines) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert any("published version 1 " in line for line in lines), "".join(lines[-20:])
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=5)
+    assert proc.returncode == 0, "".join(lines[-30:])
+    summary = json.loads(out)
+    assert summary["samples_this_run"] > 0 and summary["published"] and any((tmp_path / "work").glob("*/checkpoints/*"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the reader process exits with the trainer
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("a process of the trainer's group outlived it")

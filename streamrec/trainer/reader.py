@@ -28,6 +28,7 @@ import argparse
 import logging
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -268,7 +269,11 @@ class SampleReader:
 
 
 def _child_main(conn: Connection) -> None:
-    """The child: open the source, run the Prefetcher, write batches into free slots."""
+    """The child: open the source, run the Prefetcher, write batches into free slots. Ctrl-C
+    and SIGTERM reach the trainer's whole process group: the trainer stops cleanly and then
+    stops this process, which exits by itself if the trainer is gone (its socket closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(2)
     path, size, slots, source_spec, spec, settings = conn.recv()
     try:
