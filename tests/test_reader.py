@@ -164,3 +164,27 @@ def test_ctrl_c_stops_the_trainer_cleanly_and_its_reader_with_it(sample_run, tmp
         time.sleep(0.1)
     else:
         raise AssertionError("a process of the trainer's group outlived it")
+
+
+def test_slots_fall_back_to_the_temp_directory_when_dev_shm_is_full(sample_run, monkeypatch):
+    """/dev/shm without room (a container's default 64 MiB): the slots go to the temp
+    directory with a warning, and the batches still arrive; nothing is left in either."""
+    import streamrec.trainer.reader as reader_module
+
+    real = os.posix_fallocate
+    made = []
+
+    def full_dev_shm(fd, offset, size):
+        made.append(os.readlink(f"/proc/self/fd/{fd}"))
+        if made[-1].startswith("/dev/shm/"):
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, size)
+
+    monkeypatch.setattr(reader_module.os, "posix_fallocate", full_dev_shm)
+    reader = _reader(SourceSpec(files=[str(sample_run)]), 512)
+    try:
+        assert len(reader.get(timeout=30)) == 512
+    finally:
+        reader.stop()
+    assert made[0].startswith("/dev/shm/") and not made[1].startswith("/dev/shm/") and len(made) == 2
+    assert not any(os.path.exists(p.removesuffix(" (deleted)")) for p in made)

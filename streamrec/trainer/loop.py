@@ -344,7 +344,8 @@ class TrainingLoop:
         t3 = time.perf_counter()
         if n:
             frozen = self.evaluation.frozen_scores(batch, now_ms)
-            self._pending.append(PendingStep(self.state["step"], reported, torch.sigmoid(logits.detach()), batch.label,
+            # the label cloned: on a GPU it views the batch's one copy, which it would keep whole until drained
+            self._pending.append(PendingStep(self.state["step"], reported, torch.sigmoid(logits.detach()), batch.label.clone(),
                                              batch.event_ids, frozen))
         if len(self._pending) >= DRAIN_EVERY:
             self._drain()

@@ -49,7 +49,7 @@ from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # bytes: each tensor's place in a slot
-START_TIMEOUT_S = 120.0  # the child's imports and the source's connection
+START_TIMEOUT_S = 120.0  # the child's imports; the source's connection timeout comes on top
 
 
 @dataclass
@@ -121,51 +121,54 @@ class SampleReader:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "SampleReader":
         """Start the child and wait until its source is open (raising its failure if not)."""
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix="streamrec-batches-", dir=directory)
+        size = self.slots * self.slot_size
+        fd = _slots_file(size)
+        theirs = None
         try:
-            os.ftruncate(fd, self.slots * self.slot_size)
-            self._mapping = mmap.mmap(fd, self.slots * self.slot_size)
-        finally:
-            os.close(fd)
-        self._view = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        if self.device.type == "cuda":
-            self._registered = torch.cuda.cudart().cudaHostRegister(self._view.data_ptr(), self._view.numel(), 0) == 0
-            if not self._registered:
-                log.warning("could not page-lock the batch slots: each batch's copy to the device will wait for it")
-        ours, theirs = socket.socketpair()
-        self._conn = Connection(ours.detach())
-        try:
+            self._mapping = mmap.mmap(fd, size)
+            self._view = torch.frombuffer(self._mapping, dtype=torch.uint8)  # keeps the mapping while any view lives
+            if self.device.type == "cuda":
+                self._registered = torch.cuda.cudart().cudaHostRegister(self._view.data_ptr(), size, 0) == 0
+                if not self._registered:
+                    log.warning("could not page-lock the batch slots: each batch's copy to the device will wait for it")
+            ours, theirs = socket.socketpair()
+            self._conn = Connection(ours.detach())
             # python -m, not multiprocessing's spawn: that would import the caller's main script again
-            self._process = subprocess.Popen([sys.executable, "-m", "streamrec.trainer.reader", "--fd", str(theirs.fileno())],
-                                             pass_fds=(theirs.fileno(),), env=python_env())
-            theirs.close()
-            self._conn.send((path, self.slot_size, self.slots, self.source, self.spec, self.settings))
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise TimeoutError(f"the sample reader did not start within {START_TIMEOUT_S:.0f} s")
+            self._process = subprocess.Popen([sys.executable, "-m", "streamrec.trainer.reader", "--fd", str(theirs.fileno()),
+                                              "--slots-fd", str(fd)], pass_fds=(theirs.fileno(), fd), env=python_env())
+            self._conn.send((self.slot_size, self.slots, self.source, self.spec, self.settings))
+            timeout_s = START_TIMEOUT_S + 2 * self.source.timeout_s  # imports, then the source's connection
+            if not self._conn.poll(timeout_s):
+                raise TimeoutError(f"the sample reader did not start within {timeout_s:.0f} s")
             self._receive()  # "ready", or the source's failure raised
         except BaseException:
             self.stop()
             raise
         finally:
-            os.unlink(path)  # both sides hold the mapping; nothing is left behind whatever happens next
+            os.close(fd)
+            if theirs is not None:
+                theirs.close()
         return self
 
     def stop(self) -> None:
-        """Stop the child (its source commits what it was last asked to, then closes)."""
+        """Stop the child (its source commits what it was last asked to, then closes). The
+        shared mapping stays until the last batch viewing it is gone."""
         if self._process is not None:
             try:
                 self._conn.send(("stop",))
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline and self._process.poll() is None:  # read what it still sends, so it can stop
                     if self._conn.poll(0.1):
-                        self._conn.recv()
+                        message = self._conn.recv()
+                        if message[0] == "error":
+                            log.warning("the sample reader failed while stopping: %s", message[1])
             except (BrokenPipeError, EOFError, OSError):
                 pass
             try:
                 self._process.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                log.warning("the sample reader did not stop within 35 s: killing it")
+                log.warning("the sample reader did not stop within 35 s: killing it (offsets it was asked to commit "
+                            "may not reach the group; the checkpoint holds them)")
                 self._process.kill()
                 self._process.wait(timeout=5)
             self._process = None
@@ -173,22 +176,22 @@ class SampleReader:
             self._conn.close()
             self._conn = None
         if self._registered:
-            torch.cuda.synchronize(self.device)  # no copy from a slot still in flight
-            torch.cuda.cudart().cudaHostUnregister(self._view.data_ptr())
             self._registered = False
-        self._view = None
-        if self._mapping is not None:
             try:
-                self._mapping.close()
-            except BufferError:  # a batch still views it: the mapping goes with the last view
-                pass
-            self._mapping = None
+                torch.cuda.synchronize(self.device)  # no copy from a slot still in flight
+                torch.cuda.cudart().cudaHostUnregister(self._view.data_ptr())
+            except Exception as exc:  # a failed device: what failed first is what the caller sees
+                log.warning("could not release the batch slots' page lock: %s", exc)
+        self._view = self._mapping = None  # the batches still viewing it keep the mapping
 
     # ------------------------------------------------------------------ Prefetcher's verb
     def get(self, timeout: float | None = None) -> Any:
         """The next SampleBatch, IDLE (nothing within ``timeout``), END or Skipped; raises the
         child's failure."""
         self._free_copied()
+        if len(self._copying) == self.slots and not self._conn.poll(0):
+            self._copying[0][0].synchronize()  # every slot is still on its way to the device: the reader waits for one
+            self._free_copied()
         if not self._conn.poll(timeout):
             return IDLE
         return self._receive()
@@ -268,31 +271,45 @@ class SampleReader:
         self.stop()
 
 
-def _child_main(conn: Connection) -> None:
+def _slots_file(size: int) -> int:
+    """An open, already unlinked file of ``size`` bytes for the batch slots: in memory
+    (/dev/shm) where it has room, else in the temp directory (the page cache; a warning).
+    The room is taken now: on tmpfs a write past its limit would be a SIGBUS later."""
+    tried = []
+    for directory in [d for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d)]:
+        fd, path = tempfile.mkstemp(prefix="streamrec-batches-", dir=directory)
+        os.unlink(path)  # the descriptor and the mappings keep it: nothing is left behind whatever happens
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            tried.append(f"{directory}: {exc.strerror}")
+            continue
+        if tried:
+            log.warning("no room for the batch slots (%d MiB) in %s: using %s", size >> 20, "; ".join(tried), directory)
+        return fd
+    raise OSError(f"no room for the trainer's batch slots ({size >> 20} MiB): {'; '.join(tried)}. Give /dev/shm more "
+                  "(a container's --shm-size) or lower trainer.prefetch_batches or trainer.batch_size")
+
+
+def _child_main(conn: Connection, slots_fd: int) -> None:
     """The child: open the source, run the Prefetcher, write batches into free slots. Ctrl-C
     and SIGTERM reach the trainer's whole process group: the trainer stops cleanly and then
     stops this process, which exits by itself if the trainer is gone (its socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(2)
-    path, size, slots, source_spec, spec, settings = conn.recv()
+    size, slots, source_spec, spec, settings = conn.recv()
+    source = prefetcher = None
     try:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, size * slots)
-        finally:
-            os.close(fd)
+        mapping = mmap.mmap(slots_fd, size * slots)
+        os.close(slots_fd)
         source = source_spec.open(spec)
-    except BaseException as exc:
-        conn.send(("error", _portable(exc)))
-        return
-    layout = _laying_out(settings.layout_world) if settings.layout_world is not None else None
-    prefetcher = Prefetcher(source, spec, settings.batch_size, settings.history_len, max(1, settings.depth),
-                            max_delay_s=settings.max_delay_s, prepare=layout).start()
-    free = list(range(slots))
-    conn.send(("ready", source.lag()))
-    try:
-        _serve(conn, prefetcher, source, mapping, size, free)
+        layout = _laying_out(settings.layout_world) if settings.layout_world is not None else None
+        prefetcher = Prefetcher(source, spec, settings.batch_size, settings.history_len, max(1, settings.depth),
+                                max_delay_s=settings.max_delay_s, prepare=layout).start()
+        conn.send(("ready", source.lag()))
+        _serve(conn, prefetcher, source, mapping, size, list(range(slots)))
     except _Stop:
         pass
     except BaseException as exc:
@@ -301,8 +318,10 @@ def _child_main(conn: Connection) -> None:
         except (BrokenPipeError, OSError):
             pass
     finally:
-        prefetcher.stop()
-        source.close()
+        if prefetcher is not None:
+            prefetcher.stop()
+        if source is not None:
+            source.close()
 
 
 def _laying_out(world: int) -> Callable[[SampleBatch], None]:
@@ -405,10 +424,11 @@ def _portable(exc: BaseException) -> BaseException:
 def main(argv: list[str] | None = None) -> None:
     """``python -m streamrec.trainer.reader --fd N``: the child, on its end of the parent's socket."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True, help="this end of the trainer's socket")
+    parser.add_argument("--slots-fd", type=int, required=True, help="the shared file of the batch slots")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _child_main(Connection(args.fd))
+    _child_main(Connection(args.fd), args.slots_fd)
 
 
 if __name__ == "__main__":
