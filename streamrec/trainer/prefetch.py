@@ -1,8 +1,8 @@
-"""Decoding and batching off the training thread.
+"""Decoding and batching on a thread (the trainer runs it inside its sample reader process,
+trainer/reader.py).
 
 A background thread reads chunks from the source, cuts them into batches of
-``batch_size`` samples, converts them to tensors (pinned when training on CUDA, so the
-step's host-to-device copy is asynchronous) and keeps up to ``depth`` batches queued.
+``batch_size`` samples, converts them to tensors and keeps up to ``depth`` batches queued.
 A partial batch whose oldest sample has waited ``max_delay_s`` is released (checked at
 every chunk the source yields, an empty one included): an online learner should not sit on
 fresh samples waiting for a full batch. ``max_delay_s=None`` (sample files) never releases a
@@ -42,16 +42,16 @@ class Skipped:
 
 
 class Prefetcher:
-    """``prepare``: more work on each batch in this thread, before it is pinned (the
-    trainer's exchange lays out its ids here: ``ShardedCollection.layout_on_host``)."""
+    """``prepare``: more work on each batch in this thread (the trainer's reader lays out the
+    exchange's ids here: ``embedding.sharded.layout_on_host``)."""
 
     def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
-                 pin_memory: bool = False, max_delay_s: float | None = None,
+                 max_delay_s: float | None = None,
                  prepare: Callable[[SampleBatch], None] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
-        self.pin_memory, self.max_delay_s, self.prepare = pin_memory, max_delay_s, prepare
+        self.max_delay_s, self.prepare = max_delay_s, prepare
         self.queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.rejected: Counter = Counter()  # every reason decoded so far (batches carry their own share)
         self.decode_s = 0.0
@@ -158,10 +158,10 @@ class Prefetcher:
             self._put(exc)
 
     def _ready(self, batch: SampleBatch) -> SampleBatch:
-        """The batch as the trainer takes it: prepared, then pinned."""
+        """The batch as the trainer takes it: prepared."""
         if self.prepare is not None:
             self.prepare(batch)
-        return batch.pin_memory() if self.pin_memory else batch
+        return batch
 
     @staticmethod
     def _positions(consumed: dict[int, int], rest_parts: np.ndarray, rest_offsets: np.ndarray) -> dict[int, int]:
