@@ -188,3 +188,18 @@ def test_slots_fall_back_to_the_temp_directory_when_dev_shm_is_full(sample_run, 
         reader.stop()
     assert made[0].startswith("/dev/shm/") and not made[1].startswith("/dev/shm/") and len(made) == 2
     assert not any(os.path.exists(p.removesuffix(" (deleted)")) for p in made)
+
+
+def test_a_reader_that_dies_fails_the_next_get_with_its_exit(sample_run):
+    """The reader killed (the OOM killer, say): the trainer's next get says so, with the
+    signal, instead of waiting for batches that will never come."""
+    reader = _reader(SourceSpec(files=[str(sample_run)], loop=True), 512)
+    try:
+        assert len(reader.get(timeout=30)) == 512
+        reader._process.send_signal(signal.SIGKILL)
+        reader._process.wait(timeout=10)
+        with pytest.raises(RuntimeError, match=r"sample reader process died \(exit code -9\)"):
+            for _ in range(100):  # batches already sent may still be read first
+                reader.get(timeout=5)
+    finally:
+        reader.stop()

@@ -199,9 +199,8 @@ class SampleReader:
     def _receive(self) -> Any:
         try:
             message = self._conn.recv()
-        except EOFError:
-            code = self._process.wait(timeout=5) if self._process is not None else None
-            raise RuntimeError(f"the sample reader process died (exit code {code}); see its log above") from None
+        except (EOFError, OSError):  # a closed or reset socket: the reader is gone
+            raise self._died() from None
         kind = message[0]
         if kind == "error":
             raise message[1]
@@ -224,7 +223,7 @@ class SampleReader:
             tensors[name] = self._view[base + offset: base + offset + nbytes].view(getattr(torch, dtype)).view(shape)
         if self.device.type != "cuda":
             tensors = {name: t.clone() for name, t in tensors.items()}
-            self._conn.send(("free", slot))
+            self._free(slot)
         else:
             self._handed = slot
         batch = self._assemble(tensors, fields)
@@ -245,6 +244,17 @@ class SampleReader:
             batch.plan = HostPlan(plan[0], plan[1], routed, plan[2])
         return batch
 
+    def _died(self) -> RuntimeError:
+        code = self._process.wait(timeout=5) if self._process is not None else None
+        return RuntimeError(f"the sample reader process died (exit code {code}); see its log above")
+
+    def _free(self, slot: int) -> None:
+        """Give ``slot`` back to the reader."""
+        try:
+            self._conn.send(("free", slot))
+        except OSError:
+            raise self._died() from None
+
     def _free_copied(self) -> None:
         """Slots whose batch the device has copied go back to the child. The batch handed out
         last has had every copy queued by now (the step copies a batch before it asks for the
@@ -255,7 +265,7 @@ class SampleReader:
             self._copying.append((event, self._handed))
             self._handed = None
         while self._copying and self._copying[0][0].query():
-            self._conn.send(("free", self._copying.pop(0)[1]))
+            self._free(self._copying.pop(0)[1])
 
     # ------------------------------------------------------------------ the source's verbs
     def lag(self) -> int | None:
