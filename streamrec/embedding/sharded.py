@@ -21,10 +21,13 @@ what several ranks sent anyway, and one de-duplication means one host sync less 
 and admission sees every sighting, as on one rank. The split sizes need every rank's
 counts; they ride in the per-step agreement (trainer/distributed.py: one small gloo
 all_gather that runs anyway), so the exchange has no collective and no host round-trip of
-its own for them. Three collectives and three host syncs per step (the counts before the
-agreement, and the owner's find_or_insert), whatever the number of tables. A caller that
-does not agree first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent
-in an all_gather of their own, then to the host: a fourth collective.
+its own for them. The trainer lays the ids out on the host, off its step's thread
+(``layout_on_host``, in its sample reader process), so counting them costs no device sync
+either; laid out on the device (``plan`` without ``host``) the counts cost one. Three
+collectives and two host syncs per step (the owner's find_or_insert), whatever the number
+of tables. A caller that does not agree first (``find_or_insert`` without
+``plan``/``agreed``) gets the counts sent in an all_gather of their own, then to the host:
+a fourth collective.
 
 Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
 sample asks for are held whole by every rank and trained data-parallel instead. Each
