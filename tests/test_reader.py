@@ -73,7 +73,7 @@ def test_the_reader_hands_over_the_prefetchers_batches_with_their_layout(sample_
 
 
 def test_a_batch_larger_than_a_slot_still_arrives(sample_run, monkeypatch):
-    """A slot too small for a batch (slot_bytes' estimate wrong) sends it through the pipe."""
+    """A slot too small for a batch (slot_bytes' estimate wrong) sends it in its message."""
     import streamrec.trainer.reader as reader_module
 
     monkeypatch.setattr(reader_module, "slot_bytes", lambda *args: 4096)

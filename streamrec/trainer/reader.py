@@ -9,14 +9,14 @@ the decoder never competes for the step's GIL.
 The child (``_child_main``) runs the source (files or the topic) and the ``Prefetcher``,
 and writes each batch's tensors into a free slot of a shared file mapping (one per
 ``depth + 2`` batches in flight). It sends a small message per batch (the slot, each
-tensor's place, the batch's other fields) over a pipe. The parent (``SampleReader``) makes
+tensor's place, the batch's other fields) over a socket. The parent (``SampleReader``) makes
 the batch's tensors views of that slot: on CUDA the mapping is page-locked once
 (``cudaHostRegister``), so the step's copy to the device is one asynchronous transfer, and
 the slot goes back to the child once the device has copied it (a CUDA event recorded at the
 next ``get``, when the step has queued every copy of it). On CPU the batch is copied out at
-once. A batch larger than a slot travels through the pipe instead.
+once. A batch larger than a slot travels in its message instead.
 
-The source's ``commit`` and ``lag`` pass through the same pipe: commits go to the child's
+The source's ``commit`` and ``lag`` pass through the same socket: commits go to the child's
 source between batches, lag comes with every message. A failure in the child (a missing
 topic, a corrupt file) is raised by the next ``get`` (or ``start``) with its own type and
 message; a child that dies says so.
@@ -35,12 +35,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from multiprocessing.connection import Connection
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import SampleBatch
@@ -245,7 +245,11 @@ class SampleReader:
         return batch
 
     def _died(self) -> RuntimeError:
-        code = self._process.wait(timeout=5) if self._process is not None else None
+        """The error for a reader whose socket closed: with its exit code, once it has one."""
+        try:
+            code = self._process.wait(timeout=5) if self._process is not None else None
+        except subprocess.TimeoutExpired:
+            code = "none yet"
         return RuntimeError(f"the sample reader process died (exit code {code}); see its log above")
 
     def _free(self, slot: int) -> None:
@@ -394,7 +398,7 @@ def _wait_for_stop(conn: Any, source: Any) -> None:
 
 def _batch_message(batch: SampleBatch, mapping: mmap.mmap, size: int, free: list[int], lag: int | None) -> tuple:
     """The batch written into a free slot, and the message that places it (or the whole
-    batch through the pipe, where it does not fit a slot)."""
+    batch in the message, where it does not fit a slot)."""
     tensors = {name: getattr(batch, name).contiguous() for name in batch._tensors()}
     plan = batch.plan
     if plan is not None:
