@@ -414,3 +414,37 @@ def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle(
     assert recorder.batches[0] == [2]
     assert recorder.batches[1:] == [[8] * 6]  # one batch of its own, never mixed with foreground requests
     assert all(r.result.scores.tolist() == [2] * 8 for r in replies)
+
+
+def test_a_request_that_came_during_a_background_batch_on_the_loop_closes_its_batch_at_once():
+    """``workers = 0``: a request that arrived while a background batch ran on the loop has
+    waited that batch already; its own batch closes without the batching window."""
+    window_s = 2.0
+
+    class Background(Recorder):
+        def __call__(self, payloads):
+            if len(self.batches) == 0:  # the background batch: a request arrives while it runs
+                loop.call_soon_threadsafe(lambda: sent.append((time.perf_counter(), asyncio.ensure_future(batcher.submit([3])))))
+                time.sleep(0.2)
+            return super().__call__(payloads)
+
+    recorder, sent = Background(), []
+
+    async def main():
+        nonlocal loop, batcher
+        loop = asyncio.get_running_loop()
+        batcher = RequestBatcher(recorder, max_batch=64, max_delay_us=int(window_s * 1e6), workers=0, **ROOMY)
+        batcher.idle = lambda: not batcher.has_foreground
+        await batcher.start()
+        reply = BackgroundReply()
+        assert batcher.enqueue_background([1] * 4, reply)
+        await until(lambda: sent, "the request sent during the background batch")
+        outcome = await sent[0][1]
+        answered = time.perf_counter() - sent[0][0]
+        await batcher.stop()
+        return reply, outcome, answered
+
+    loop = batcher = None
+    reply, outcome, answered = run(main())
+    assert recorder.batches == [[4], [1]] and reply.result.scores.tolist() == [2] * 4 and outcome.scores.tolist() == [6]
+    assert answered < window_s / 2, f"the request waited {answered:.2f} s: a batching window after the background batch"

@@ -299,7 +299,7 @@ class RequestBatcher:
         self._free -= 1
         if self._executor is None:
             self._run_here(batch, rows)
-            await self._read_backlog()  # requests that came meanwhile are queued before the next look at idle()
+            self._backlog = await self._read_backlog()  # what came meanwhile has waited this batch: no window for it
         else:
             asyncio.create_task(self._run(batch, rows))
 
