@@ -70,7 +70,9 @@ def mismatches(features, rows, clicks, spec=SPEC) -> list:
 
 
 def hand_built(t0: int) -> list[bytes]:
-    """Edge cases on ids the generated world never uses (9000xx)."""
+    """Edge cases on ids the generated world never uses (9000xx), in event-time order but for
+    the one deliberate swap (well within the job's out-of-orderness): users may share a
+    partition, and an event sent after a much later one there would be late by design."""
     u, v, w = 900001, 900002, 900003
     events = [
         # same millisecond: an impression at the ms of a click does not see it; a duplicate counts once
@@ -79,16 +81,17 @@ def hand_built(t0: int) -> list[bytes]:
         # a click arriving before its impression still joins and counts
         _click("h-c3", t0 + 900, u, 900300, "hr3"), _imp("h-i3", t0 + 800, u, 900300, "hr3", cat=900022),
         _imp("h-i4", t0 + 1500, u, 900100, "hr4", cat=900011),
-        # window edges (60 s): 59,999 ms later sees it, 60,000 ms later does not (open interval)
+        # window edges (60 s), first event: see h-e2, h-e3 below
         _imp("h-e1", t0 + 2000, v, 900400, "he1", cat=900033),
-        _imp("h-e2", t0 + 2000 + 59_999, v, 900400, "he2", cat=900033),
-        _imp("h-e3", t0 + 2000 + 60_000, v, 900400, "he3", cat=900033),
     ]
     # history overflow: 55 clicked impressions, then one more that sees the last 50
     for k in range(55):
         ts = t0 + 3000 + 200 * k
         events += [_imp(f"h-o{k}", ts, w, 901000 + k, f"ho{k}", cat=900044), _click(f"h-oc{k}", ts + 50, w, 901000 + k, f"ho{k}")]
     events.append(_imp("h-olast", t0 + 3000 + 200 * 55, w, 900500, "holast", cat=900044))
+    # window edges: 59,999 ms after h-e1 sees it, 60,000 ms after does not (open interval)
+    events += [_imp("h-e2", t0 + 2000 + 59_999, v, 900400, "he2", cat=900033),
+               _imp("h-e3", t0 + 2000 + 60_000, v, 900400, "he3", cat=900033)]
     return events
 
 
