@@ -339,36 +339,48 @@ def test_cancelled_callers_are_skipped_in_both_lanes():
     assert recorder.batches == [[1], [8]] and result.scores.tolist() == [8] * 8 and queued == 0
 
 
+class SendsDuringFirstBatch(Recorder):
+    """A Recorder for a batcher with ``workers = 0``: its first batch, on the event loop's
+    thread, has ``payloads`` submitted from that thread while it runs (the loop is busy: they
+    are read after it). ``sent``: (when, future) of each; ``threads``: each batch's thread."""
+
+    def __init__(self, payloads: list[list[int]]) -> None:
+        super().__init__()
+        self.payloads, self.sent, self.threads = payloads, [], []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.batcher: RequestBatcher | None = None
+
+    def __call__(self, payloads):
+        self.threads.append(threading.get_ident())
+        if len(self.batches) == 0:
+            for p in self.payloads:
+                self.loop.call_soon_threadsafe(lambda p=p: self.sent.append((time.perf_counter(), asyncio.ensure_future(self.batcher.submit(p)))))
+            time.sleep(0.2)
+        return super().__call__(payloads)
+
+    async def start(self, **kwargs) -> RequestBatcher:
+        """A started batcher over this recorder, on the running loop, batches on its thread."""
+        self.loop = asyncio.get_running_loop()
+        self.batcher = RequestBatcher(self, max_batch=64, workers=0, **ROOMY, **kwargs)
+        await self.batcher.start()
+        return self.batcher
+
+
 def test_with_no_workers_batches_run_on_the_event_loop_and_what_came_meanwhile_is_one_batch():
     """``workers = 0``: each batch runs on the event loop's thread; requests sent while it runs
     (from another thread: the loop is busy) are read after it and ride together in the next."""
-    threads: list[int] = []
-
-    class OnLoop(Recorder):
-        def __call__(self, payloads):
-            threads.append(threading.get_ident())
-            if len(self.batches) == 0:  # the first batch: five more requests arrive while it runs
-                for i in range(5):
-                    loop.call_soon_threadsafe(lambda i=i: later.append(asyncio.ensure_future(batcher.submit([-1] if i == 2 else [10 + i]))))
-                time.sleep(0.2)
-            return super().__call__(payloads)
-
-    recorder, later = OnLoop(), []
+    recorder = SendsDuringFirstBatch([[-1] if i == 2 else [10 + i] for i in range(5)])
 
     async def main():
-        nonlocal loop, batcher
-        loop = asyncio.get_running_loop()
-        batcher = RequestBatcher(recorder, max_batch=64, max_delay_us=0, workers=0, **ROOMY)
-        await batcher.start()
+        batcher = await recorder.start(max_delay_us=0)
         first = await batcher.submit([1, 2])
-        await until(lambda: len(later) == 5, "the requests sent during the first batch")
-        outcomes = await asyncio.gather(*later, return_exceptions=True)
+        await until(lambda: len(recorder.sent) == 5, "the requests sent during the first batch")
+        outcomes = await asyncio.gather(*(future for _, future in recorder.sent), return_exceptions=True)
         await batcher.stop()
         return threading.get_ident(), first, outcomes
 
-    loop = batcher = None
     loop_thread, first, outcomes = run(main())
-    assert threads == [loop_thread, loop_thread]
+    assert recorder.threads == [loop_thread, loop_thread]
     assert recorder.batches == [[2], [1, 1, 1, 1, 1]]
     assert first.scores.tolist() == [2, 4]
     assert [o.scores.tolist() for k, o in enumerate(outcomes) if k != 2] == [[20], [22], [26], [28]]
@@ -420,31 +432,20 @@ def test_a_request_that_came_during_a_background_batch_on_the_loop_closes_its_ba
     """``workers = 0``: a request that arrived while a background batch ran on the loop has
     waited that batch already; its own batch closes without the batching window."""
     window_s = 2.0
-
-    class Background(Recorder):
-        def __call__(self, payloads):
-            if len(self.batches) == 0:  # the background batch: a request arrives while it runs
-                loop.call_soon_threadsafe(lambda: sent.append((time.perf_counter(), asyncio.ensure_future(batcher.submit([3])))))
-                time.sleep(0.2)
-            return super().__call__(payloads)
-
-    recorder, sent = Background(), []
+    recorder = SendsDuringFirstBatch([[3]])
 
     async def main():
-        nonlocal loop, batcher
-        loop = asyncio.get_running_loop()
-        batcher = RequestBatcher(recorder, max_batch=64, max_delay_us=int(window_s * 1e6), workers=0, **ROOMY)
+        batcher = await recorder.start(max_delay_us=int(window_s * 1e6))
         batcher.idle = lambda: not batcher.has_foreground
-        await batcher.start()
         reply = BackgroundReply()
         assert batcher.enqueue_background([1] * 4, reply)
-        await until(lambda: sent, "the request sent during the background batch")
-        outcome = await sent[0][1]
-        answered = time.perf_counter() - sent[0][0]
+        await until(lambda: recorder.sent, "the request sent during the background batch")
+        sent_at, future = recorder.sent[0]
+        outcome = await future
+        answered = time.perf_counter() - sent_at
         await batcher.stop()
         return reply, outcome, answered
 
-    loop = batcher = None
     reply, outcome, answered = run(main())
     assert recorder.batches == [[4], [1]] and reply.result.scores.tolist() == [2] * 4 and outcome.scores.tolist() == [6]
     assert answered < window_s / 2, f"the request waited {answered:.2f} s: a batching window after the background batch"
