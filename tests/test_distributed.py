@@ -29,7 +29,7 @@ from streamrec.model.batch import batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.model.sparse import SparseFeatures
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.embedding.sharded import ShardedCollection, owner_of, plan_placement
+from streamrec.embedding.sharded import ShardedCollection, layout_on_host, owner_of, plan_placement
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.modelstore.store import ModelStore
@@ -86,7 +86,7 @@ def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed
     find_or_insert; then backward with ``_grad`` as the model's would leave it, and the update.
     Returns the rows found and a copy of them taken before the update."""
     if agreed:
-        host = sharded.layout_on_host({n: t.cpu() for n, t in ids.items()}) if on_host else None
+        host = layout_on_host({n: t.cpu() for n, t in ids.items()}, sharded.world, pin=ids["a"].is_cuda) if on_host else None
         if on_host:  # the host's layout is the device's
             on_device = sharded._layout(ids)
             assert host.send_counts == on_device.send_counts and host.sizes == on_device.sizes

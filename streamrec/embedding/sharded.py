@@ -156,8 +156,8 @@ class Route:
 @dataclass
 class HostPlan:
     """A step's sharded ids laid out for their owners on the host, off the training thread
-    (``ShardedCollection.layout_on_host``): what ``plan`` would compute on the device,
-    without the device sync for the counts."""
+    (``layout_on_host``): what ``plan`` would compute on the device, without the device sync
+    for the counts."""
 
     names: list[str]
     sizes: list[int]  # input ids per table
@@ -533,13 +533,6 @@ class ShardedCollection:
             self._plan = self._layout(ids)
         self._lap("ids", t0)
         return self._plan.counts()
-
-    def layout_on_host(self, ids: Mapping[str, torch.Tensor]) -> HostPlan | None:
-        """``layout_on_host`` of ``ids`` for this collection: None where it does not apply (ids on
-        a device, or replicated tables, whose unique ids are laid out on the device)."""
-        if self.replicated or any(t.device.type != "cpu" for t in ids.values()):
-            return None
-        return layout_on_host(ids, self.world, pin=self.device.type == "cuda")
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The sharded tables' ids in send order (by owner, then table), the replicated

@@ -53,7 +53,7 @@ class SampleBatch:
     event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
     rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
-    plan: object | None = None  # the trainer's layout of its ids, made off the training thread (trainer/prefetch.py)
+    plan: object | None = None  # the trainer's layout of its ids, made off the training thread (trainer/reader.py)
 
     def __len__(self) -> int:
         return len(self.user)

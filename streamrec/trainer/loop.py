@@ -232,10 +232,9 @@ class TrainingLoop:
         if self.exchange is not None:  # the exchange's split sizes go in the agreement
             batch = batch if batch is not None else _empty_batch(self.session)
             t0 = time.perf_counter()
-            if batch.plan is None:  # an empty batch, or one the reader did not lay out
-                self._lay_out(batch)
             with self.exchange.ahead_stream() if ahead else nullcontext():
                 batch.to(self.device, non_blocking=True)
+                # laid out by the reader; an empty batch, or one of replicated tables, on the device
                 counts = self.exchange.plan(None if batch.plan is not None else SparseFeatures.table_ids(batch), host=batch.plan)
             self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -244,11 +243,6 @@ class TrainingLoop:
             self.exchange.agreed(agreed.counts)
         self.times["agree"] += time.perf_counter() - t1
         return Turn(batch, agreed, ended, idle_s)
-
-    def _lay_out(self, batch: SampleBatch) -> None:
-        """The exchange's layout of ``batch``'s ids on the host, so that the step's split sizes
-        cost no device sync (the reader does it for the batches it makes)."""
-        batch.plan = self.exchange.layout_on_host(SparseFeatures.table_ids(batch))
 
     def _look_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed) -> Turn | None:
         """During a step (``agreed``), after its backward is queued: the next step's turn, and

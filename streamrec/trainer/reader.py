@@ -100,8 +100,9 @@ def slot_bytes(batch_size: int, history_len: int, dense_width: int, laid_out: bo
 
 class SampleReader:
     """The parent's side: ``get`` as ``Prefetcher.get`` (a SampleBatch, IDLE, END or Skipped),
-    and the source's ``lag``, ``commit`` and ``close``. ``device``: where the batches go
-    (CUDA: the shared slots are page-locked for asynchronous copies)."""
+    the source's ``lag`` and ``commit``, and ``stop`` (the source closes with the child).
+    ``device``: where the batches go (CUDA: the shared slots are page-locked for asynchronous
+    copies)."""
 
     def __init__(self, source: SourceSpec, spec: FeatureSpec, settings: ReaderSettings, device: torch.device,
                  dense_width: int) -> None:
@@ -280,9 +281,6 @@ class SampleReader:
             self._conn.send(("commit", dict(positions)))
         except (BrokenPipeError, OSError) as exc:  # the group's copy is for lag tools; checkpoints hold positions
             log.warning("could not hand the offsets to the sample reader: %s", exc)
-
-    def close(self) -> None:
-        self.stop()
 
 
 def _slots_file(size: int) -> int:
