@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--p99-target-ms", type=float, default=10.0)
     parser.add_argument("--servers", nargs="+", default=["ours", "per_request", "instances"],
-                        help="which to run: ours, ours_1w / ours_2w (ours with 1 / 2 batch worker threads), per_request, instances")
+                        help="which to run: ours, ours_1w / ours_2w (ours with 1 / 2 batch worker threads), ours_host_counts (ours "
+                             "with serving.candidate_counts = host), per_request, instances")
     parser.add_argument("--workers", type=int, default=0, help="serving.workers of ours, per_request and instances (0: batches "
                                                                  "run on the event loop's thread)")
     parser.add_argument("--out", default=str(REPO / "bench" / "out"))
@@ -188,17 +189,19 @@ def main() -> None:
                         "STREAMREC_SERVING__FEATURE_STORE_DIR": str(Path(tmp) / "spill"), "STREAMREC_SERVING__FEATURES_MAX_LAG_S": "86400",
                         "STREAMREC_KAFKA__BOOTSTRAP": "127.0.0.1:9", "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": "1",
                         "STREAMREC_SERVING__BATCH_BUCKETS": args.batch_buckets}
-        servers = {"ours": (args.max_batch, args.max_delay_us, "auto", args.frontends, args.workers),
-                   "ours_1w": (args.max_batch, args.max_delay_us, "auto", args.frontends, 1),
-                   "ours_2w": (args.max_batch, args.max_delay_us, "auto", args.frontends, 2),
-                   "per_request": (1, 0, "auto", 0, args.workers),
-                   "instances": (args.max_batch, args.max_delay_us, "auto", args.frontends, args.workers)}
+        on_host = {"STREAMREC_SERVING__CANDIDATE_COUNTS": "host"}
+        servers = {"ours": (args.max_batch, args.max_delay_us, "auto", args.frontends, args.workers, {}),
+                   "ours_1w": (args.max_batch, args.max_delay_us, "auto", args.frontends, 1, {}),
+                   "ours_2w": (args.max_batch, args.max_delay_us, "auto", args.frontends, 2, {}),
+                   "ours_host_counts": (args.max_batch, args.max_delay_us, "auto", args.frontends, args.workers, on_host),
+                   "per_request": (1, 0, "auto", 0, args.workers, {}),
+                   "instances": (args.max_batch, args.max_delay_us, "auto", args.frontends, args.workers, {})}
         instances = None
         for name in args.servers:
-            max_batch, delay, mode, frontends, workers = servers[name]
+            max_batch, delay, mode, frontends, workers, env = servers[name]
             t0 = time.monotonic()
             proc, port = start_server(store, args.device, max_batch, delay, workers, mode, frontends,
-                                      extra_env={**features_env, "STREAMREC_SERVING__MAX_INSTANCES": str(max(1000, args.candidates))})
+                                      extra_env={**features_env, **env, "STREAMREC_SERVING__MAX_INSTANCES": str(max(1000, args.candidates))})
             started = time.monotonic() - t0
             try:
                 if name == "instances":
@@ -214,7 +217,8 @@ def main() -> None:
                     level = level_batching(before, status["batching"], time.monotonic() - read_at)
                     before, read_at = status["batching"], time.monotonic()
                     row["server"] = {"batching": status["batching"], "level": level,
-                                     "features": {k: status["features"].get(k) for k in ("entities", "memory_bytes", "lag_ms", "counter_cache")}}
+                                     "features": {k: status["features"].get(k) for k in ("entities", "memory_bytes", "lag_ms", "counter_cache",
+                                                                                             "device_counts")}}
                     rows.append(row)
                     print(f"{name:12s} c={c:4d}: {row['qps']:8.0f} req/s {row['candidates_per_s']:10.0f} candidates/s "
                           f"p50 {row['p50_ms']:6.2f} ms p99 {row['p99_ms']:6.2f} ms errors {row['errors']}  "

@@ -4,6 +4,7 @@ as full instances, alone and mixed with instance requests in one batch. On CPU h
 same on CUDA (``gpu``) with the runtime's graph buckets."""
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +17,8 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
 from streamrec.serving.by_ids import ByIdsQuery
+from streamrec.serving.engine import ServingEngine
+from streamrec.serving.metrics import ModelMetrics, ServingMetrics
 from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.runner import RuntimeConfig
@@ -102,5 +105,34 @@ def test_by_ids_scores_equal_the_instances_form_on_cuda_with_graph_buckets(publi
     served = ServedModel(ModelStore(str(published_model[0]), "ctr"), "cuda", gpu_cache_rows=4096, runtime=runtime, feature_spec=SPEC)
     served.catch_up()
     _check(served, features, _queries(rows, 12), rows[200:230])
+    features.close()
+    served.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                                         reason="needs CUDA")])])
+def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published_model, sample_run, tmp_path, device):
+    """The engine's batch with ``serving.candidate_counts`` "device" against "host": by-ids
+    requests mixed with an instances request, same scores; the device mirror really used."""
+    rows = _rows(sample_run)
+    features = _store_with_state(tmp_path, rows[:120])
+    settings = load_config(environ={}).serving
+    runtime = RuntimeConfig.from_serving(settings) if device == "cuda" else None
+    served = ServedModel(ModelStore(str(published_model[0]), "ctr"), device, gpu_cache_rows=4096, runtime=runtime, feature_spec=SPEC)
+    served.catch_up()
+    decoder = InstanceDecoder(SPEC, 10_000)
+    instances, _ = decoder.columns([decoder.instance(**x) for x in rows[200:230]])
+    queries = [replace(q, return_features=False) for q in _queries(rows, 12)]
+    payloads = [queries[0], instances, *queries[1:]]
+    outcomes = {}
+    for where in ("host", "device"):
+        engine = ServingEngine(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
+        outcomes[where] = engine.execute(payloads)
+    assert features.counts_on(torch.device(device)).full_copies == 4  # both kinds' arenas went to the device, once
+    for host, on_device in zip(outcomes["host"], outcomes["device"]):
+        a, b = host[1], on_device[1]
+        a, b = (getattr(a, "scores", a), getattr(b, "scores", b))
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert len(set(np.round(np.concatenate([o[1].scores for o in outcomes["device"] if hasattr(o[1], "scores")]), 6).tolist())) > 1
     features.close()
     served.close()

@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from streamrec.model.columns import FeatureColumns, columns_from_table
-from streamrec.contracts.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES, FeatureSpec
+from streamrec.contracts.feature_spec import COUNTER_ENTITIES, FeatureSpec
 
 TABLES = ("user", "item", "category", "advertiser", "context")
 CONTEXT_FIELDS = ("device", "position", "local_hour")
@@ -120,6 +120,20 @@ def dense_feature_names(spec: FeatureSpec) -> list[str]:
     return names
 
 
+def dense_features(counters: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """float32 [B, F] (:func:`dense_feature_names`) of the counter columns [B, 6W] in
+    ``FeatureSpec.counter_columns()`` order (window, entity, then impressions and clicks side
+    by side): numpy on the host (no intra-op threads), torch where the counters are (serving
+    on a GPU)."""
+    if isinstance(counters, np.ndarray):
+        counters = counters.astype(np.float32)
+        pairs = counters.reshape(len(counters), -1, 2)
+        return np.concatenate([np.log1p(counters), pairs[..., 1] / (pairs[..., 0] + np.float32(CTR_PRIOR_IMPS))], axis=1)
+    counters = counters.to(torch.float32)
+    pairs = counters.view(len(counters), -1, 2)
+    return torch.cat([torch.log1p(counters), pairs[..., 1] / (pairs[..., 0] + CTR_PRIOR_IMPS)], dim=1)
+
+
 def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.ndarray) -> np.ndarray:
     """[B, 3] keys of the context table."""
     out = np.empty((len(position), 3), dtype=np.int64)
@@ -140,9 +154,10 @@ def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.require(values, dtype, ["C", "W"]))
 
 
-def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int) -> SampleBatch:
+def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int, with_dense: bool = True) -> SampleBatch:
     """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
-    (first) ``history_len`` ids."""
+    (first) ``history_len`` ids. ``with_dense=False``: ``dense`` is left empty, for the caller to
+    compute with :func:`dense_features` where the counters end up (serving, on the device)."""
     n = len(cols)
     lengths = cols.hist_lengths
     rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
@@ -153,15 +168,7 @@ def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int
         rows, position, hist_items, hist_categories = rows[kept], position[kept], hist_items[kept], hist_categories[kept]
     hist_index = rows * history_len + position
 
-    counters = cols.counters.astype(np.float32)
-    names = spec.counter_columns()
-    rates = []
-    for w in spec.windows_s:
-        for entity in COUNTER_ENTITIES:
-            imps, clicks = (counters[:, names.index(spec.counter_name(entity, counted, w))] for counted in COUNTED_EVENTS)
-            rates.append(clicks / (imps + CTR_PRIOR_IMPS))
-    dense = np.concatenate([np.log1p(counters), np.stack(rates, axis=1) if n else np.zeros((0, len(rates)), np.float32)], axis=1)
-
+    dense = torch.from_numpy(np.ascontiguousarray(dense_features(cols.counters))) if with_dense else torch.empty(0)
     ints = cols.ints
     label = cols.label if cols.label is not None else np.zeros(n, np.float32)
     return SampleBatch(
@@ -173,7 +180,7 @@ def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int
         hist_items=_tensor(hist_items, np.int64),
         hist_categories=_tensor(hist_categories, np.int64),
         hist_index=torch.from_numpy(hist_index),
-        dense=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        dense=dense,
         label=_tensor(label, np.float32),
         ts=_tensor(ints["ts"], np.int64),
         history_len=history_len,

@@ -347,6 +347,7 @@ class ServingConfig:
     feature_store_dir: str
     feature_store_ready_timeout_s: float
     features_max_lag_s: float
+    candidate_counts: str
     feature_snapshot: str
     feature_snapshot_interval_s: float
     models: tuple[ServedModelEntry, ...]
@@ -616,6 +617,8 @@ def validate(config: Config) -> None:
         problems.append(f"serving.switch_interval_us must be > 0, got {s.switch_interval_us}")
     if s.frontends < 0:
         problems.append(f"serving.frontends must be >= 0, got {s.frontends}")
+    if s.candidate_counts not in CANDIDATE_COUNTS:
+        problems.append(f"serving.candidate_counts must be one of {', '.join(CANDIDATE_COUNTS)}, got {s.candidate_counts!r}")
     if s.workers != "auto" and not (s.workers.isdigit() and int(s.workers) >= 0):
         problems.append(f"serving.workers must be 'auto' or a whole number >= 0, got {s.workers!r}")
     if s.max_queue_instances < s.max_instances:
@@ -698,6 +701,7 @@ def experiment_problems(e: ExperimentEntry, models: list[str]) -> list[str]:
     return problems
 
 
+CANDIDATE_COUNTS = ("auto", "device", "host")  # where by-ids candidates' windowed counts are computed
 SERVING_MODES = ("auto", "eager", "compile", "graph", "compile+graph")
 
 

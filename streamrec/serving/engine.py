@@ -18,12 +18,14 @@ from typing import Any, Callable
 
 import numpy as np
 import orjson
+import torch
 
-from streamrec.model.batch import batch_from_columns
+from streamrec.model.batch import SampleBatch, batch_from_columns, dense_features
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
+from streamrec.serving.device_counts import DeviceCounts, counters_on_device, device_kernels
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded
 from streamrec.serving.ipc import Outbox, failed
 from streamrec.serving.messages import Call, Scored
@@ -31,6 +33,7 @@ from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ModelMetrics
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.state import ApplyReport, ServedModel
+from streamrec.serving.version import Completion
 from streamrec.plumbing.config import ServingConfig
 
 log = logging.getLogger("streamrec.serving")
@@ -98,6 +101,8 @@ class ServingEngine:
         self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.batch_workers(served.device.type),
                                       max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
+        if features is not None:
+            self._counts_on_device()  # the mirror made (and its kernel compiled) at start
         self.on_answer: Answered | None = None  # called with every answered request (serving.prediction_log)
 
     # ------------------------------------------------------------------ versions
@@ -241,11 +246,11 @@ class ServingEngine:
                 parts.append(payload)
             else:
                 outcomes[r] = SpecChanged("the served model's feature spec changed while this request waited; send it again")
-        assembled = None
+        assembled, first_by_ids_row = None, sum(len(p) for p in parts)
         if by_ids:
             t0 = time.perf_counter()
             try:
-                assembled = self.features.assemble_batch([payloads[r] for r in by_ids])
+                assembled = self.features.assemble_batch([payloads[r] for r in by_ids], self._counts_on_device())
             except Exception as exc:  # noqa: BLE001 -- the by-ids requests fail, the others are scored
                 log.exception("online feature assembly failed")
                 for r in by_ids:
@@ -257,8 +262,11 @@ class ServingEngine:
                 order.extend(by_ids)
         version, scores = current.version, np.empty(0, np.float32)
         if parts:
-            batch = batch_from_columns(FeatureColumns.concat(parts), current.feature_spec, current.network.spec.history_len)
-            version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000))
+            columns, spec = FeatureColumns.concat(parts), current.feature_spec
+            candidates = assembled.candidate_slots if assembled is not None else None
+            batch = batch_from_columns(columns, spec, current.network.spec.history_len, with_dense=candidates is None)
+            complete = self._counted_on_device(columns, first_by_ids_row, candidates) if candidates is not None else None
+            version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000), complete=complete)
         taken = 0
         stale = assembled is not None and stale_features(assembled.as_of, self.settings)
         for r in order:
@@ -268,6 +276,20 @@ class ServingEngine:
         for k, r in enumerate(by_ids):
             outcomes[r] = (version, ByIdsScores(version, outcomes[r][1], assembled.as_of, stale, assembled.features[k]))
         return outcomes
+
+    def _counted_on_device(self, columns: FeatureColumns, first_row: int, candidates: dict[str, np.ndarray]) -> Completion:
+        """The batch's ``dense``, its candidates from ``first_row`` on counted on the device."""
+        def complete(batch: SampleBatch, device: torch.device) -> None:
+            batch.dense = dense_features(counters_on_device(self.features.counts_on(device), columns.counters, first_row, candidates))
+        return complete
+
+    def _counts_on_device(self) -> DeviceCounts | None:
+        """Where a batch's candidates are counted (``serving.candidate_counts``): on the device
+        the model runs on, or None: on the host (serving/device_counts.py)."""
+        device = self.served.device
+        if self.settings.candidate_counts == "host" or (self.settings.candidate_counts == "auto" and not device_kernels(device)):
+            return None
+        return self.features.counts_on(device)
 
     # ------------------------------------------------------------------ reporting
     def status(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from streamrec.contracts.feature_state import (ENTITIES, CorruptFeatureMessage, 
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
+from streamrec.serving.device_counts import DeviceCounts
 from streamrec.serving.entity_store import EntityStore
 from streamrec.serving.growth import no_huge_page_advice
 from streamrec.serving.feature_snapshot import (CorruptSnapshot, SnapshotHeader, batch_columns, entity_batch, read_snapshot,
@@ -55,6 +56,9 @@ class AssembledBatch:
     columns: FeatureColumns
     as_of: int | None
     features: list[list[dict[str, Any]] | None]
+    # with counts on the device: the candidates' item and category slots (int64 [n], -1:
+    # unknown) and times, whose counter columns are left at zero for DeviceCounts.fill
+    candidate_slots: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -96,6 +100,7 @@ class OnlineFeatures:
         self._lock = threading.Lock()
         self.watermarks = Watermarks()
         self._counters = {kind: CounterCache(2 * len(self.windows_ms)) for kind in ("item", "category")}  # candidates' entities
+        self._device_counts: DeviceCounts | None = None
         self.partitions = 0
         self.counts = {"messages": 0, "corrupt": 0}
         self.last_corrupt: str | None = None
@@ -353,30 +358,45 @@ class OnlineFeatures:
     def as_of(self) -> int | None:
         return self.watermarks.as_of(self.partitions) if self.partitions else None
 
-    def assemble_batch(self, queries: Sequence[ByIdsQuery]) -> AssembledBatch:
+    def counts_on(self, device) -> DeviceCounts:
+        """The candidates' counts on ``device`` (serving/device_counts.py), for
+        :meth:`assemble_batch` ``on_device``: one mirror per store, shared by its models."""
+        if self._device_counts is None or self._device_counts.device != device:
+            self._device_counts = DeviceCounts(device, self.windows_ms).warm_up()
+        return self._device_counts
+
+    def assemble_batch(self, queries: Sequence[ByIdsQuery], on_device: DeviceCounts | None = None) -> AssembledBatch:
         """The features of every candidate of ``queries``, as one block of columns (rows in
         query order). The users' slots, counts and histories in numpy for the whole batch;
-        the items' and categories' counts gathered from :class:`CounterCache`. Unknown
-        entities get cold-start features (zero counters, empty history)."""
+        the items' and categories' counts gathered from :class:`CounterCache`, or, with
+        ``on_device`` (and no query asking for its features back), left for the device:
+        its mirror is brought up to date here and the answer says which slots to count.
+        Unknown entities get cold-start features (zero counters, empty history)."""
         windows, store, nq = self.windows_ms, self.store, len(queries)
         sizes = np.fromiter(map(len, queries), np.int64, nq)
         ids = np.concatenate([q.candidates for q in queries]) if queries else np.zeros((0, 4), np.int64)
         query_ts = np.fromiter((q.ts for q in queries), np.int64, nq)
         user_ids = np.fromiter((q.user_id for q in queries), np.int64, nq)
         ts = np.repeat(query_ts, sizes)
+        if on_device is not None and any(q.return_features for q in queries):
+            on_device = None  # the named features are read on the host
+        n, w = len(ids), len(windows)
+        # counter columns: for each window, for user, item, category: (imps, clicks)
+        grid = np.zeros((n, w, 3, 2), np.int64)
+        slots = None
         with self._lock:
             users = store.slots("user", user_ids)
             user_counts = store.user_counts(users, query_ts, windows)
             hist_items, hist_categories, lengths = store.histories_before(users, query_ts)
-            items = self._counters["item"].gather(store.slots("item", ids[:, 0]), ts, self._compute_for("item"))
-            categories = self._counters["category"].gather(store.slots("category", ids[:, 1]), ts, self._compute_for("category"))
+            if on_device is None:
+                grid[:, :, 1, :] = self._counters["item"].gather(store.slots("item", ids[:, 0]), ts, self._compute_for("item")).reshape(n, w, 2)
+                grid[:, :, 2, :] = self._counters["category"].gather(store.slots("category", ids[:, 1]), ts,
+                                                                    self._compute_for("category")).reshape(n, w, 2)
+            else:
+                slots = {"item": store.slots("item", ids[:, 0]), "category": store.slots("category", ids[:, 1]), "ts": ts}
+                on_device.sync(store)
             as_of = self.as_of()
-        n, w = len(ids), len(windows)
-        # counter columns: for each window, for user, item, category: (imps, clicks)
-        grid = np.empty((n, w, 3, 2), np.int64)
         grid[:, :, 0, :] = np.repeat(user_counts, sizes, axis=0).reshape(n, w, 2)
-        grid[:, :, 1, :] = items.reshape(n, w, 2)
-        grid[:, :, 2, :] = categories.reshape(n, w, 2)
         counters = grid.reshape(n, w * 6)
         source = {  # a new integer input fails here (KeyError) rather than reaching the model unset
             "ts": ts, "user_id": np.repeat(user_ids, sizes),
@@ -395,7 +415,7 @@ class OnlineFeatures:
             features.append(self._named(q, hist_items[hist_at: hist_at + k].tolist(), hist_categories[hist_at: hist_at + k].tolist(),
                                         counters[at: at + m]) if q.return_features else None)
             at, hist_at = at + m, hist_at + k
-        return AssembledBatch(columns, as_of, features)
+        return AssembledBatch(columns, as_of, features, slots)
 
     def assemble(self, user_id: int, ts: int, device: str, local_hour: int, candidates: Sequence, with_features: bool = False) -> Assembled:
         """One request's features (:meth:`assemble_batch` of one query): ``candidates`` are
@@ -445,6 +465,8 @@ class OnlineFeatures:
             "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
             "counter_cache": {kind: {"entities": len(c), "bytes": c.nbytes, "hits": c.hits, "misses": c.misses}
                               for kind, c in self._counters.items()},
+            "device_counts": None if (d := self._device_counts) is None else {
+                "device": str(d.device), "bytes": d.nbytes, "full_copies": d.full_copies, "batches": d.batches},
         }
 
     def summary(self) -> str:

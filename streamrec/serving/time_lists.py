@@ -12,11 +12,20 @@ block: its offsets are the segments. 8 bytes a time, 16 a slot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from streamrec.serving.growth import grown, no_huge_page_advice
+
+
+@dataclass
+class Changes:
+    """What one-slot updates wrote since a mirror (serving/device_counts.py) last copied: the
+    slots whose start or length changed, and the value ranges ``[lo, hi)`` written."""
+
+    slots: list[int] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +48,19 @@ class TimeLists:
         self.start = np.zeros(slots, np.int64)
         self.length = np.zeros(slots, np.int32)
         self.cap = np.zeros(slots, np.int32)
+        self.generation = 0  # bumped by every change beyond one slot's: a mirror copies everything
+        self.changes: Changes | None = None  # kept only while a mirror follows this arena
+
+    def follow(self) -> Changes:
+        """Start (or restart) recording one-slot updates; returns the record a mirror drains."""
+        self.changes = Changes()
+        return self.changes
+
+    def _changed_everything(self) -> None:
+        self.generation += 1
+        if self.changes is not None:
+            self.changes.slots.clear()
+            self.changes.ranges.clear()
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +78,7 @@ class TimeLists:
             self.start, self.length, self.cap = grown(self.start, n), grown(self.length, n), grown(self.cap, n)
             for column in (self.start, self.length, self.cap):
                 column[old:] = 0
+            self._changed_everything()
 
     def get(self, slot: int) -> np.ndarray:
         """The slot's times (a view: valid until the next update)."""
@@ -90,6 +113,10 @@ class TimeLists:
             self.start[slot], self.cap[slot] = at, new_cap
         self.waste -= size - n  # waste: the arena's values that are not in a list
         self.length[slot] = size
+        if self.changes is not None:
+            at = int(self.start[slot])
+            self.changes.slots.append(slot)
+            self.changes.ranges.append((at, at + size))
 
     def expire(self, slot: int, cutoff: int) -> None:
         """Forget the slot's times at or before ``cutoff``."""
@@ -104,6 +131,8 @@ class TimeLists:
         self.length[slot] = n - k
         self.cap[slot] -= k
         self.waste += k
+        if self.changes is not None:
+            self.changes.slots.append(slot)
 
     def expire_all(self, cutoff: int, chunk: int = 1 << 20) -> None:
         """:meth:`expire` of every slot (numpy, ``chunk`` slots at a time)."""
@@ -115,6 +144,7 @@ class TimeLists:
             length -= gone.astype(np.int32)
             self.cap[lo: lo + chunk] -= gone.astype(np.int32)
             self.waste += int(gone.sum())
+        self._changed_everything()
 
     def load(self, slots: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
         """Set ``slots``' lists (empty before) to ``values[offsets[k]:offsets[k + 1]]``."""
@@ -126,12 +156,14 @@ class TimeLists:
         self.start[slots] = at + offsets[:-1] - base
         self.length[slots] = lengths
         self.cap[slots] = lengths
+        self._changed_everything()
 
     def clear(self) -> None:
         self.used = self.waste = 0
         self.start[:] = 0
         self.length[:] = 0
         self.cap[:] = 0
+        self._changed_everything()
 
     def compact(self, slots: int) -> None:
         """Squeeze the waste out: the live values of slots 0..slots-1 moved down, in arena
@@ -166,6 +198,7 @@ class TimeLists:
         self.start[:slots] = compacted.start
         self.cap[:slots] = self.length[:slots]
         self.used, self.waste = compacted.used, 0
+        self._changed_everything()
 
     # ------------------------------------------------------------------ reads
     def gather_flat(self, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ wrapped by this package's :class:`ModelRunner` (shape buckets and worker streams
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -15,6 +16,8 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.serving.runner import ModelRunner, RuntimeConfig
+
+Completion = Callable[[SampleBatch, torch.device], None]  # fills in a batch's missing features on the device
 
 
 @dataclass
@@ -50,11 +53,17 @@ class ServedVersion:
         return self.inference.model
 
     @torch.no_grad()
-    def predict(self, batch: SampleBatch, now_ms: int | None = None) -> np.ndarray:
+    def predict(self, batch: SampleBatch, now_ms: int | None = None, complete: Completion | None = None) -> np.ndarray:
+        """Scores of one batch; ``complete(batch, device)``: features the batch still lacks
+        (its ``dense``), computed on the device on the stream the model runs on."""
         now_ms = now_ms if now_ms is not None else batch.max_ts()
         if self.runner is None:
+            if complete is not None:
+                complete(batch, self.embeddings.device)
             return self.inference.predict(batch, now_ms)
         with self.runner.worker() as w:  # lookups and forward on the worker's stream
+            if complete is not None:
+                complete(batch, self.runner.device)
             batch = batch.with_history_len(self.runner.history_bucket(batch.longest_history()))
             inputs = self.inference.lookup(batch, now_ms, concurrent=True)
             return self.runner.run(w, inputs).float().cpu().numpy()
