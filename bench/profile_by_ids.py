@@ -23,7 +23,6 @@ from streamrec.model.device import pick_device
 from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
-from streamrec.serving.by_ids import query_of
 from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.request import ByIdsDecoder
 from streamrec.serving.runner import RuntimeConfig
@@ -56,7 +55,7 @@ def main() -> None:
     decoder = ByIdsDecoder(100_000, MAX_FUTURE_SKEW_MS)
     now = int(time.time() * 1000)
     t0 = time.perf_counter()
-    queries = [query_of(decoder.decode(b, now), now) for b in bodies]
+    queries = [decoder.decode(b, now)[1] for b in bodies]
     print(f"decode + query: {(time.perf_counter() - t0) / len(bodies) * 1e3:.3f} ms per request", flush=True)
     features.assemble_batch(queries)  # every entity's counts cached once: the steady state of a warm node
     for k in (1, 5, 10, 20):

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from tests.test_segment_counts import WINDOWS_MS, random_lists
-from streamrec.serving.device_counts import (DeviceCounts, DeviceLists, _segment_counts, counters_on_device, device_kernels,
-                                              segment_counts_torch)
+from streamrec.serving.device_counts import DeviceCounts, DeviceLists, _segment_counts, counters_on_device, segment_counts_torch
 from streamrec.serving.entity_store import EntityStore
 from streamrec.serving.segment_counts import counts_until_many
 from streamrec.serving.time_lists import TimeLists

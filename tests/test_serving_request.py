@@ -137,10 +137,23 @@ def test_by_ids_bounds_what_a_client_controls(change, message):
     good = {"user_id": 1, "context": {"device": "ios", "local_hour": 23},
             "candidates": [{"item_id": 1, "category_id": 2, "advertiser_id": 3, "position": 0}]}
     decoder = ByIdsDecoder(max_candidates=100, max_future_skew_ms=60_000)
-    assert decoder.decode(orjson.dumps(good), 0).context.local_hour == 23
+    assert decoder.decode(orjson.dumps(good), 0)[0].context.local_hour == 23
     with pytest.raises(ApiError) as caught:
         decoder.decode(orjson.dumps({**good, **change}), 0)
     assert caught.value.status == 400 and message in caught.value.message, caught.value.message
+
+
+def test_by_ids_refuses_the_reserved_ids_and_says_where():
+    candidate = {"item_id": 1, "category_id": 2, "advertiser_id": 3, "position": 0}
+    body = {"user_id": -(2**63), "context": {"device": "ios", "local_hour": 1},
+            "candidates": [candidate, {**candidate, "category_id": -(2**63) + 1}, {**candidate, "item_id": -(2**63)}]}
+    decoder = ByIdsDecoder(max_candidates=100, max_future_skew_ms=60_000)
+    with pytest.raises(ApiError) as caught:
+        decoder.decode(orjson.dumps(body), 0)
+    assert caught.value.status == 400
+    assert caught.value.message.endswith(f"user_id {-(2**63)}; candidates[1].category_id {-(2**63) + 1}; candidates[2].item_id {-(2**63)}")
+    request, query = decoder.decode(orjson.dumps({**body, "user_id": 7, "candidates": [candidate] * 2}), 1_000)
+    assert request.user_id == query.user_id == 7 and query.ts == 1_000 and query.candidates.tolist() == [[1, 2, 3, 0]] * 2
 
 
 def test_the_form_comes_from_the_top_level_keys():

@@ -29,6 +29,7 @@ import pyarrow as pa
 from streamrec.model.columns import FeatureColumns, device_hashes
 from streamrec.contracts.feature_spec import HISTORY_COLUMNS, ID_COLUMNS, INT_COLUMNS, SAMPLE_VERSION, FeatureSpec
 from streamrec.contracts.sample_wire import INSTANCE_MAX_CHARS, INSTANCE_RANGES, MAX_DEVICE_CHARS, RESERVED_IDS
+from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery, query_of
 from streamrec.serving.errors import ApiError
 
 INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -285,7 +286,9 @@ class ByIdsDecoder:
         self.max_candidates, self.max_future_skew_ms = max_candidates, max_future_skew_ms
         self._decoder = msgspec.json.Decoder(ByIdsRequest)
 
-    def decode(self, body: bytes, now_ms: int) -> ByIdsRequest:
+    def decode(self, body: bytes, now_ms: int) -> tuple[ByIdsRequest, ByIdsQuery]:
+        """The checked request, and its query (the candidates' ids as one array; ``ts``
+        defaults to ``now_ms``)."""
         try:
             request = self._decoder.decode(body)
         except msgspec.ValidationError as exc:
@@ -301,11 +304,11 @@ class ByIdsDecoder:
         if request.ts is not None and request.ts > now_ms + self.max_future_skew_ms:
             raise ApiError(400, f"'ts' {request.ts} is {request.ts - now_ms:,} ms ahead of this server's clock "
                                 f"(at most {self.max_future_skew_ms:,} ms is accepted, as for events)")
-        reserved = set(RESERVED_IDS)
-        bad = [f"user_id {request.user_id}"] if request.user_id in reserved else []
-        for i, c in enumerate(request.candidates):
-            bad.extend(f"candidates[{i}].{name} {getattr(c, name)}" for name in ("item_id", "category_id", "advertiser_id")
-                       if getattr(c, name) in reserved)
-        if bad:
+        query = query_of(request, now_ms)
+        ids = query.candidates[:, :3]  # item, category, advertiser (RESERVED_IDS are the two lowest int64s)
+        if request.user_id <= max(RESERVED_IDS) or int(ids.min()) <= max(RESERVED_IDS):
+            bad = [f"user_id {request.user_id}"] if request.user_id in RESERVED_IDS else []
+            for i, j in zip(*np.nonzero(np.isin(ids, RESERVED_IDS))):
+                bad.append(f"candidates[{i}].{CANDIDATE_FIELDS[j]} {ids[i, j]}")
             raise ApiError(400, f"reserved ids ({', '.join(map(str, RESERVED_IDS))}) are not entity ids: {'; '.join(bad[:10])}")
-        return request
+        return request, query

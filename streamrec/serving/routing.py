@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 
 from streamrec.model.columns import FeatureColumns
-from streamrec.serving.by_ids import ByIdsQuery, query_of
+from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError, no_feature_store
 from streamrec.serving.messages import Call
 from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, instances_user, invalid_instances, is_by_ids
@@ -57,7 +57,7 @@ class RequestRouter:
 
     def route(self, kind: str, name: str, body: bytes, call: Call) -> Routed:
         now = int(time.time() * 1000)
-        request = self._decode_ids(body, now) if is_by_ids(body) else None
+        request, query = self._decode_ids(body, now) if is_by_ids(body) else (None, None)
         extra: dict = {}
         if kind == EXPERIMENTS:
             if request is not None and request.models:
@@ -82,7 +82,7 @@ class RequestRouter:
             for m in fan_out:
                 self.served(m)
             model = fan_out[0]
-        return Routed(model, query_of(request, now), call, fan_out, extra)
+        return Routed(model, query, call, fan_out, extra)
 
     def _decode_ids(self, body: bytes, now_ms: int):
         if not self.by_ids:
