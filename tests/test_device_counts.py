@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.test_segment_counts import WINDOWS_MS, random_lists
-from streamrec.serving.device_counts import DeviceCounts, DeviceLists, _segment_counts, counters_on_device, segment_counts_torch
+from streamrec.model.batch import dense_features
+from streamrec.serving.device_counts import DeviceCounts, DeviceLists, segment_counts_torch
 from streamrec.serving.entity_store import EntityStore
 from streamrec.serving.segment_counts import counts_until_many
 from streamrec.serving.time_lists import TimeLists
@@ -56,37 +57,63 @@ def test_a_mirror_follows_puts_expiry_growth_compaction_and_clearing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_counts_on_the_device_equal_the_hosts_at_window_edges(device, seed):
+def test_dense_features_on_the_device_equal_the_hosts_at_window_edges(device, seed):
+    """``DeviceCounts.dense``: instance rows first (their counters as given), then by-ids rows
+    whose item and category counts come from the mirrors: equal to the host's counts
+    (``counts_until_many``) to the ms, at an event, one ms either side of it, a window's
+    length after it; same-ms events, empty lists, unknown slots. Then the dense features."""
     rng = np.random.default_rng(seed)
-    imps, clicks, _ = random_lists(rng, 60)
-    slots = rng.integers(-1, 60, 3_000)
-    ts = rng.integers(-1_000, 1_600_000, 3_000)
-    for k in range(0, 3_000, 4):  # at an event, one ms after it, a window's length after it
-        if slots[k] >= 0 and len(held := imps.get(int(slots[k]))):
+    store = EntityStore(history_len=50, budget_bytes=1 << 30)
+    for kind in ("item", "category"):
+        imps, clicks, _ = random_lists(rng, 60)
+        state = store.kinds[kind]
+        for entity in range(60):
+            store.slot_for_update(kind, 1000 + entity)
+        state.imps, state.clicks = imps, clicks
+    counts = DeviceCounts(torch.device(device), WINDOWS_MS).warm_up()
+    counts.sync(store)
+    first, n = 7, 3_000
+    items, categories = rng.integers(-1, 60, n), rng.integers(-1, 60, n)
+    ts = rng.integers(-1_000, 1_600_000, n)
+    for k in range(0, n, 3):
+        if items[k] >= 0 and len(held := store.kinds["item"].imps.get(int(items[k]))):
             ts[k] = held[rng.integers(len(held))] + rng.choice([0, 1, -1, WINDOWS_MS[0], WINDOWS_MS[1], WINDOWS_MS[0] + 1])
     ts = ts.astype(np.int64)
+    host = rng.integers(0, 50, (first + n, 12)).astype(np.int64)
+    want = host.copy()
+    want[first:, [2, 3, 4, 5, 8, 9, 10, 11]] = 0
+    for e, (kind, slots) in enumerate((("item", items), ("category", categories)), start=1):
+        state, known = store.kinds[kind], slots >= 0
+        got = np.zeros((n, 4), np.int64)
+        got[known] = counts_until_many((state.imps, state.clicks), slots[known], ts[known], WINDOWS_MS)[0]
+        for w in range(2):
+            want[first:, 6 * w + 2 * e: 6 * w + 2 * e + 2] = got[:, 2 * w: 2 * w + 2]
+    host[first:, [2, 3, 4, 5, 8, 9, 10, 11]] = 0  # as assemble_batch leaves them
+    dense = counts.dense(host, first, {"item": items, "category": categories, "ts": ts}).cpu().numpy()
+    np.testing.assert_allclose(dense, dense_features(want), rtol=1e-6, atol=1e-7)
+    assert counts.batches == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_searches_as_torch_ops_equal_the_hosts(device):
+    """The torch path (CPU serving with candidate_counts = device) on any device."""
+    rng = np.random.default_rng(3)
+    imps, clicks, _ = random_lists(rng, 40)
+    slots, ts = rng.integers(-1, 40, 2_000), rng.integers(-1_000, 1_600_000, 2_000).astype(np.int64)
     known = slots >= 0
     want = np.zeros((len(slots), 4), np.int64)
     want[known] = counts_until_many((imps, clicks), slots[known], ts[known], WINDOWS_MS)[0]
     dev = torch.device(device)
-    windows = torch.tensor(WINDOWS_MS, device=dev)
     for k, lists in enumerate((imps, clicks)):
         mirror = DeviceLists(dev)
         mirror.sync(lists)
-        t_slots, t_ts = torch.from_numpy(slots).to(dev), torch.from_numpy(ts).to(dev)
-        got = segment_counts_torch(mirror.values, mirror.start, mirror.length, t_slots, t_ts, windows)
+        got = segment_counts_torch(mirror.values, mirror.start, mirror.length, torch.from_numpy(slots).to(dev),
+                                   torch.from_numpy(ts).to(dev), torch.tensor(WINDOWS_MS, device=dev))
         assert (got.cpu().numpy() == want[:, k::2]).all()
-        # into the batch's counter columns as the engine does: the kernel on CUDA, torch on CPU
-        out = torch.full((len(slots) + 3, 12), -7, dtype=torch.int64, device=dev)
-        _segment_counts(mirror, t_slots, t_ts, windows, out, 3, 2 + k)
-        assert (out[3:, 2 + k::6].cpu().numpy() == want[:, k::2]).all()
-        assert (out[:, [c for c in range(12) if c % 6 != 2 + k]] == -7).all() and (out[:3] == -7).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_batchs_counter_columns_are_completed_on_the_device(device):
-    """``counters_on_device``: the host's user columns kept, the items' and categories' filled
-    from the store's arenas for the by-ids rows only, the rows before them untouched."""
+def test_updates_reach_the_device_at_the_next_sync_copying_only_what_changed(device):
     rng = np.random.default_rng(5)
     store = EntityStore(history_len=50, budget_bytes=1 << 30)
     for kind in ("item", "category"):
@@ -96,31 +123,18 @@ def test_a_batchs_counter_columns_are_completed_on_the_device(device):
             store.put_bucket(kind, slot, times, times[::5].copy(), None)
     counts = DeviceCounts(torch.device(device), WINDOWS_MS)
     counts.sync(store)
-    host = rng.integers(0, 9, (50, 12)).astype(np.int64)
-    first, n = 10, 40
-    items = np.array([store.slot("item", 1000 + int(e)) if e < 20 else -1 for e in rng.integers(0, 25, n)], np.int64)
-    categories = np.array([store.slot("category", 1000 + int(e)) for e in rng.integers(0, 20, n)], np.int64)
-    ts = rng.integers(0, 1_200_000, n).astype(np.int64)
-    got = counters_on_device(counts, host, first, {"item": items, "category": categories, "ts": ts}).cpu().numpy()
-    assert (got[:first] == host[:first]).all()
-    for c in range(12):
-        entity = (c % 6) // 2
-        if entity == 0:
-            assert (got[:, c] == host[:, c]).all()
-    for e, (kind, slots) in enumerate((("item", items), ("category", categories)), start=1):
-        state = store.kinds[kind]
-        known = slots >= 0
-        want = np.zeros((n, 4), np.int64)
-        want[known] = counts_until_many((state.imps, state.clicks), slots[known], ts[known], WINDOWS_MS)[0]
-        for w in range(2):
-            for k in range(2):
-                assert (got[first:, w * 6 + 2 * e + k] == want[:, 2 * w + k]).all(), (kind, w, k)
-    # later updates reach the device at the next sync, copying only what changed
     slot = store.slot("item", 1000)
     store.put_bucket("item", slot, np.array([899_000, 899_500], np.int64), np.zeros(0, np.int64), None)
+    store.put_bucket("category", store.slot("category", 1003), np.array([899_100], np.int64), np.array([899_100], np.int64), 850_000)
     counts.sync(store)
-    again = counters_on_device(counts, host[:1], 0, {"item": np.array([slot]), "category": np.array([-1]), "ts": np.array([899_800])})
-    state = store.kinds["item"]
-    want = counts_until_many((state.imps, state.clicks), np.array([slot]), np.array([899_800]), WINDOWS_MS)[0][0]
-    assert again[0, 2].item() == want[0] and again[0, 8].item() == want[2]
     assert counts.full_copies == 4  # the first sync of each arena only
+    cat = store.slot("category", 1003)
+    dense = counts.dense(np.zeros((1, 12), np.int64), 0, {"item": np.array([slot]), "category": np.array([cat]),
+                                                         "ts": np.array([899_800])}).cpu().numpy()
+    want = np.zeros((1, 12), np.int64)
+    for e, (kind, s) in enumerate((("item", slot), ("category", cat)), start=1):
+        state = store.kinds[kind]
+        got = counts_until_many((state.imps, state.clicks), np.array([s]), np.array([899_800]), WINDOWS_MS)[0][0]
+        want[0, [2 * e, 2 * e + 1, 6 + 2 * e, 7 + 2 * e]] = got
+    assert want[0, 2] >= 2 and want[0, 5] >= 1  # the new times are counted
+    np.testing.assert_allclose(dense, dense_features(want), rtol=1e-6)

@@ -29,6 +29,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from streamrec.model.batch import CTR_PRIOR_IMPS, dense_features
 from streamrec.serving.time_lists import TimeLists, segment_index
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
@@ -63,6 +64,9 @@ class DeviceLists:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.values, self.start, self.length))
+
+    def kernel_args(self) -> tuple:
+        return self.values, self.start, self.length, len(self.values)
 
     def sync(self, lists: TimeLists) -> None:
         """Bring the device copy up to ``lists`` (the caller holds the store's lock)."""
@@ -107,7 +111,7 @@ class DeviceCounts:
         self.windows = torch.tensor(windows_ms, dtype=torch.int64, device=device)
         self.lists = {(kind, counted): DeviceLists(device) for kind in kinds for counted in COUNTED}
         self._lock = threading.Lock()
-        self._last: torch.cuda.Event | None = None
+        self._last = torch.cuda.Event() if device.type == "cuda" else None  # the last copy or kernel on a mirror
         self.batches = 0  # batches counted here
 
     @property
@@ -117,10 +121,11 @@ class DeviceCounts:
     def warm_up(self) -> "DeviceCounts":
         """Compile the kernel now (a node's start), not in the first by-ids batch."""
         if device_kernels(self.device):
-            one = torch.zeros(1, dtype=torch.int64, device=self.device)
-            _segment_counts(DeviceLists(self.device), one, one, self.windows, torch.zeros((1, 6 * len(self.windows)), dtype=torch.int64,
-                                                                                         device=self.device), 0, 0)
+            width = 6 * len(self.windows)
+            self.dense(np.zeros((2, width), np.int64), 1, {"item": np.zeros(1, np.int64), "category": np.zeros(1, np.int64),
+                                                            "ts": np.zeros(1, np.int64)})
             torch.cuda.synchronize(self.device)
+            self.batches = 0
         return self
 
     @property
@@ -133,72 +138,66 @@ class DeviceCounts:
             for (kind, counted), mirror in self.lists.items():
                 mirror.sync(getattr(store.kinds[kind], counted))
 
-    def fill(self, counters: torch.Tensor, first_row: int, slots: dict[str, torch.Tensor], ts: torch.Tensor, entity_index: dict[str, int]) -> None:
-        """Write the counts of ``slots[kind]`` (int64 [n], -1: unknown, counts 0) at ``ts``
-        (int64 [n]) into ``counters`` (int64 [B, 6W] on the device: per window, per entity
-        (user, item, category), imps then clicks) rows ``first_row:first_row + n``, columns of
-        ``entity_index[kind]``."""
-        n = len(ts)
-        if not n:
-            return
+    def dense(self, host_counters: np.ndarray, first_row: int, candidates: dict[str, np.ndarray]) -> torch.Tensor:
+        """The batch's dense features float32 [B, F] (``model.batch.dense_features``) on the
+        device: of ``host_counters`` int64 [B, 6W] (per window, per entity: user, item,
+        category; impressions then clicks), whose rows ``first_row:`` (a by-ids part:
+        ``OnlineFeatures.assemble_batch`` ``candidate_slots``) get their items' and categories'
+        counts here: ``candidates["item"]``, ``["category"]`` slots int64 [n] (-1: unknown,
+        counts 0) and ``["ts"]`` int64 [n]. One host-to-device copy and, on CUDA, one kernel;
+        call on the stream the model runs on."""
+        rows, width = host_counters.shape
+        n, size = len(candidates["ts"]), host_counters.size
+        section = -(-n // 2) * 2  # 16-byte aligned sections: the kernel is compiled for aligned pointers only
+        base = -(-size // 2) * 2
+        packed = torch.empty((base + 3 * section,), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        flat = packed.numpy()
+        flat[:size] = host_counters.reshape(-1)
+        for k, name in enumerate(CANDIDATE_COLUMNS):
+            flat[base + k * section: base + k * section + n] = candidates[name]
+        moved = packed.to(self.device, non_blocking=True)
         with self._ordered():
             self.batches += 1
+            if device_kernels(self.device):
+                dense = torch.empty((rows, width + width // 2), dtype=torch.float32, device=self.device)
+                lists = [t for kind in self.kinds for counted in COUNTED for t in self.lists[(kind, counted)].kernel_args()]
+                _dense_kernel[(triton.cdiv(rows, BLOCK),)](moved, rows, first_row, base, base + section, base + 2 * section, *lists,
+                                                           self.windows, dense, CTR_PRIOR_IMPS, W=len(self.windows), STEPS=SEARCH_STEPS,
+                                                           BLOCK=BLOCK, COLS=triton.next_power_of_2(width),
+                                                           PAIRS=triton.next_power_of_2(width // 2))
+                return dense
+            counters = moved[:size].view(rows, width)
+            ts = moved[base + 2 * section: base + 2 * section + n]
             for kind in self.kinds:
+                slots = moved[base + KINDS_AT[kind] * section: base + KINDS_AT[kind] * section + n]
                 for k, counted in enumerate(COUNTED):
-                    _segment_counts(self.lists[(kind, counted)], slots[kind], ts, self.windows, counters, first_row, 2 * entity_index[kind] + k)
+                    mirror = self.lists[(kind, counted)]
+                    column = 2 * ENTITY_INDEX[kind] + k
+                    counters[first_row: first_row + n, column::6] = segment_counts_torch(mirror.values, mirror.start, mirror.length, slots,
+                                                                                         ts, self.windows)
+            return dense_features(counters)
 
     @contextmanager
     def _ordered(self) -> Iterator[None]:
-        """Serialise the mirrors' copies and kernels across threads and streams."""
+        """Serialise the mirrors' copies and kernels across threads and streams: each waits
+        for the one before, wherever it ran."""
         with self._lock:
             if self.device.type != "cuda":
                 yield
                 return
             stream = torch.cuda.current_stream(self.device)
-            if self._last is not None:
-                stream.wait_event(self._last)
+            stream.wait_event(self._last)
             yield
-            self._last = torch.cuda.Event()
             self._last.record(stream)
 
 
 ENTITY_INDEX = {"user": 0, "item": 1, "category": 2}  # the counter columns' entity order (COUNTER_ENTITIES)
-
-
-def counters_on_device(counts: DeviceCounts, host_counters: np.ndarray, first_row: int, candidates: dict[str, np.ndarray]) -> torch.Tensor:
-    """The batch's counter columns int64 [B, 6W] on ``counts.device``: ``host_counters`` with
-    rows ``first_row:`` (a by-ids part, ``OnlineFeatures.assemble_batch`` ``candidate_slots``)
-    completed by :meth:`DeviceCounts.fill`. One host-to-device copy for the columns, the
-    slots and the times; call on the stream the model runs on."""
-    n, size = len(candidates["ts"]), host_counters.size
-    section = -(-n // 2) * 2  # 16-byte aligned sections: the kernel is compiled for aligned pointers only
-    base = -(-size // 2) * 2
-    packed = torch.empty((base + 3 * section,), dtype=torch.int64, pin_memory=counts.device.type == "cuda")
-    flat = packed.numpy()
-    flat[:size] = host_counters.reshape(-1)
-    for k, name in enumerate(("item", "category", "ts")):
-        flat[base + k * section: base + k * section + n] = candidates[name]
-    moved = packed.to(counts.device, non_blocking=True)
-    counters = moved[:size].view(host_counters.shape)
-    slots = {"item": moved[base: base + n], "category": moved[base + section: base + section + n]}
-    counts.fill(counters, first_row, slots, moved[base + 2 * section: base + 2 * section + n], ENTITY_INDEX)
-    return counters
+CANDIDATE_COLUMNS = ("item", "category", "ts")  # the sections of a batch's copy after its counters
+KINDS_AT = {"item": 0, "category": 1}
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
-
-
-def _segment_counts(mirror: DeviceLists, slots: torch.Tensor, ts: torch.Tensor, windows: torch.Tensor, counters: torch.Tensor,
-                    first_row: int, column: int) -> None:
-    """``counters[first_row + i, column + 6 * w]`` = how many of slot ``slots[i]``'s times lie in
-    ``(ts[i] - windows[w], ts[i])``; ``counters`` int64 [B, 6W], contiguous."""
-    n, w = len(ts), len(windows)
-    if device_kernels(counters.device):
-        _counts_kernel[(triton.cdiv(n, BLOCK),)](mirror.values, mirror.start, mirror.length, slots, ts, windows, counters, first_row,
-                                                 column, n, counters.stride(0), len(mirror.values), W=w, STEPS=SEARCH_STEPS, BLOCK=BLOCK)
-        return
-    counters[first_row: first_row + n, column::6] = segment_counts_torch(mirror.values, mirror.start, mirror.length, slots, ts, windows)
 
 
 def segment_counts_torch(values: torch.Tensor, start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, ts: torch.Tensor,
@@ -247,20 +246,51 @@ if triton is not None:
         v = tl.load(values_ptr + tl.minimum(seg + base, last), mask=tail, other=0)
         return base + tl.where(tail & (v < target), 1, 0)
 
-    @triton.jit(do_not_specialize=["first_row", "column", "n", "size"])
-    def _counts_kernel(values_ptr, start_ptr, length_ptr, slots_ptr, ts_ptr, windows_ptr, out_ptr, first_row, column, n, stride_row, size,
-                       W: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = offs < n
-        slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
-        known = valid & (slot >= 0)
+    @triton.jit
+    def _list_counts(values_ptr, start_ptr, length_ptr, size, slot, ts, rows_in, out_ptr, windows_ptr, W: tl.constexpr,
+                     STEPS: tl.constexpr):
+        """Per lane: the counts of one list of slot ``slot`` in each window before ``ts``, stored
+        at ``out_ptr + 6 * w`` (0 for an unknown slot)."""
+        known = rows_in & (slot >= 0)
         safe = tl.where(known, slot, 0)
         seg = tl.load(start_ptr + safe, mask=known, other=0)
         length = tl.load(length_ptr + safe, mask=known, other=0).to(tl.int64)
-        ts = tl.load(ts_ptr + offs, mask=valid, other=0)
-        last = size - 1
-        hi = _lower_bound_block(values_ptr, seg, length, ts, known, last, STEPS)
+        hi = _lower_bound_block(values_ptr, seg, length, ts, known, size - 1, STEPS)
         for w in tl.static_range(W):
             window = tl.load(windows_ptr + w)
-            low = _lower_bound_block(values_ptr, seg, hi, ts - window + 1, known, last, STEPS)
-            tl.store(out_ptr + (first_row + offs) * stride_row + column + 6 * w, hi - low, mask=valid)
+            low = _lower_bound_block(values_ptr, seg, hi, ts - window + 1, known, size - 1, STEPS)
+            tl.store(out_ptr + 6 * w, hi - low, mask=rows_in)
+
+    @triton.jit(do_not_specialize=["rows", "first_row", "item_at", "category_at", "ts_at", "z0", "z1", "z2", "z3"])
+    def _dense_kernel(buf_ptr, rows, first_row, item_at, category_at, ts_at,
+                      v0, s0, l0, z0, v1, s1, l1, z1, v2, s2, l2, z2, v3, s3, l3, z3,
+                      windows_ptr, dense_ptr, prior, W: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                      COLS: tl.constexpr, PAIRS: tl.constexpr):
+        """A block of rows: the by-ids rows' item and category counts into the counter columns
+        (in ``buf``), then every row's dense features: log1p of each column, and per
+        (window, entity) clicks / (impressions + CTR_PRIOR_IMPS)."""
+        width = 6 * W
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        valid = r < rows
+        cand = valid & (r >= first_row)
+        j = tl.where(cand, r - first_row, 0)
+        ts = tl.load(buf_ptr + ts_at + j, mask=cand, other=0)
+        item = tl.load(buf_ptr + item_at + j, mask=cand, other=-1)
+        category = tl.load(buf_ptr + category_at + j, mask=cand, other=-1)
+        row = buf_ptr + r * width
+        _list_counts(v0, s0, l0, z0, item, ts, cand, row + 2, windows_ptr, W, STEPS)
+        _list_counts(v1, s1, l1, z1, item, ts, cand, row + 3, windows_ptr, W, STEPS)
+        _list_counts(v2, s2, l2, z2, category, ts, cand, row + 4, windows_ptr, W, STEPS)
+        _list_counts(v3, s3, l3, z3, category, ts, cand, row + 5, windows_ptr, W, STEPS)
+        tl.debug_barrier()  # this block's counts are written: every thread of it reads them below
+        features = width + width // 2
+        cols = tl.arange(0, COLS)
+        inside = valid[:, None] & (cols < width)[None, :]
+        counts = tl.load(buf_ptr + r[:, None] * width + cols[None, :], mask=inside, other=0).to(tl.float32)
+        tl.store(dense_ptr + r[:, None] * features + cols[None, :], tl.log(1.0 + counts), mask=inside)
+        pairs = tl.arange(0, PAIRS)
+        paired = valid[:, None] & (pairs < width // 2)[None, :]
+        at = buf_ptr + r[:, None] * width + 2 * pairs[None, :]
+        imps = tl.load(at, mask=paired, other=0).to(tl.float32)
+        clicks = tl.load(at + 1, mask=paired, other=0).to(tl.float32)
+        tl.store(dense_ptr + r[:, None] * features + width + pairs[None, :], clicks / (imps + prior), mask=paired)

@@ -20,12 +20,12 @@ import numpy as np
 import orjson
 import torch
 
-from streamrec.model.batch import SampleBatch, batch_from_columns, dense_features
+from streamrec.model.batch import SampleBatch, batch_from_columns
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
-from streamrec.serving.device_counts import DeviceCounts, counters_on_device, device_kernels
+from streamrec.serving.device_counts import DeviceCounts, device_kernels
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded
 from streamrec.serving.ipc import Outbox, failed
 from streamrec.serving.messages import Call, Scored
@@ -280,7 +280,7 @@ class ServingEngine:
     def _counted_on_device(self, columns: FeatureColumns, first_row: int, candidates: dict[str, np.ndarray]) -> Completion:
         """The batch's ``dense``, its candidates from ``first_row`` on counted on the device."""
         def complete(batch: SampleBatch, device: torch.device) -> None:
-            batch.dense = dense_features(counters_on_device(self.features.counts_on(device), columns.counters, first_row, candidates))
+            batch.dense = self.features.counts_on(device).dense(columns.counters, first_row, candidates)
         return complete
 
     def _counts_on_device(self) -> DeviceCounts | None:
