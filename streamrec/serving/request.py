@@ -38,6 +38,9 @@ COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 _FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
 
 
+RESERVED_MAX = max(RESERVED_IDS)  # the reserved ids are the lowest int64s: an id is reserved iff it is <= this
+assert RESERVED_MAX == np.iinfo(np.int64).min + len(RESERVED_IDS) - 1
+
 _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
 _BOUNDED = {**{name: Annotated[str, msgspec.Meta(max_length=chars)] for name, chars in INSTANCE_MAX_CHARS.items()},
             **{name: Annotated[int, msgspec.Meta(ge=low, le=high)] for name, (low, high) in INSTANCE_RANGES.items()}}
@@ -176,14 +179,13 @@ class InstanceDecoder:
         versions = [x.sample_version for x in instances]
         if any(v is not None and v != SAMPLE_VERSION for v in versions):
             flag(np.array([v is not None and v != SAMPLE_VERSION for v in versions]), "unknown_sample_version")
-        reserved = np.array(RESERVED_IDS, np.int64)
         for name in ID_COLUMNS:
-            flag(np.isin(cols.ints[name], reserved), f"reserved_id:{name}")
+            flag(cols.ints[name] <= RESERVED_MAX, f"reserved_id:{name}")
         category_lengths = np.fromiter(map(len, categories), np.int64, n)
         flag(cols.hist_lengths > self.spec.history_len, "invalid_value:hist_item_ids")
         flag(cols.hist_lengths != category_lengths, "invalid_value:hist_category_ids")
         for name, flat, lengths in zip(HISTORY_COLUMNS, (cols.hist_items, cols.hist_categories), (cols.hist_lengths, category_lengths)):
-            bad = np.isin(flat, reserved)
+            bad = flat <= RESERVED_MAX
             if bad.any():
                 mask = np.zeros(n, dtype=bool)
                 mask[np.repeat(np.arange(n), lengths)[bad]] = True
@@ -305,10 +307,10 @@ class ByIdsDecoder:
             raise ApiError(400, f"'ts' {request.ts} is {request.ts - now_ms:,} ms ahead of this server's clock "
                                 f"(at most {self.max_future_skew_ms:,} ms is accepted, as for events)")
         query = query_of(request, now_ms)
-        ids = query.candidates[:, :3]  # item, category, advertiser (RESERVED_IDS are the two lowest int64s)
-        if request.user_id <= max(RESERVED_IDS) or int(ids.min()) <= max(RESERVED_IDS):
-            bad = [f"user_id {request.user_id}"] if request.user_id in RESERVED_IDS else []
-            for i, j in zip(*np.nonzero(np.isin(ids, RESERVED_IDS))):
+        ids = query.candidates[:, :3]  # item, category, advertiser
+        if request.user_id <= RESERVED_MAX or int(ids.min()) <= RESERVED_MAX:
+            bad = [f"user_id {request.user_id}"] if request.user_id <= RESERVED_MAX else []
+            for i, j in zip(*np.nonzero(ids <= RESERVED_MAX)):
                 bad.append(f"candidates[{i}].{CANDIDATE_FIELDS[j]} {ids[i, j]}")
             raise ApiError(400, f"reserved ids ({', '.join(map(str, RESERVED_IDS))}) are not entity ids: {'; '.join(bad[:10])}")
         return request, query
