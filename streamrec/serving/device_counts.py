@@ -68,6 +68,10 @@ class DeviceLists:
     def kernel_args(self) -> tuple:
         return self.values, self.start, self.length, len(self.values)
 
+    def current(self, lists: TimeLists) -> bool:
+        """Whether the device copy equals ``lists`` already (nothing to copy)."""
+        return lists is self._source and lists.generation == self._generation and lists.changes is not None and not lists.changes.slots
+
     def sync(self, lists: TimeLists) -> None:
         """Bring the device copy up to ``lists`` (the caller holds the store's lock)."""
         if lists is not self._source or lists.generation != self._generation or lists.changes is None:
@@ -134,9 +138,12 @@ class DeviceCounts:
 
     def sync(self, store) -> None:
         """Copy what changed in ``store``'s item and category arenas (under the store's lock)."""
+        pairs = [(mirror, getattr(store.kinds[kind], counted)) for (kind, counted), mirror in self.lists.items()]
+        if all(mirror.current(lists) for mirror, lists in pairs):
+            return
         with self._ordered():
-            for (kind, counted), mirror in self.lists.items():
-                mirror.sync(getattr(store.kinds[kind], counted))
+            for mirror, lists in pairs:
+                mirror.sync(lists)
 
     def dense(self, host_counters: np.ndarray, first_row: int, candidates: dict[str, np.ndarray]) -> torch.Tensor:
         """The batch's dense features float32 [B, F] (``model.batch.dense_features``) on the
