@@ -3,11 +3,13 @@ each entity's smoothed click-through rate per window, clicks / (impressions + 10
 
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.model.batch import batch_from_table, dense_feature_names
+from streamrec.model.batch import batch_from_table, dense_feature_names, dense_features
 
 SPEC = FeatureSpec()  # windows 60 s and 600 s; user, item and category counters
 
@@ -33,3 +35,11 @@ def test_dense_features_are_log1p_counters_and_smoothed_rates():
     }
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+
+
+def test_an_empty_batch_has_dense_features_of_the_full_width():
+    """A rank can draw an empty batch (distributed trainer): its dense block is [0, F]."""
+    empty = _one_sample({}).slice(0, 0)
+    assert tuple(batch_from_table(empty, SPEC, 50, with_labels=False).dense.shape) == (0, len(dense_feature_names(SPEC)))
+    for counters in (np.zeros((0, 12), np.int64), torch.zeros((0, 12), dtype=torch.int64)):
+        assert tuple(dense_features(counters).shape) == (0, len(dense_feature_names(SPEC)))

@@ -127,10 +127,10 @@ def dense_features(counters: np.ndarray | torch.Tensor) -> np.ndarray | torch.Te
     on a GPU)."""
     if isinstance(counters, np.ndarray):
         counters = counters.astype(np.float32)
-        pairs = counters.reshape(len(counters), -1, 2)
+        pairs = counters.reshape(len(counters), counters.shape[1] // 2, 2)
         return np.concatenate([np.log1p(counters), pairs[..., 1] / (pairs[..., 0] + np.float32(CTR_PRIOR_IMPS))], axis=1)
     counters = counters.to(torch.float32)
-    pairs = counters.view(len(counters), -1, 2)
+    pairs = counters.view(len(counters), counters.shape[1] // 2, 2)
     return torch.cat([torch.log1p(counters), pairs[..., 1] / (pairs[..., 0] + CTR_PRIOR_IMPS)], dim=1)
 
 

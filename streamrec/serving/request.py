@@ -174,10 +174,11 @@ class InstanceDecoder:
         reason = np.full(n, None, dtype=object)
 
         def flag(mask: np.ndarray, why: str) -> None:
-            reason[mask & (reason == None)] = why  # noqa: E711 -- elementwise on an object array
+            if mask.any():  # (nearly always not: the object array's compare is the costly part)
+                reason[mask & (reason == None)] = why  # noqa: E711 -- elementwise on an object array
 
         versions = [x.sample_version for x in instances]
-        if any(v is not None and v != SAMPLE_VERSION for v in versions):
+        if not set(versions) <= {None, SAMPLE_VERSION}:
             flag(np.array([v is not None and v != SAMPLE_VERSION for v in versions]), "unknown_sample_version")
         for name in ID_COLUMNS:
             flag(cols.ints[name] <= RESERVED_MAX, f"reserved_id:{name}")
