@@ -15,7 +15,7 @@ from streamrec.model.batch import dense_features
 from streamrec.serving.device_counts import DeviceCounts, DeviceLists, segment_counts_torch
 from streamrec.serving.entity_store import EntityStore
 from streamrec.serving.segment_counts import counts_until_many
-from streamrec.serving.time_lists import TimeLists
+from streamrec.serving.time_lists import CHANGES_KEPT, TimeLists
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
@@ -138,3 +138,18 @@ def test_updates_reach_the_device_at_the_next_sync_copying_only_what_changed(dev
         want[0, [2 * e, 2 * e + 1, 6 + 2 * e, 7 + 2 * e]] = got
     assert want[0, 2] >= 2 and want[0, 5] >= 1  # the new times are counted
     np.testing.assert_allclose(dense, dense_features(want), rtol=1e-6)
+
+
+def test_the_change_record_stays_bounded_while_no_mirror_copies():
+    """A node whose by-ids traffic stops keeps tailing the topic: its arenas' change records
+    must not grow without bound; past the bound the next sync copies everything."""
+    lists, mirror = TimeLists(slots=4, values=8), DeviceLists(torch.device("cpu"))
+    lists.ensure_slots(10)
+    mirror.sync(lists)
+    copies = mirror.full_copies
+    for step in range(CHANGES_KEPT + 10):
+        lists.replace_range(step % 10, np.array([step], np.int64))
+    assert len(lists.changes.slots) <= CHANGES_KEPT + 1
+    mirror.sync(lists)
+    assert mirror.full_copies == copies + 1
+    assert _lists_of(mirror, 10) == [lists.get(s).tolist() for s in range(10)]

@@ -19,6 +19,9 @@ import numpy as np
 from streamrec.serving.growth import grown, no_huge_page_advice
 
 
+CHANGES_KEPT = 1 << 16  # one-slot updates recorded for a mirror, at least, before it copies everything instead
+
+
 @dataclass
 class Changes:
     """What one-slot updates wrote since a mirror (serving/device_counts.py) last copied: the
@@ -55,6 +58,12 @@ class TimeLists:
         """Start (or restart) recording one-slot updates; returns the record a mirror drains."""
         self.changes = Changes()
         return self.changes
+
+    def _bound_changes(self) -> None:
+        """A record that outgrows the arena's slots (no mirror copied for a long while) turns
+        into one full copy: its size stays bounded however long no batch comes."""
+        if len(self.changes.slots) > max(CHANGES_KEPT, len(self.start)):
+            self._changed_everything()
 
     def _changed_everything(self) -> None:
         self.generation += 1
@@ -117,6 +126,7 @@ class TimeLists:
             at = int(self.start[slot])
             self.changes.slots.append(slot)
             self.changes.ranges.append((at, at + size))
+            self._bound_changes()
 
     def expire(self, slot: int, cutoff: int) -> None:
         """Forget the slot's times at or before ``cutoff``."""
@@ -133,6 +143,7 @@ class TimeLists:
         self.waste += k
         if self.changes is not None:
             self.changes.slots.append(slot)
+            self._bound_changes()
 
     def expire_all(self, cutoff: int, chunk: int = 1 << 20) -> None:
         """:meth:`expire` of every slot (numpy, ``chunk`` slots at a time)."""
