@@ -4,6 +4,7 @@ never fatal, and a bucket's updates keep the semantics the job's state has."""
 from types import SimpleNamespace
 
 from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.contracts.feature_state import ENTITIES, StageWatermark, Watermarks
 from streamrec.serving.online_features import OnlineFeatures
 
 
@@ -41,3 +42,21 @@ def test_an_expired_prefix_is_kept_until_the_readers_horizon(tmp_path):
     c = SimpleNamespace(item_id=5, category_id=6, advertiser_id=7, position=1)
     assert store.assemble(1, 100, "ios", 3, [c], with_features=True).features[0]["item_imps_60s"] == 4  # 1, 2, 3, 4
     store.close()
+
+
+def test_features_as_of_follows_every_watermark_it_is_asked_after():
+    """``Watermarks.as_of`` is kept between watermarks (serving asks it per request): every
+    put is seen by the next ask, for each partition count asked."""
+    marks = Watermarks()
+    assert marks.as_of(2) is None
+    for p in range(2):
+        for stage in ENTITIES:
+            marks.put(StageWatermark(stage, 0, p, 1_000, 1))
+    assert marks.as_of(2) == marks.as_of(2) == 1_001 and marks.as_of(1) == 1_001
+    marks.put(StageWatermark("item", 0, 1, 900, 1))
+    assert marks.as_of(2) == 901 and marks.as_of(1) == 1_001
+    for stage in ENTITIES:
+        marks.put(StageWatermark(stage, 0, 1, 2_000, 1))
+    assert marks.as_of(2) == 1_001
+    marks.put(StageWatermark("user", 1, 0, 5, 2))  # a stage's second subtask reports, to partition 0 only
+    assert marks.as_of(1) == 6 and marks.as_of(2) is None

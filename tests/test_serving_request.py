@@ -2,15 +2,16 @@
 (contracts.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
 the sample checks refuse, each with its reason."""
 
+import numpy as np
 import orjson
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, decode_samples
+from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, RESERVED_IDS, decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError
-from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, is_by_ids
+from streamrec.serving.request import RESERVED_MAX, ByIdsDecoder, InstanceDecoder, is_by_ids
 from streamrec.model.batch import batch_from_columns, batch_from_table
 
 SPEC = FeatureSpec()
@@ -141,6 +142,11 @@ def test_by_ids_bounds_what_a_client_controls(change, message):
     with pytest.raises(ApiError) as caught:
         decoder.decode(orjson.dumps({**good, **change}), 0)
     assert caught.value.status == 400 and message in caught.value.message, caught.value.message
+
+
+def test_the_reserved_ids_are_exactly_the_lowest_int64s():
+    """The decoders find a reserved id with one comparison, ``id <= RESERVED_MAX``."""
+    assert sorted(RESERVED_IDS) == list(range(np.iinfo(np.int64).min, RESERVED_MAX + 1))
 
 
 def test_by_ids_refuses_the_reserved_ids_and_says_where():

@@ -250,9 +250,6 @@ class UserHistory:
         return 8 * len(self.flat) + 80
 
 
-_UNKNOWN = object()
-
-
 @dataclass
 class Watermarks:
     """Per partition, per stage subtask: how far the state is complete. ``as_of`` is the
@@ -260,8 +257,8 @@ class Watermarks:
 
     marks: dict[tuple[int, str, int], int] = field(default_factory=dict)  # (partition, stage, subtask) -> wm
     parallelism: dict[str, int] = field(default_factory=dict)
-    # as_of per partition count, until the next put (serving asks it for every request)
-    _as_of: dict[int, int | None] = field(default_factory=dict, repr=False, compare=False)
+    # as_of per partition count, with the number of puts it was computed after (serving asks it for every request)
+    _as_of: dict[int, tuple[int, int | None]] = field(default_factory=dict, repr=False, compare=False)
     _puts: int = field(default=0, repr=False, compare=False)
 
     def put(self, mark: StageWatermark) -> None:
@@ -270,19 +267,17 @@ class Watermarks:
         self.marks[(mark.partition, mark.stage, mark.subtask)] = mark.watermark_ms
         self.parallelism[mark.stage] = mark.parallelism
         self._puts += 1
-        self._as_of.clear()
 
     def as_of(self, partitions: int) -> int | None:
         """Every event strictly before this ms is in the state (None: not every stage
         subtask has reported to every partition yet). Change ``marks`` only through
         :meth:`put` once this has been asked."""
-        cached = self._as_of.get(partitions, _UNKNOWN)  # one lookup: a put may clear the cache meanwhile
-        if cached is not _UNKNOWN:
-            return cached
         puts = self._puts
+        cached = self._as_of.get(partitions)
+        if cached is not None and cached[0] == puts:
+            return cached[1]
         lowest = self._lowest(partitions)
-        if puts == self._puts:  # no put (another thread) meanwhile: still current
-            self._as_of[partitions] = lowest
+        self._as_of[partitions] = (puts, lowest)  # a put meanwhile (another thread) makes it stale: recomputed next time
         return lowest
 
     def _lowest(self, partitions: int) -> int | None:

@@ -1,19 +1,23 @@
 """The candidates' windowed counts computed where the model runs: the items' and categories'
-event-time arenas (serving/time_lists.py) mirrored on the device, and one kernel per kind
-that counts every candidate of a batch straight into the model's counter columns.
+event-time arenas (serving/time_lists.py) mirrored on the device, and one kernel per batch
+that counts every candidate straight into the model's counter columns and then computes the
+batch's dense features.
 
 Why: on the host, a by-ids batch gathers these counts through :class:`CounterCache` and
 recomputes the hot entities whose counts moved since (serving/segment_counts.py): a few dozen
-numpy calls per batch, which on a GPU host's slower cores was about a third of the engine
-thread's time under load (bench/RESULTS.md, "Predict by ids"). On the device the whole
-batch's binary searches are one launch per kind, with no cache to keep.
+numpy calls per batch on the engine's one thread, the largest share of its time on a GPU
+host under load (bench/RESULTS.md, "Predict by ids"). On the device the whole batch's binary
+searches are one launch, with no cache to keep.
 
-The mirror copies only what changed: :class:`TimeLists` records the slots and value ranges
-each one-slot update wrote (``TimeLists.follow``), and every other change (a snapshot load,
-a compaction, new slots) bumps its ``generation``, after which the whole arena is copied.
-:meth:`DeviceCounts.sync` runs under the feature store's lock; the copies and the kernels are
-ordered by one CUDA event chain, whatever stream each runs on, so a batch worker's kernel
-never reads an arena another worker's sync is writing.
+The mirror copies only what changed: :class:`TimeLists` records the slots each one-slot
+update touched (``TimeLists.follow``), whose live values and bounds are copied; new slots
+copy the bounds only; every other change (a snapshot load, a compaction, a change record
+grown past its bound) bumps the arena's ``generation``, after which the whole arena is
+copied. :meth:`DeviceCounts.sync` runs under the feature store's lock as a batch is
+assembled; the batch's kernel runs later, on the stream the model runs on, so with several
+batch workers it may count a sync that came after its own (newer state, never torn). The
+copies and kernels are ordered by one CUDA event chain, whatever stream each runs on, so no
+kernel reads an arena a copy is writing.
 
 On CPU (or without Triton) the same searches run as torch ops: slower than the host cache
 there, so ``serving.candidate_counts = "auto"`` uses the device only on CUDA; "device"
@@ -29,7 +33,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from streamrec.contracts.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES
 from streamrec.model.batch import CTR_PRIOR_IMPS, dense_features
+from streamrec.serving.segment_counts import segment_searchsorted
 from streamrec.serving.time_lists import TimeLists, segment_index
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it.
@@ -38,7 +44,8 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs simply lack it
 except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
-COUNTED = ("imps", "clicks")
+KINDS = ("item", "category")  # the candidates' counted entities, in the kernel's order
+CANDIDATE_COLUMNS = (*KINDS, "ts")  # the sections of a batch's copy after its counter columns
 SEARCH_STEPS = 32  # halvings of a binary search: enough for any int32 list length
 BLOCK = 128
 
@@ -70,37 +77,40 @@ class DeviceLists:
 
     def current(self, lists: TimeLists) -> bool:
         """Whether the device copy equals ``lists`` already (nothing to copy)."""
-        return lists is self._source and lists.generation == self._generation and lists.changes is not None and not lists.changes.slots
+        return (lists is self._source and lists.generation == self._generation and lists.changes is not None
+                and not lists.changes.slots and len(lists.start) == len(self.start))
 
     def sync(self, lists: TimeLists) -> None:
-        """Bring the device copy up to ``lists`` (the caller holds the store's lock)."""
+        """Bring the device copy up to ``lists`` (the caller holds the store's lock): the live
+        values and bounds of the slots updated since, or everything after a change beyond
+        one slot's."""
         if lists is not self._source or lists.generation != self._generation or lists.changes is None:
             self._copy_all(lists)
             return
+        if lists.used > len(self.values):  # the arena grew at its end: more room, on the device
+            grown = torch.zeros(_room(lists.used), dtype=torch.int64, device=self.device)
+            grown[: len(self.values)] = self.values
+            self.values = grown
+        if len(lists.start) != len(self.start):  # new (empty) slots: their bounds
+            self.start, self.length = _to(lists.start, self.device), _to(lists.length, self.device)
         changes = lists.changes
         if not changes.slots:
             return
-        if lists.used > len(self.values):
-            self._copy_all(lists)
-            return
         slots = np.unique(np.asarray(changes.slots, np.int64))
-        ranges = np.asarray(changes.ranges, np.int64).reshape(-1, 2)
         changes.slots.clear()
-        changes.ranges.clear()
-        positions = segment_index(ranges[:, 0], ranges[:, 1] - ranges[:, 0])[0] if len(ranges) else np.zeros(0, np.int64)
+        starts, lengths = lists.start[slots], lists.length[slots]
+        positions = segment_index(starts, lengths)[0]
         if len(positions):
             self.values[_to(positions, self.device)] = _to(lists.values[positions], self.device)
         where = _to(slots, self.device)
-        self.start[where] = _to(lists.start[slots], self.device)
-        self.length[where] = _to(lists.length[slots], self.device)
+        self.start[where] = _to(starts, self.device)
+        self.length[where] = _to(lengths, self.device)
 
     def _copy_all(self, lists: TimeLists) -> None:
         used = max(lists.used, 1)
-        room = used + used // 4  # appends land at the arena's end: room for them before the next full copy
-        self.values = torch.zeros(room, dtype=torch.int64, device=self.device)
+        self.values = torch.zeros(_room(used), dtype=torch.int64, device=self.device)
         self.values[:used] = _to(lists.values[:used], self.device)
-        self.start = _to(lists.start, self.device)
-        self.length = _to(lists.length, self.device)
+        self.start, self.length = _to(lists.start, self.device), _to(lists.length, self.device)
         self._source, self._generation = lists, lists.generation
         lists.follow()
         self.full_copies += 1
@@ -110,10 +120,10 @@ class DeviceCounts:
     """The item and category counts of a batch's candidates on ``device``, from mirrors of
     the store's arenas (:class:`serving.entity_store.EntityStore`)."""
 
-    def __init__(self, device: torch.device, windows_ms: tuple[int, ...], kinds: tuple[str, ...] = ("item", "category")) -> None:
-        self.device, self.kinds = device, kinds
+    def __init__(self, device: torch.device, windows_ms: tuple[int, ...]) -> None:
+        self.device = device
         self.windows = torch.tensor(windows_ms, dtype=torch.int64, device=device)
-        self.lists = {(kind, counted): DeviceLists(device) for kind in kinds for counted in COUNTED}
+        self.lists = {(kind, counted): DeviceLists(device) for kind in KINDS for counted in COUNTED_EVENTS}
         self._lock = threading.Lock()
         self._last = torch.cuda.Event() if device.type == "cuda" else None  # the last copy or kernel on a mirror
         self.batches = 0  # batches counted here
@@ -155,8 +165,7 @@ class DeviceCounts:
         call on the stream the model runs on."""
         rows, width = host_counters.shape
         n, size = len(candidates["ts"]), host_counters.size
-        section = -(-n // 2) * 2  # 16-byte aligned sections: the kernel is compiled for aligned pointers only
-        base = -(-size // 2) * 2
+        section, base = n, size  # offsets into the one buffer the kernel reads
         packed = torch.empty((base + 3 * section,), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         flat = packed.numpy()
         flat[:size] = host_counters.reshape(-1)
@@ -167,7 +176,7 @@ class DeviceCounts:
             self.batches += 1
             if device_kernels(self.device):
                 dense = torch.empty((rows, width + width // 2), dtype=torch.float32, device=self.device)
-                lists = [t for kind in self.kinds for counted in COUNTED for t in self.lists[(kind, counted)].kernel_args()]
+                lists = [t for mirror in self.lists.values() for t in mirror.kernel_args()]
                 _dense_kernel[(triton.cdiv(rows, BLOCK),)](moved, rows, first_row, base, base + section, base + 2 * section, *lists,
                                                            self.windows, dense, CTR_PRIOR_IMPS, W=len(self.windows), STEPS=SEARCH_STEPS,
                                                            BLOCK=BLOCK, COLS=triton.next_power_of_2(width),
@@ -175,11 +184,12 @@ class DeviceCounts:
                 return dense
             counters = moved[:size].view(rows, width)
             ts = moved[base + 2 * section: base + 2 * section + n]
-            for kind in self.kinds:
-                slots = moved[base + KINDS_AT[kind] * section: base + KINDS_AT[kind] * section + n]
-                for k, counted in enumerate(COUNTED):
+            for kind in KINDS:
+                at = base + CANDIDATE_COLUMNS.index(kind) * section
+                slots = moved[at: at + n]
+                for k, counted in enumerate(COUNTED_EVENTS):
                     mirror = self.lists[(kind, counted)]
-                    column = 2 * ENTITY_INDEX[kind] + k
+                    column = 2 * COUNTER_ENTITIES.index(kind) + k
                     counters[first_row: first_row + n, column::6] = segment_counts_torch(mirror.values, mirror.start, mirror.length, slots,
                                                                                          ts, self.windows)
             return dense_features(counters)
@@ -198,49 +208,35 @@ class DeviceCounts:
             self._last.record(stream)
 
 
-ENTITY_INDEX = {"user": 0, "item": 1, "category": 2}  # the counter columns' entity order (COUNTER_ENTITIES)
-CANDIDATE_COLUMNS = ("item", "category", "ts")  # the sections of a batch's copy after its counters
-KINDS_AT = {"item": 0, "category": 1}
+def _room(used: int) -> int:
+    """Device room for an arena of ``used`` values: a quarter more, for the appends to come."""
+    return used + used // 4
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    """A copy on ``device``, never a view of ``array`` (on CPU too: the host arrays change
+    under the store's lock, the copy is read outside it)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, copy=True)
 
 
 def segment_counts_torch(values: torch.Tensor, start: torch.Tensor, length: torch.Tensor, slots: torch.Tensor, ts: torch.Tensor,
                          windows: torch.Tensor) -> torch.Tensor:
-    """The same counts as torch ops (any device): int64 [n, W]."""
+    """The kernel's counts as torch ops (any device): int64 [n, W]."""
     known = slots >= 0
     safe = torch.where(known, slots, 0)
     starts = start[safe]
     lengths = torch.where(known, length[safe].to(torch.int64), 0)
-    hi = _lower_bound(values, starts, lengths, ts)
+    hi = segment_searchsorted(values, starts, lengths, ts)
     w = len(windows)
-    lows = _lower_bound(values, starts.repeat_interleave(w), hi.repeat_interleave(w), (ts[:, None] - windows + 1).reshape(-1))
+    lows = segment_searchsorted(values, starts.repeat_interleave(w), hi.repeat_interleave(w), (ts[:, None] - windows + 1).reshape(-1))
     return hi[:, None] - lows.view(-1, w)
-
-
-def _lower_bound(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per query, how many of ``values[starts : starts + lengths]`` (ascending) are < target:
-    branch-free halving, as serving/segment_counts.py's ``segment_searchsorted``."""
-    base = torch.zeros_like(targets)
-    remaining = lengths.clone()
-    last = len(values) - 1
-    while True:
-        half = remaining >> 1
-        if not bool(half.any()):
-            break
-        below = values[torch.clamp(starts + base + half - 1, max=last)] < targets
-        base += torch.where(below, half, 0)
-        remaining -= half
-    return base + ((remaining > 0) & (values[torch.clamp(starts + base, max=last)] < targets)).to(torch.int64)
 
 
 if triton is not None:
 
     @triton.jit
     def _lower_bound_block(values_ptr, seg, n, target, valid, last, STEPS: tl.constexpr):
-        """Per lane: how many of ``values[seg : seg + n]`` are < ``target``."""
+        """Per lane: how many of ``values[seg : seg + n]`` are < ``target`` (``segment_searchsorted``)."""
         base = tl.zeros_like(n)
         remaining = n
         for _ in range(STEPS):

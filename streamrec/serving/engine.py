@@ -246,11 +246,12 @@ class ServingEngine:
                 parts.append(payload)
             else:
                 outcomes[r] = SpecChanged("the served model's feature spec changed while this request waited; send it again")
-        assembled, first_by_ids_row = None, sum(len(p) for p in parts)
+        assembled, first_by_ids_row, on_device = None, sum(len(p) for p in parts), None
         if by_ids:
             t0 = time.perf_counter()
             try:
-                assembled = self.features.assemble_batch([payloads[r] for r in by_ids], self._counts_on_device())
+                on_device = self._counts_on_device()
+                assembled = self.features.assemble_batch([payloads[r] for r in by_ids], on_device)
             except Exception as exc:  # noqa: BLE001 -- the by-ids requests fail, the others are scored
                 log.exception("online feature assembly failed")
                 for r in by_ids:
@@ -265,7 +266,7 @@ class ServingEngine:
             columns, spec = FeatureColumns.concat(parts), current.feature_spec
             candidates = assembled.candidate_slots if assembled is not None else None
             batch = batch_from_columns(columns, spec, current.network.spec.history_len, with_dense=candidates is None)
-            complete = self._counted_on_device(columns, first_by_ids_row, candidates) if candidates is not None else None
+            complete = self._counted_on_device(on_device, columns, first_by_ids_row, candidates) if candidates is not None else None
             version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000), complete=complete)
         taken = 0
         stale = assembled is not None and stale_features(assembled.as_of, self.settings)
@@ -277,10 +278,12 @@ class ServingEngine:
             outcomes[r] = (version, ByIdsScores(version, outcomes[r][1], assembled.as_of, stale, assembled.features[k]))
         return outcomes
 
-    def _counted_on_device(self, columns: FeatureColumns, first_row: int, candidates: dict[str, np.ndarray]) -> Completion:
-        """The batch's ``dense``, its candidates from ``first_row`` on counted on the device."""
+    @staticmethod
+    def _counted_on_device(counts: DeviceCounts, columns: FeatureColumns, first_row: int, candidates: dict[str, np.ndarray]) -> Completion:
+        """The batch's ``dense``, its candidates from ``first_row`` on counted by ``counts``
+        (the mirror its assembly synced)."""
         def complete(batch: SampleBatch, device: torch.device) -> None:
-            batch.dense = self.features.counts_on(device).dense(columns.counters, first_row, candidates)
+            batch.dense = counts.dense(columns.counters, first_row, candidates)
         return complete
 
     def _counts_on_device(self) -> DeviceCounts | None:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
 from kafka import TopicPartition
 
 from streamrec.model.columns import FeatureColumns, device_hashes
@@ -57,7 +58,7 @@ class AssembledBatch:
     as_of: int | None
     features: list[list[dict[str, Any]] | None]
     # with counts on the device: the candidates' item and category slots (int64 [n], -1:
-    # unknown) and times, whose counter columns are left at zero for DeviceCounts.fill
+    # unknown) and times, whose counter columns are left at zero for DeviceCounts.dense
     candidate_slots: dict[str, np.ndarray] | None = None
 
 
@@ -101,6 +102,7 @@ class OnlineFeatures:
         self.watermarks = Watermarks()
         self._counters = {kind: CounterCache(2 * len(self.windows_ms)) for kind in ("item", "category")}  # candidates' entities
         self._device_counts: DeviceCounts | None = None
+        self._device_counts_made = threading.Lock()
         self.partitions = 0
         self.counts = {"messages": 0, "corrupt": 0}
         self.last_corrupt: str | None = None
@@ -361,9 +363,13 @@ class OnlineFeatures:
     def counts_on(self, device) -> DeviceCounts:
         """The candidates' counts on ``device`` (serving/device_counts.py), for
         :meth:`assemble_batch` ``on_device``: one mirror per store, shared by its models."""
-        if self._device_counts is None or self._device_counts.device != device:
-            self._device_counts = DeviceCounts(device, self.windows_ms).warm_up()
-        return self._device_counts
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._device_counts_made:
+            if self._device_counts is None or self._device_counts.device != device:
+                self._device_counts = DeviceCounts(device, self.windows_ms).warm_up()
+            return self._device_counts
 
     def assemble_batch(self, queries: Sequence[ByIdsQuery], on_device: DeviceCounts | None = None) -> AssembledBatch:
         """The features of every candidate of ``queries``, as one block of columns (rows in

@@ -39,7 +39,6 @@ _FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
 
 
 RESERVED_MAX = max(RESERVED_IDS)  # the reserved ids are the lowest int64s: an id is reserved iff it is <= this
-assert RESERVED_MAX == np.iinfo(np.int64).min + len(RESERVED_IDS) - 1
 
 _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
 _BOUNDED = {**{name: Annotated[str, msgspec.Meta(max_length=chars)] for name, chars in INSTANCE_MAX_CHARS.items()},

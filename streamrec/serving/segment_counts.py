@@ -17,26 +17,31 @@ import numpy as np
 from streamrec.contracts.feature_state import END_OF_INPUT
 
 
-def segment_searchsorted(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, targets: np.ndarray) -> np.ndarray:
+def segment_searchsorted(values, starts, lengths, targets):
     """Per query ``i``: ``np.searchsorted(values[starts[i]: starts[i] + lengths[i]], targets[i])``
     (each segment ascending; side "left"), all queries at once. ``starts``, ``lengths``, ``targets``:
-    int64 [q]; returns int64 [q] positions within the segments.
+    int64 [q]; returns int64 [q] positions within the segments. Numpy arrays, or torch tensors
+    on any device (serving/device_counts.py): only operators both share.
 
     Branch-free halving: every step halves each query's remaining range (whatever its answer),
     so there is no mask of finished queries to keep and no test of it per step."""
-    base = np.zeros(len(targets), np.int64)
+    base = targets * 0
     if not len(values) or not len(targets):
         return base
-    remaining = lengths.astype(np.int64, copy=True)
+    remaining = lengths + 0  # a copy, int64
     last = len(values) - 1
     while True:
         half = remaining >> 1
         if not half.any():
             break
-        below = values[np.minimum(starts + base + half - 1, last)] < targets
-        base += np.where(below, half, 0)
+        below = values[_at_most(starts + base + half - 1, last)] < targets
+        base += half * below
         remaining -= half
-    return base + ((remaining > 0) & (values[np.minimum(starts + base, last)] < targets))
+    return base + ((remaining > 0) & (values[_at_most(starts + base, last)] < targets)) * 1
+
+
+def _at_most(positions, last: int):
+    return np.minimum(positions, last) if isinstance(positions, np.ndarray) else positions.clamp(max=last)
 
 
 def counts_until_many(lists: tuple, slots: np.ndarray, ts: np.ndarray, windows_ms: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

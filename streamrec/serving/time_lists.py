@@ -24,11 +24,10 @@ CHANGES_KEPT = 1 << 16  # one-slot updates recorded for a mirror, at least, befo
 
 @dataclass
 class Changes:
-    """What one-slot updates wrote since a mirror (serving/device_counts.py) last copied: the
-    slots whose start or length changed, and the value ranges ``[lo, hi)`` written."""
+    """The slots one-slot updates touched since a mirror (serving/device_counts.py) last
+    copied: their live values and bounds are what it copies."""
 
     slots: list[int] = field(default_factory=list)
-    ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,7 +50,7 @@ class TimeLists:
         self.start = np.zeros(slots, np.int64)
         self.length = np.zeros(slots, np.int32)
         self.cap = np.zeros(slots, np.int32)
-        self.generation = 0  # bumped by every change beyond one slot's: a mirror copies everything
+        self.generation = 0  # bumped by every change beyond one slot's but new slots: a mirror copies everything
         self.changes: Changes | None = None  # kept only while a mirror follows this arena
 
     def follow(self) -> Changes:
@@ -62,14 +61,13 @@ class TimeLists:
     def _bound_changes(self) -> None:
         """A record that outgrows the arena's slots (no mirror copied for a long while) turns
         into one full copy: its size stays bounded however long no batch comes."""
-        if len(self.changes.slots) > max(CHANGES_KEPT, len(self.start)):
+        if len(self.changes.slots) > max(CHANGES_KEPT, len(self.start) // 4):
             self._changed_everything()
 
     def _changed_everything(self) -> None:
         self.generation += 1
         if self.changes is not None:
             self.changes.slots.clear()
-            self.changes.ranges.clear()
 
     @property
     def nbytes(self) -> int:
@@ -86,8 +84,7 @@ class TimeLists:
             old = len(self.start)
             self.start, self.length, self.cap = grown(self.start, n), grown(self.length, n), grown(self.cap, n)
             for column in (self.start, self.length, self.cap):
-                column[old:] = 0
-            self._changed_everything()
+                column[old:] = 0  # (a mirror sees the new, empty slots by the bounds' length)
 
     def get(self, slot: int) -> np.ndarray:
         """The slot's times (a view: valid until the next update)."""
@@ -123,9 +120,7 @@ class TimeLists:
         self.waste -= size - n  # waste: the arena's values that are not in a list
         self.length[slot] = size
         if self.changes is not None:
-            at = int(self.start[slot])
             self.changes.slots.append(slot)
-            self.changes.ranges.append((at, at + size))
             self._bound_changes()
 
     def expire(self, slot: int, cutoff: int) -> None:
