@@ -128,7 +128,14 @@ def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published
     for where in ("host", "device"):
         engine = ServingEngine(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
         outcomes[where] = engine.execute(payloads)
-    assert features.counts_on(torch.device(device)).full_copies == 4  # both kinds' arenas went to the device, once
+    counted = features.counts_on(torch.device(device))
+    assert counted.full_copies == 4 and counted.batches == 1  # both kinds' arenas went to the device, once
+    # a request asking for its features back: the whole batch is counted on the host, same scores
+    engine = ServingEngine(served, replace(settings, candidate_counts="device"), ModelMetrics(ServingMetrics(), "ctr"), features)
+    asking = engine.execute([replace(queries[0], return_features=True), instances, *queries[1:]])
+    assert counted.batches == 1 and asking[0][1].features is not None
+    for a, b in zip(outcomes["host"], asking):
+        np.testing.assert_allclose(getattr(b[1], "scores", b[1]), getattr(a[1], "scores", a[1]), rtol=1e-5, atol=1e-6)
     for host, on_device in zip(outcomes["host"], outcomes["device"]):
         a, b = host[1], on_device[1]
         a, b = (getattr(a, "scores", a), getattr(b, "scores", b))
