@@ -143,3 +143,27 @@ def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published
     assert len(set(np.round(np.concatenate([o[1].scores for o in outcomes["device"] if hasattr(o[1], "scores")]), 6).tolist())) > 1
     features.close()
     served.close()
+
+
+def test_a_device_path_that_cannot_start_leaves_the_node_counting_on_the_host(published_model, sample_run, tmp_path, monkeypatch):
+    """A kernel that does not compile (a GPU or driver Triton cannot use) must not take the
+    node out: it counts on the host, and says why in its status."""
+    from streamrec.serving.device_counts import DeviceCounts
+
+    def broken(self):
+        raise RuntimeError("no kernel for this GPU")
+    monkeypatch.setattr(DeviceCounts, "warm_up", broken)
+    rows = _rows(sample_run)
+    features = _store_with_state(tmp_path, rows[:120])
+    served = ServedModel(ModelStore(str(published_model[0]), "ctr"), "cpu", feature_spec=SPEC)
+    served.catch_up()
+    settings = load_config(environ={}).serving
+    engines = {where: ServingEngine(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
+               for where in ("host", "device")}
+    assert engines["device"].status()["candidate_counts_on_host_because"] == "RuntimeError: no kernel for this GPU"
+    queries = [replace(q, return_features=False) for q in _queries(rows, 4)]
+    want, got = (engines[w].execute(queries) for w in ("host", "device"))
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b[1].scores, a[1].scores, rtol=1e-6)
+    features.close()
+    served.close()

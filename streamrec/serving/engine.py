@@ -101,6 +101,7 @@ class ServingEngine:
         self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.batch_workers(served.device.type),
                                       max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
+        self.counts_on_host_because: str | None = None  # why the device path could not start, if it could not
         if features is not None:
             self._counts_on_device()  # the mirror made (and its kernel compiled) at start
         self.on_answer: Answered | None = None  # called with every answered request (serving.prediction_log)
@@ -288,11 +289,20 @@ class ServingEngine:
 
     def _counts_on_device(self) -> DeviceCounts | None:
         """Where a batch's candidates are counted (``serving.candidate_counts``): on the device
-        the model runs on, or None: on the host (serving/device_counts.py)."""
+        the model runs on, or None: on the host (serving/device_counts.py). A device path that
+        cannot start (its kernel does not compile here, say) leaves the node counting on the
+        host, said once in the log and in the status, rather than failing requests."""
         device = self.served.device
-        if self.settings.candidate_counts == "host" or (self.settings.candidate_counts == "auto" and not device_kernels(device)):
+        if self.counts_on_host_because is not None or self.settings.candidate_counts == "host" or (
+                self.settings.candidate_counts == "auto" and not device_kernels(device)):
             return None
-        return self.features.counts_on(device)
+        try:
+            return self.features.counts_on(device)
+        except Exception as exc:  # noqa: BLE001 -- the host path serves the same features
+            self.counts_on_host_because = f"{type(exc).__name__}: {exc}"
+            log.error("the candidates' counts cannot run on %s (%s): they are counted on the host", device, self.counts_on_host_because,
+                      exc_info=exc)
+            return None
 
     # ------------------------------------------------------------------ reporting
     def status(self) -> dict[str, Any]:
@@ -315,6 +325,7 @@ class ServingEngine:
             **self._latest_in_store(),
             "runtime": current.runner.stats.as_json() if current is not None and current.runner is not None else None,
             "batching": {**self.batcher.stats.as_json(), "queued_instances": self.batcher.queued_instances},
+            "candidate_counts_on_host_because": self.counts_on_host_because,
         }
 
     def _latest_in_store(self) -> dict[str, Any]:
