@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, RESERVED_IDS, decode_samples
+from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, RESERVED_IDS, RESERVED_MAX, decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError
-from streamrec.serving.request import RESERVED_MAX, ByIdsDecoder, InstanceDecoder, is_by_ids
+from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, is_by_ids
 from streamrec.model.batch import batch_from_columns, batch_from_table
 
 SPEC = FeatureSpec()

@@ -28,6 +28,7 @@ import pyarrow.json as pj
 from streamrec.contracts.feature_spec import ID_COLUMNS, INSTANCE_FIELDS, REQUIRED_SAMPLE_FIELDS, SAMPLE_VERSION, FeatureSpec
 
 RESERVED_IDS = (-(2**63), -(2**63) + 1)  # the embedding hash index's markers: cannot be keys
+RESERVED_MAX = max(RESERVED_IDS)  # they are the lowest int64s: an id is reserved iff it is <= this
 # Bounds of what a predict instance's client controls (the job's samples come from events
 # that passed the event contract): a string as long as the body allows costs memory and
 # hashing for nothing, and an hour or a position out of range means nothing.

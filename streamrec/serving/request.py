@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from streamrec.model.columns import FeatureColumns, device_hashes
 from streamrec.contracts.feature_spec import HISTORY_COLUMNS, ID_COLUMNS, INT_COLUMNS, SAMPLE_VERSION, FeatureSpec
-from streamrec.contracts.sample_wire import INSTANCE_MAX_CHARS, INSTANCE_RANGES, MAX_DEVICE_CHARS, RESERVED_IDS
+from streamrec.contracts.sample_wire import INSTANCE_MAX_CHARS, INSTANCE_RANGES, MAX_DEVICE_CHARS, RESERVED_IDS, RESERVED_MAX
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery, query_of
 from streamrec.serving.errors import ApiError
 
@@ -37,8 +37,6 @@ INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 _FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
 
-
-RESERVED_MAX = max(RESERVED_IDS)  # the reserved ids are the lowest int64s: an id is reserved iff it is <= this
 
 _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
 _BOUNDED = {**{name: Annotated[str, msgspec.Meta(max_length=chars)] for name, chars in INSTANCE_MAX_CHARS.items()},
