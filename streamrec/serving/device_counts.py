@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from streamrec.contracts.feature_spec import COUNTED_EVENTS, COUNTER_ENTITIES
+from streamrec.embedding.kernels import available as device_kernels
 from streamrec.model.batch import CTR_PRIOR_IMPS, dense_features
 from streamrec.serving.segment_counts import segment_searchsorted
 from streamrec.serving.time_lists import TimeLists, segment_index
@@ -48,11 +49,6 @@ KINDS = ("item", "category")  # the candidates' counted entities, in the kernel'
 CANDIDATE_COLUMNS = (*KINDS, "ts")  # the sections of a batch's copy after its counter columns
 SEARCH_STEPS = 32  # halvings of a binary search: enough for any int32 list length
 BLOCK = 128
-
-
-def device_kernels(device: torch.device) -> bool:
-    """Whether ``device`` runs the counting kernel (CUDA with Triton), where it beats the host."""
-    return triton is not None and device.type == "cuda"
 
 
 class DeviceLists:

@@ -16,16 +16,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import functools
+
 import numpy as np
 import orjson
-import torch
 
-from streamrec.model.batch import SampleBatch, batch_from_columns
+from streamrec.embedding.kernels import available as device_kernels
+from streamrec.model.batch import batch_from_columns
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
-from streamrec.serving.device_counts import DeviceCounts, device_kernels
+from streamrec.serving.device_counts import DeviceCounts
 from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded
 from streamrec.serving.ipc import Outbox, failed
 from streamrec.serving.messages import Call, Scored
@@ -33,7 +35,6 @@ from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.serving.metrics import ModelMetrics
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.state import ApplyReport, ServedModel
-from streamrec.serving.version import Completion
 from streamrec.plumbing.config import ServingConfig
 
 log = logging.getLogger("streamrec.serving")
@@ -102,8 +103,7 @@ class ServingEngine:
                                       max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
         self.counts_on_host_because: str | None = None  # why the device path could not start, if it could not
-        if features is not None:
-            self._counts_on_device()  # the mirror made (and its kernel compiled) at start
+        self._on_device = self._counts_on_device() if features is not None else None  # made (its kernel compiled) at start
         self.on_answer: Answered | None = None  # called with every answered request (serving.prediction_log)
 
     # ------------------------------------------------------------------ versions
@@ -247,12 +247,11 @@ class ServingEngine:
                 parts.append(payload)
             else:
                 outcomes[r] = SpecChanged("the served model's feature spec changed while this request waited; send it again")
-        assembled, first_by_ids_row, on_device = None, sum(len(p) for p in parts), None
+        assembled, first_by_ids_row = None, sum(len(p) for p in parts)
         if by_ids:
             t0 = time.perf_counter()
             try:
-                on_device = self._counts_on_device()
-                assembled = self.features.assemble_batch([payloads[r] for r in by_ids], on_device)
+                assembled = self.features.assemble_batch([payloads[r] for r in by_ids], self._on_device)
             except Exception as exc:  # noqa: BLE001 -- the by-ids requests fail, the others are scored
                 log.exception("online feature assembly failed")
                 for r in by_ids:
@@ -267,8 +266,9 @@ class ServingEngine:
             columns, spec = FeatureColumns.concat(parts), current.feature_spec
             candidates = assembled.candidate_slots if assembled is not None else None
             batch = batch_from_columns(columns, spec, current.network.spec.history_len, with_dense=candidates is None)
-            complete = self._counted_on_device(on_device, columns, first_by_ids_row, candidates) if candidates is not None else None
-            version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000), complete=complete)
+            dense = (functools.partial(self._on_device.dense, columns.counters, first_by_ids_row, candidates)
+                     if candidates is not None else None)
+            version, scores = self.served.predict(batch, now_ms=int(time.time() * 1000), dense=dense)
         taken = 0
         stale = assembled is not None and stale_features(assembled.as_of, self.settings)
         for r in order:
@@ -279,22 +279,13 @@ class ServingEngine:
             outcomes[r] = (version, ByIdsScores(version, outcomes[r][1], assembled.as_of, stale, assembled.features[k]))
         return outcomes
 
-    @staticmethod
-    def _counted_on_device(counts: DeviceCounts, columns: FeatureColumns, first_row: int, candidates: dict[str, np.ndarray]) -> Completion:
-        """The batch's ``dense``, its candidates from ``first_row`` on counted by ``counts``
-        (the mirror its assembly synced)."""
-        def complete(batch: SampleBatch, device: torch.device) -> None:
-            batch.dense = counts.dense(columns.counters, first_row, candidates)
-        return complete
-
     def _counts_on_device(self) -> DeviceCounts | None:
         """Where a batch's candidates are counted (``serving.candidate_counts``): on the device
         the model runs on, or None: on the host (serving/device_counts.py). A device path that
         cannot start (its kernel does not compile here, say) leaves the node counting on the
         host, said once in the log and in the status, rather than failing requests."""
         device = self.served.device
-        if self.counts_on_host_because is not None or self.settings.candidate_counts == "host" or (
-                self.settings.candidate_counts == "auto" and not device_kernels(device)):
+        if self.settings.candidate_counts == "host" or (self.settings.candidate_counts == "auto" and not device_kernels(device)):
             return None
         try:
             return self.features.counts_on(device)

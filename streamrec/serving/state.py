@@ -45,7 +45,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.plumbing.locks import RWLock
 from streamrec.modelstore.store import CorruptVersion, ModelStore, Pin, sparse_arrays
 from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.version import Completion, ServedVersion
+from streamrec.serving.version import DenseOnDevice, ServedVersion
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +126,12 @@ class ServedModel:
         return self.pin is not None
 
     # ------------------------------------------------------------------ serving
-    def predict(self, batch: SampleBatch, now_ms: int | None = None, complete: Completion | None = None) -> tuple[int, np.ndarray]:
-        """(version, scores) of one batch, all from one version (``complete``: see ServedVersion.predict)."""
+    def predict(self, batch: SampleBatch, now_ms: int | None = None, dense: DenseOnDevice | None = None) -> tuple[int, np.ndarray]:
+        """(version, scores) of one batch, all from one version (``dense``: see ServedVersion.predict)."""
         with self.lock.read():
             if self.current is None:
                 raise LookupError(f"model {self.model_store.model} has no version loaded yet")
-            return self.current.version, self.current.predict(batch, now_ms, complete)
+            return self.current.version, self.current.predict(batch, now_ms, dense)
 
     # ------------------------------------------------------------------ changing versions
     @_one_change_at_a_time

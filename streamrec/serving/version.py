@@ -17,7 +17,7 @@ from streamrec.modelstore.store import ModelStore
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.serving.runner import ModelRunner, RuntimeConfig
 
-Completion = Callable[[SampleBatch, torch.device], None]  # fills in a batch's missing features on the device
+DenseOnDevice = Callable[[], torch.Tensor]  # a batch's dense features, computed on the device the model runs on
 
 
 @dataclass
@@ -53,17 +53,17 @@ class ServedVersion:
         return self.inference.model
 
     @torch.no_grad()
-    def predict(self, batch: SampleBatch, now_ms: int | None = None, complete: Completion | None = None) -> np.ndarray:
-        """Scores of one batch; ``complete(batch, device)``: features the batch still lacks
-        (its ``dense``), computed on the device on the stream the model runs on."""
+    def predict(self, batch: SampleBatch, now_ms: int | None = None, dense: DenseOnDevice | None = None) -> np.ndarray:
+        """Scores of one batch; ``dense()``: its dense features, when the batch came without
+        them, called on the stream the model runs on."""
         now_ms = now_ms if now_ms is not None else batch.max_ts()
         if self.runner is None:
-            if complete is not None:
-                complete(batch, self.embeddings.device)
+            if dense is not None:
+                batch.dense = dense()
             return self.inference.predict(batch, now_ms)
         with self.runner.worker() as w:  # lookups and forward on the worker's stream
-            if complete is not None:
-                complete(batch, self.runner.device)
+            if dense is not None:
+                batch.dense = dense()
             batch = batch.with_history_len(self.runner.history_bucket(batch.longest_history()))
             inputs = self.inference.lookup(batch, now_ms, concurrent=True)
             return self.runner.run(w, inputs).float().cpu().numpy()
