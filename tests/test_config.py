@@ -174,3 +174,10 @@ def test_serving_workers_auto_runs_batches_on_the_loop_on_cuda_and_on_a_thread_o
     for bad in ("-1", "many"):
         with pytest.raises(ConfigError, match="serving.workers must be 'auto' or a whole number"):
             load_config(environ={"STREAMREC_SERVING__WORKERS": bad})
+
+
+def test_serving_candidate_counts_takes_auto_device_or_host_and_nothing_else():
+    assert load_config(environ={}).serving.candidate_counts == "auto"
+    assert load_config(environ={"STREAMREC_SERVING__CANDIDATE_COUNTS": "host"}).serving.candidate_counts == "host"
+    with pytest.raises(ConfigError, match="serving.candidate_counts must be one of auto, device, host, got 'gpu'"):
+        load_config(environ={"STREAMREC_SERVING__CANDIDATE_COUNTS": "gpu"})
