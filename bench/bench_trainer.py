@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from unittest import mock
@@ -277,19 +277,40 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
             "slices": len(pauses), "bare_copy_ms": 1000 * bare, "ratio_to_bare_copy": total / bare}
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The N-rank runs again with settings of their own (``--variant``), compared in the same bench."""
+
+    label: str
+    settings: tuple[tuple[str, str], ...]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self.settings)
+
+    @staticmethod
+    def parse(text: str) -> "Variant":
+        label, sep, rest = text.partition(":")
+        pairs = [item.partition("=") for item in rest.split(",") if item]
+        if not sep or not label or not pairs or any(not name or not eq for name, eq, _ in pairs):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL:NAME=VALUE[,NAME=VALUE]")
+        return Variant(label, tuple((name, value) for name, _, value in pairs))
+
+
 def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path,
-              sync_timings: bool = False) -> dict:
-    """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher);
-    its summary's throughput and every rank's step
-    figures (``sync_timings``: the device drained between phases)."""
+              sync_timings: bool = False, variant: "Variant | None" = None) -> dict:
+    """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher;
+    ``variant``: with its settings in the environment); its summary's throughput and every
+    rank's step figures (``sync_timings``: the device drained between phases)."""
     import os
 
-    name = f"{nproc}-{'launched' if launcher else 'lone'}{'-synced' if sync_timings else ''}"
+    name = f"{nproc}-{'launched' if launcher else 'lone'}{'-synced' if sync_timings else ''}{f'-{variant.label}' if variant else ''}"
     argv = ["train", "--samples", samples, "--loop", "--max-samples", str(nproc * batch * steps), "--batch-size", str(batch),
             "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
             "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work"),
             *(["--sync-timings"] if sync_timings else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600",
+           **(variant.env if variant else {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "streamrec.cli", *argv] \
         if launcher else [sys.executable, "-m", "streamrec.cli", *argv]
     if launcher:
@@ -299,7 +320,8 @@ def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, 
         raise RuntimeError(f"{name}: exit {done.returncode}: {done.stderr[-3000:]}")
     summary = json.loads(done.stdout)
     by_rank = summary["step_by_rank"]
-    return {"ranks": nproc, "launcher": launcher, "samples": summary["samples_this_run"], "elapsed_s": summary["elapsed_s"],
+    return {"ranks": nproc, "launcher": launcher, "variant": variant.label if variant else None, "env": variant.env if variant else {},
+            "samples": summary["samples_this_run"], "elapsed_s": summary["elapsed_s"],
             "samples_per_s": summary["samples_per_s"], "samples_per_s_per_rank": summary["samples_per_s"] / nproc,
             "ms_per_step": summary["ms_per_step"], "auc_online": summary.get("auc_online"), "by_rank": by_rank,
             "ids_received_imbalance": imbalance(by_rank)}
@@ -343,28 +365,33 @@ def scaling(args: argparse.Namespace) -> None:
     result = {"bench": "trainer_scaling", "device": device, "batch_per_rank": args.batch, "steps": args.steps,
               "samples_file": args.samples, "host": platform.node(), "torch": torch.__version__,
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "pipeline_exchange": load_config().trainer.pipeline_exchange}  # the ranks' config: this environment's
+              "pipeline_exchange": load_config().trainer.pipeline_exchange,  # the ranks' config: this environment's
+              "agree_ahead": load_config().trainer.agree_ahead}
     with tempfile.TemporaryDirectory() as tmp:
         print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
         run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")
-        runs = [(1, False), (1, True), *((n, True) for n in args.nproc_per_node if n > 1)]
+        several = [n for n in args.nproc_per_node if n > 1]
+        runs: list[tuple[int, bool, Variant | None]] = [(1, False, None), (1, True, None), *((n, True, None) for n in several),
+                                                       *((n, True, v) for v in args.variant for n in several)]
         result["runs"], result["reps"] = [], args.reps
-        tries: dict[tuple[int, bool], list[dict]] = {key: [] for key in runs}
+        tries: dict[tuple[int, bool, Variant | None], list[dict]] = {key: [] for key in runs}
         for rep in range(args.reps):  # configurations in turn, rep after rep: drifts of the host hit all alike
-            for nproc, launcher in runs:
-                print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}: {args.steps} steps of "
-                      f"{args.batch} per rank{f' (rep {rep + 1} of {args.reps})' if args.reps > 1 else ''} ...", flush=True)
-                run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp))
-                tries[(nproc, launcher)].append(run)
+            for nproc, launcher, variant in runs:
+                print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}{f' [{variant.label}]' if variant else ''}: "
+                      f"{args.steps} steps of {args.batch} per rank{f' (rep {rep + 1} of {args.reps})' if args.reps > 1 else ''} ...",
+                      flush=True)
+                run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), variant=variant)
+                tries[(nproc, launcher, variant)].append(run)
                 print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
-        for nproc, launcher in runs:
-            run = max(tries[(nproc, launcher)], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
-            run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[(nproc, launcher)]]
+        for nproc, launcher, variant in runs:
+            run = max(tries[(nproc, launcher, variant)], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
+            run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[(nproc, launcher, variant)]]
             result["runs"].append(run)
             if args.split:
-                print(f"{nproc} rank(s){' under the launcher' if launcher else ''}, again with the device drained between phases "
-                      "(per-rank split) ...", flush=True)
-                synced = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), sync_timings=True)
+                print(f"{nproc} rank(s){' under the launcher' if launcher else ''}{f' [{variant.label}]' if variant else ''}, again "
+                      "with the device drained between phases (per-rank split) ...", flush=True)
+                synced = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), sync_timings=True,
+                                   variant=variant)
                 run["split"] = {k: synced[k] for k in ("samples_per_s", "by_rank", "ids_received_imbalance")}
             shown = run.get("split", run)
             print(f"  best of {args.reps}: {run['samples_per_s']:,.0f} samples/s; per rank, ms/step"
@@ -375,8 +402,9 @@ def scaling(args: argparse.Namespace) -> None:
     for run in result["runs"]:
         run["speedup_over_lone"] = run["samples_per_s"] / lone
         run["scaling_efficiency"] = run["samples_per_s"] / (run["ranks"] * lone)
-    print("speed-up over the lone process: " + ", ".join(f"{r['ranks']}{'L' if r['launcher'] else ''}: {r['speedup_over_lone']:.2f}x"
-                                                          for r in result["runs"]), flush=True)
+    names = [f"{r['ranks']}{'L' if r['launcher'] else ''}" + (f" [{r['variant']}]" if r["variant"] else "") for r in result["runs"]]
+    print("speed-up over the lone process: " + ", ".join(f"{name}: {r['speedup_over_lone']:.2f}x" for name, r in zip(names, result["runs"])),
+          flush=True)
     write_result(args.out, f"trainer-scaling-{torch.device(device).type}", result)
 
 
@@ -406,6 +434,9 @@ def main() -> None:
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
     parser.add_argument("--reps", type=int, default=1,
                         help="scaling: run every configuration this many times, in turn; report the best (and every rep's)")
+    parser.add_argument("--variant", type=Variant.parse, action="append", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
+                        help="scaling: also run the N-rank configurations with these environment settings (e.g. "
+                             "off:STREAMREC_TRAINER__AGREE_AHEAD=false), in turn with the others; repeatable")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="scaling: skip the second run of each configuration with the device drained between phases")
     args = parser.parse_args()
