@@ -29,7 +29,8 @@ process does: what the launcher itself costs), and at N ranks under the launcher
 rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per rank and
 in total, and scaling efficiency = total at N / (N x the lone process's). ``--reps R`` runs
 the configurations in turn R times and reports each one's best run (every run's figure is
-in the JSON). A short warm-up
+in the JSON). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
+their own (e.g. a trainer option off), in turn with the others, for an A/B in one run. A short warm-up
 run first fills the on-disk kernel caches, so no measured run compiles more than another;
 every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
 by the trainer itself (from its first step), so the launcher's start is not counted. CPU ranks get
@@ -365,8 +366,7 @@ def scaling(args: argparse.Namespace) -> None:
     result = {"bench": "trainer_scaling", "device": device, "batch_per_rank": args.batch, "steps": args.steps,
               "samples_file": args.samples, "host": platform.node(), "torch": torch.__version__,
               "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "pipeline_exchange": load_config().trainer.pipeline_exchange,  # the ranks' config: this environment's
-              "agree_ahead": load_config().trainer.agree_ahead}
+              "pipeline_exchange": load_config().trainer.pipeline_exchange}  # the ranks' config: this environment's
     with tempfile.TemporaryDirectory() as tmp:
         print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
         run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")
@@ -436,7 +436,7 @@ def main() -> None:
                         help="scaling: run every configuration this many times, in turn; report the best (and every rep's)")
     parser.add_argument("--variant", type=Variant.parse, action="append", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
                         help="scaling: also run the N-rank configurations with these environment settings (e.g. "
-                             "off:STREAMREC_TRAINER__AGREE_AHEAD=false), in turn with the others; repeatable")
+                             "pipelined:STREAMREC_TRAINER__PIPELINE_EXCHANGE=true), in turn with the others; repeatable")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="scaling: skip the second run of each configuration with the device drained between phases")
     args = parser.parse_args()
