@@ -5,7 +5,6 @@ learn as well as 1 on the same data, a version written by 2 ranks serves over re
 with the ranks' own scores, and a rank killed with SIGKILL gives a clean failure, after
 which a restart ends exactly where an uninterrupted run ends."""
 
-import itertools
 import json
 import os
 from dataclasses import asdict, replace
@@ -366,10 +365,10 @@ def test_a_pipelined_exchange_trains_exactly_as_steps_in_turn(tmp_path, backend)
 
 
 def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
-    """Per optimizer, three identical shards over the same ranks and steps: one whose owner side
-    is table-batched (its tables are groupable), the same settling its counts late
-    (``late_syncs``), one forced table by table. Saves what each rank pulled, every row it owns
-    (weights, optimizer state, clock), the tables' counters, and the host syncs of each step."""
+    """Per optimizer, two identical shards over the same ranks and steps: one whose owner side
+    is table-batched (its tables are groupable), one forced table by table. Saves what each
+    rank pulled, every row it owns (weights, optimizer state, clock), the tables' counters,
+    and the host syncs of each step."""
     import warnings
 
     device = torch.device("cuda", rank)
@@ -379,10 +378,9 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
     result = {}
     for optimizer in ("adagrad", "adam"):
         configs = [TableConfig(n, 4, optimizer=optimizer, lr=0.1, init_std=0.0, gpu_cache_rows=4096) for n in ("a", "b", "c")]
-        stores = {path: EmbeddingCollection(configs, device) for path in ("grouped", "late", "per_table")}
+        stores = {"grouped": EmbeddingCollection(configs, device), "per_table": EmbeddingCollection(configs, device)}
         stores["per_table"].table_batched = False
         sharded = {path: ShardedCollection(store) for path, store in stores.items()}
-        sharded["late"].late_syncs = True
         pulled_rows, syncs = {path: [] for path in stores}, {path: [] for path in stores}
         for step, ids in enumerate(_batches(rank, steps=8)):
             ids = {"a": ids["a"], "b": ids["b"], "c": ids["a"][::3] % 17}  # "c": repeats, few keys
@@ -399,7 +397,7 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
                     torch.autograd.backward([pulled.embeddings[n] for n in ids], grads)
                     collection.apply_gradients(pulled)
                 torch.cuda.set_sync_debug_mode("default")
-                assert (pulled.grouped is not None) == (path != "per_table"), (path, step)
+                assert (pulled.grouped is not None) == (path == "grouped"), (path, step)
                 syncs[path].append(sum("synchronizing" in str(w.message) for w in caught))
                 pulled_rows[path].append({n: pulled.embeddings[n].detach().cpu() for n in ids})
         torch.cuda.synchronize()
@@ -419,27 +417,27 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_the_table_batched_owner_path_equals_the_per_table_path_over_two_gpus(tmp_path):
     """Two NCCL ranks: the owner's table-batched find_or_insert and apply_gradients (one
-    launch each for all tables), its counts read at once or late, give what the
-    table-by-table path gives: the rows each rank pulled, every owned row's weights,
-    optimizer state and clock, the tables' counters, with no more host syncs per step
-    (Adagrad and Adam, each over three groupable tables)."""
+    launch each for all tables) give what the table-by-table path gives: the rows each rank
+    pulled, every owned row's weights, optimizer state and clock, the tables' counters,
+    with no more host syncs per step (Adagrad and Adam, each over three groupable tables)."""
     _run_two_ranks(_grouped_owner_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"),), timeout_s=300)
-    for r, optimizer, path in itertools.product(range(2), ("adagrad", "adam"), ("grouped", "late")):
-        paths = torch.load(tmp_path / f"out{r}", weights_only=False)[optimizer]
-        batched, per_table = paths[path], paths["per_table"]
-        for step, (g, p) in enumerate(zip(batched["pulled"], per_table["pulled"])):
-            for n in p:
-                torch.testing.assert_close(g[n], p[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{optimizer} {path} rank {r} step {step} {n}: {m}")
-        assert batched["stats"] == per_table["stats"], (optimizer, path)
-        for n, rows in per_table["rows"].items():
-            assert batched["rows"][n].keys() == rows.keys() and len(rows) > 0, (optimizer, path, n)
-            for k, (w, s, seen) in rows.items():
-                gw, gs, gseen = batched["rows"][n][k]
-                torch.testing.assert_close(gw, w, rtol=1e-6, atol=1e-7)
-                torch.testing.assert_close(gs, s, rtol=1e-6, atol=1e-7)
-                assert gseen == seen
-        print(f"rank {r} {optimizer}: host syncs per step, {path} {batched['syncs']}, per table {per_table['syncs']}")
-        assert all(g <= p for g, p in zip(batched["syncs"], per_table["syncs"])), (optimizer, path, batched["syncs"], per_table["syncs"])
+    for r in range(2):
+        got = torch.load(tmp_path / f"out{r}", weights_only=False)
+        for optimizer, paths in got.items():
+            grouped, per_table = paths["grouped"], paths["per_table"]
+            for step, (g, p) in enumerate(zip(grouped["pulled"], per_table["pulled"])):
+                for n in p:
+                    torch.testing.assert_close(g[n], p[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{optimizer} rank {r} step {step} {n}: {m}")
+            assert grouped["stats"] == per_table["stats"], optimizer
+            for n, rows in per_table["rows"].items():
+                assert grouped["rows"][n].keys() == rows.keys() and len(rows) > 0, (optimizer, n)
+                for k, (w, s, seen) in rows.items():
+                    gw, gs, gseen = grouped["rows"][n][k]
+                    torch.testing.assert_close(gw, w, rtol=1e-6, atol=1e-7)
+                    torch.testing.assert_close(gs, s, rtol=1e-6, atol=1e-7)
+                    assert gseen == seen
+            print(f"rank {r} {optimizer}: host syncs per step, table-batched {grouped['syncs']}, per table {per_table['syncs']}")
+            assert all(g <= p for g, p in zip(grouped["syncs"], per_table["syncs"])), (optimizer, grouped["syncs"], per_table["syncs"])
 
 
 def _write_samples(run: Path, rows: int, spec: FeatureSpec) -> None:
@@ -811,46 +809,36 @@ def _final_state(work: Path) -> list[tuple[dict, dict, dict]]:
 @pytest.mark.slow
 def test_the_pipelined_trainer_ends_where_the_unpipelined_one_ends(small_run, tmp_path):
     """`streamrec train` on 2 ranks over the same samples with ``trainer.pipeline_exchange``
-    on and off (each agreeing a step ahead), and with both off (each step agreed at its
-    start), publishing every 0.2 s (a step before a publish does not look ahead): the same
-    samples, and bit for bit the same last version, rows (weights, optimizer state, clocks)
-    and dense model and optimizer state on each rank."""
+    on and off, publishing every 0.2 s (a step before a publish does not look ahead): the
+    same samples, and bit for bit the same last version, rows (weights, optimizer state,
+    clocks) and dense model and optimizer state on each rank."""
     runs = {}
-    for name, pipelined, late_syncs in (("pipelined", True, True), ("in_turn", False, True), ("agreed_in_turn", False, False)):
+    for pipelined in (True, False):
+        name = "pipelined" if pipelined else "in_turn"
         done = run_cli("train", "--samples", str(small_run), "--model-store", str(tmp_path / name / "models"), "--work-dir",
                        str(tmp_path / name / "work"), "--device", "cpu", "--no-frozen", "--publish-interval", "0.2", "--json",
                        "--batch-size", "512", "--nproc-per-node", "2",
-                       env={"STREAMREC_TRAINER__PIPELINE_EXCHANGE": str(pipelined).lower(),
-                            "STREAMREC_TRAINER__LATE_SYNCS": str(late_syncs).lower(), "OMP_NUM_THREADS": "1"}, timeout=600)
+                       env={"STREAMREC_TRAINER__PIPELINE_EXCHANGE": str(pipelined).lower(), "OMP_NUM_THREADS": "1"}, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = json.loads(done.stdout)
     rows = pq.ParquetFile(small_run / "samples.parquet").metadata.num_rows
-    assert runs["pipelined"]["samples"] == runs["in_turn"]["samples"] == runs["agreed_in_turn"]["samples"] == rows
+    assert runs["pipelined"]["samples"] == runs["in_turn"]["samples"] == rows
     ahead = [r["exchange"]["ahead"] for r in runs["pipelined"]["step_by_rank"]]
     steps = runs["pipelined"]["step_by_rank"][0]["steps"]
     assert 0 < ahead[0] == ahead[1] < steps, (ahead, steps)  # most steps looked ahead; the first could not
     assert [r["exchange"]["found_ahead"] for r in runs["pipelined"]["step_by_rank"]] == ahead
-    assert all(r["exchange"]["ahead"] == 0 for name in ("in_turn", "agreed_in_turn") for r in runs[name]["step_by_rank"])
+    assert all(r["exchange"]["ahead"] == 0 for r in runs["in_turn"]["step_by_rank"])
     assert all(r["exchange"]["counts_exchanged"] == 0 for run in runs.values() for r in run["step_by_rank"])  # agreed split sizes
-    agreed_ahead = {name: [r["agreed_ahead"] for r in run["step_by_rank"]] for name, run in runs.items()}
-    # every step began the next turn (the last one's: the end), publishing or not
-    assert agreed_ahead["agreed_in_turn"] == [0, 0] and agreed_ahead["in_turn"] == [steps, steps], (agreed_ahead, steps)
-    for other in ("pipelined", "agreed_in_turn"):
-        _assert_same_training(tmp_path, "in_turn", other)
 
-
-def _assert_same_training(tmp_path: Path, name: str, other: str) -> None:
-    """Runs ``name`` and ``other`` (under ``tmp_path``) ended with bit for bit the same last
-    version, and the same rows, dense model and optimizer state in each rank's checkpoint."""
-    last = {n: ModelStore(str(tmp_path / n / "models"), "ctr").load() for n in (name, other)}
-    for table, (keys, values) in last[name].tables.items():
-        got_keys, got_values = last[other].tables[table]
+    last = {name: ModelStore(str(tmp_path / name / "models"), "ctr").load() for name in runs}
+    for table, (keys, values) in last["in_turn"].tables.items():
+        got_keys, got_values = last["pipelined"].tables[table]
         order, got_order = np.argsort(keys), np.argsort(got_keys)
-        assert np.array_equal(got_keys[got_order], keys[order]) and np.array_equal(got_values[got_order], values[order]), (other, table)
-    for key, value in last[name].dense.items():
-        assert torch.equal(last[other].dense[key], value), (other, key)
+        assert np.array_equal(got_keys[got_order], keys[order]) and np.array_equal(got_values[got_order], values[order]), table
+    for name, value in last["in_turn"].dense.items():
+        assert torch.equal(last["pipelined"].dense[name], value), name
     for rank, ((rows_p, dense_p, state_p), (rows_t, dense_t, state_t)) in enumerate(
-            zip(_final_state(tmp_path / other / "work"), _final_state(tmp_path / name / "work"))):
+            zip(_final_state(tmp_path / "pipelined" / "work"), _final_state(tmp_path / "in_turn" / "work"))):
         assert state_p["step"] == state_t["step"] and state_p["positions"] == state_t["positions"]
         for table, want in rows_t.items():
             assert rows_p[table].keys() == want.keys(), (rank, table)

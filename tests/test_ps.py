@@ -474,28 +474,6 @@ def test_unique_per_group_equals_torch_unique_of_each_group(device):
                 assert torch.equal(got, want), (ids, got, want)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_unique_padded_puts_each_groups_unique_keys_where_its_ids_begin(device):
-    """``unique_padded``: each group's sorted unique keys, inverse and counts as torch.unique
-    gives them, placed at the group's first id (its span's tail zeros), with no host sync."""
-    from streamrec.embedding.unique import unique_padded
-
-    g = torch.Generator().manual_seed(3)
-    for _ in range(100):
-        groups = [(torch.randint(-6, 6, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g) * 10**12).to(device)
-                  for _ in range(int(torch.randint(1, 6, (1,), generator=g)))]
-        keys, inverse, counts, distinct = unique_padded(groups)
-        start = 0
-        for t, ids in enumerate(groups):
-            want_keys, want_inverse, want_counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            k, n = len(want_keys), len(ids)
-            assert int(distinct[t]) == k
-            assert torch.equal(keys[start:start + k], want_keys) and torch.equal(counts[start:start + k], want_counts)
-            assert not keys[start + k:start + n].any() and not counts[start + k:start + n].any()
-            assert torch.equal(inverse[start:start + n], want_inverse + start)
-            start += n
-
-
 def test_ssd_tier_keeps_its_row_count_and_expires_by_clock_alone(tmp_path):
     """The SSD tier opens without counting its keys (the count is stored with every write),
     and expiry reads only the rows older than the cutoff (a time-ordered column family)."""
@@ -723,16 +701,13 @@ def test_reserved_keys_are_refused_on_the_device_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("late", [False, True], ids=["settled", "late"])
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
-def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, late, monkeypatch):
+def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, monkeypatch):
     """Three tables in one find-or-insert and one optimizer launch (embedding/grouped.py): ids
     repeated within a batch and shared between tables, rows created once per table, hits
     read what the table holds, and the update follows the formula written here (row-wise
-    Adagrad: the accumulator adds the mean squared gradient; lazy Adam: per-row step count).
-    ``late``: the find-or-insert's counts read after the launch (``settle``), as the sharded
-    owner does on several ranks; the same rows, counters and updates."""
-    from streamrec.embedding.grouped import apply_gradients_grouped, find_or_insert_grouped, settle
+    Adagrad: the accumulator adds the mean squared gradient; lazy Adam: per-row step count)."""
+    from streamrec.embedding.grouped import find_or_insert_grouped, apply_gradients_grouped
 
     names, lr, eps = ("a", "b", "c"), 0.1, 1e-8
     monkeypatch.setattr(EmbeddingTable, "apply_gradients", lambda *_: pytest.fail("the grouped apply_gradients went table by table"))
@@ -741,9 +716,8 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, late, monkeypatc
     g = torch.Generator().manual_seed(0)
     for step in range(6):
         ids = {n: torch.randint(0, 3000 * (i + 1), (4000 + 1500 * i,), generator=g) for i, n in enumerate(names)}
-        grouped = find_or_insert_grouped(collection.tables, {n: t.cuda() for n, t in ids.items()}, now_ms=step, late=late)
-        assert grouped is not None and (grouped.unsettled is not None) == late
-        settle(grouped)
+        grouped = find_or_insert_grouped(collection.tables, {n: t.cuda() for n, t in ids.items()}, now_ms=step)
+        assert grouped is not None
         embeddings = grouped.rows.index_select(0, grouped.inverse).split(grouped.id_counts)
         for name, emb in zip(names, embeddings):
             pulled = grouped.by_table[name]
@@ -759,7 +733,8 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, late, monkeypatc
             assert len(collection.tables[name]) == len({k for t, k in ref if t == name})
         grad = torch.randn(len(grouped.rows), 16, generator=g)
         apply_gradients_grouped(grouped, grad.cuda())
-        for name, first, n in zip(names, grouped.first_rows(), grouped.key_counts):
+        first = 0
+        for name, n in zip(names, grouped.key_counts):
             for key, gr in zip(grouped.by_table[name].keys.tolist(), grad[first:first + n]):
                 w, acc, m, v, t = ref[(name, key)]
                 if optimizer == "adagrad":
@@ -770,9 +745,7 @@ def test_grouped_pull_and_push_follow_a_dict_of_rows(optimizer, late, monkeypatc
                     m, v = 0.9 * m + 0.1 * gr, 0.999 * v + 0.001 * gr * gr
                     w = w - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + eps)
                 ref[(name, key)] = [w, acc, m, v, t]
-    if late:
-        assert sum(t.stats["lookups"] for t in collection.tables.values()) == sum(t.stats["cache_hits"] + t.stats["created"]
-                                                                                 for t in collection.tables.values())
+            first += n
     for name in names:
         keys = [k for t, k in ref if t == name]
         _, rows, absent = collection.tables[name].export(torch.tensor(keys))

@@ -17,7 +17,7 @@ device with one row width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from streamrec.embedding import kernels
 from streamrec.embedding.optimizer_kernels import OptimizerGroups
 from streamrec.embedding.table import BatchRows, EmbeddingTable, PendingInsert, finish_inserts
-from streamrec.embedding.unique import unique_concat, unique_padded
+from streamrec.embedding.unique import unique_concat
 
 
 @dataclass
@@ -38,22 +38,7 @@ class GroupedRows:
     slots: torch.Tensor  # int64: cache slot per unique key
     inverse: torch.Tensor  # int64, for every input id (tables one after another): its row in ``rows``
     id_counts: list[int]  # input ids per table
-    key_counts: list[int]  # unique keys per table (until settled, ``id_counts``: the room each table's keys have)
-    starts: list[int] = field(default_factory=list)  # each table's first row in ``rows`` and ``slots`` (packed when empty)
-    unsettled: "Unsettled | None" = None  # a find_or_insert whose counts the host has not read yet (``settle``)
-
-    def first_rows(self) -> list[int]:
-        return self.starts or [sum(self.key_counts[:g]) for g in range(len(self.key_counts))]
-
-
-@dataclass
-class Unsettled:
-    """What a late-settling find_or_insert left for ``settle``: its counts, copied to the host
-    as the device gets to them, and each table's launch."""
-
-    copied: torch.cuda.Event
-    counts: torch.Tensor  # int64 [tables, 3] in page-locked memory: created, undecided, distinct keys
-    pending: list[PendingInsert]  # each table's share, over the room of its ids
+    key_counts: list[int]  # unique keys per table
 
 
 def groupable(tables: list[EmbeddingTable], id_counts: list[int]) -> bool:
@@ -65,24 +50,16 @@ def groupable(tables: list[EmbeddingTable], id_counts: list[int]) -> bool:
         all(t.inserts_on_device(n) for t, n in zip(tables, id_counts))
 
 
-def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, torch.Tensor], now_ms: int,
-                           late: bool = False) -> GroupedRows | None:
+def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, torch.Tensor], now_ms: int) -> GroupedRows | None:
     """The training find_or_insert of every table in ``ids``: one unique over all of them (one
     host sync), one find-or-insert launch, one host sync for what it created. None where
-    ``groupable`` says no. ``late``: neither host sync; each table's keys are laid out in the
-    room of its ids (``unique_padded``) and its counts come to the host as the device gets to
-    them: the rows and slots are the device's at once, the tables' bookkeeping (and each
-    table's exact rows in ``by_table``) only after ``settle``, which ``apply_gradients_grouped``
-    calls. Why: on several ranks these syncs wait for the other ranks' ids, so every rank's
-    jitter stalls every host; read late, they rarely wait at all."""
+    ``groupable`` says no."""
     names = list(ids)
     group = [tables[n] for n in names]
     flat = [ids[n].to(group[0].device, torch.int64).reshape(-1) for n in names]
     id_counts = [len(f) for f in flat]
     if not groupable(group, id_counts):
         return None
-    if late:
-        return _find_or_insert_late(group, names, flat, id_counts, now_ms)
     keys, inverse, counts, key_counts = unique_concat(flat)
     fresh, seeds = zip(*(t.find_or_insert_prepare(n) for t, n in zip(group, key_counts)))
     counters = torch.zeros(len(group), 2, dtype=torch.int32, device=keys.device)
@@ -99,61 +76,18 @@ def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, 
     return GroupedRows(group, dict(zip(names, finished)), rows, slots, inverse, id_counts, key_counts)
 
 
-def _find_or_insert_late(group: list[EmbeddingTable], names: list[str], flat: list[torch.Tensor], id_counts: list[int],
-                         now_ms: int) -> GroupedRows:
-    """``find_or_insert_grouped(late=True)``: no host sync (see there)."""
-    keys, inverse, counts, distinct = unique_padded(flat) if sum(id_counts) else unique_concat(flat)[:3] + (None,)
-    fresh, seeds = zip(*(t.find_or_insert_prepare(n) for t, n in zip(group, id_counts)))
-    counters = torch.zeros(len(group), 2, dtype=torch.int32, device=keys.device)
-    _, _, _, init_std, state_fill = group[0].creation_settings
-    starts = [sum(id_counts[:g]) for g in range(len(group))]
-    rows, slots = kernels.find_or_insert_grouped(keys, id_counts, [t.tiers.cache for t in group], list(fresh), counters, now_ms,
-                                                 list(seeds), init_std, state_fill, distinct)
-    pending = [PendingInsert(keys[s:s + n], inverse[s:s + n] - s, counts[s:s + n], rows[s:s + n], slots[s:s + n], counters[g], now_ms)
-               for g, (s, n) in enumerate(zip(starts, id_counts))]
-    figures = torch.cat([counters.long(), (distinct if distinct is not None else torch.zeros(len(group), dtype=torch.int64,
-                                                                                               device=keys.device))[:, None]], 1)
-    host = torch.empty(figures.shape, dtype=torch.int64, pin_memory=True)
-    host.copy_(figures, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(keys.device))
-    # until settled, each table's rows are its whole room (its first keys are the real ones), current nowhere
-    by_table = {n: BatchRows(p.keys, p.inverse, p.rows, torch.ones(len(p.keys), dtype=torch.bool, device=keys.device), p.slots,
-                             -1, all_admitted=True) for n, p in zip(names, pending)}
-    return GroupedRows(group, by_table, rows, slots, inverse, id_counts, list(id_counts), starts, Unsettled(copied, host, pending))
-
-
-def settle(grouped: GroupedRows) -> None:
-    """A late find_or_insert's bookkeeping, once its counts have reached the host (waits for
-    the device to get that far): each table claims the rows it created, counts its lookups,
-    decides the keys the kernel gave up on, and hands out its exact rows (views of the
-    grouped tensors). A no-op where nothing is unsettled."""
-    late, grouped.unsettled = grouped.unsettled, None
-    if late is None:
-        return
-    late.copied.synchronize()
-    figures = late.counts.tolist()
-    for name, table, p, (created, undecided, distinct), room in zip(grouped.by_table, grouped.tables, late.pending, figures,
-                                                                     grouped.id_counts):
-        table.stats["lookups"] -= room - distinct  # prepare counted the room
-        exact = PendingInsert(p.keys[:distinct], p.inverse, p.counts[:distinct], p.rows[:distinct], p.slots[:distinct],
-                              p.counters, p.now_ms)
-        grouped.by_table[name] = table.find_or_insert_finish(exact, [created, undecided])
-    grouped.key_counts = [f[2] for f in figures]
-
-
 def apply_gradients_grouped(grouped: GroupedRows, grad: torch.Tensor) -> None:
     """The optimizer over every table's rows (grad: float32 [unique keys of all tables, dim],
     in HBM) in one launch; table by table where a find_or_insert since has moved some
     table's rows."""
-    settle(grouped)
     by_table = list(grouped.by_table.values())
     if not all(t.current(r) for t, r in zip(grouped.tables, by_table)):
-        for table, r, first, n in zip(grouped.tables, by_table, grouped.first_rows(), grouped.key_counts):
+        first = 0
+        for table, r, n in zip(grouped.tables, by_table, grouped.key_counts):
             table.apply_gradients(r, grad[first:first + n])
+            first += n
         return
-    groups = OptimizerGroups([t.tiers.cache for t in grouped.tables], grouped.key_counts, grad.shape[1], grad.device,
-                             grouped.first_rows())
+    groups = OptimizerGroups([t.tiers.cache for t in grouped.tables], grouped.key_counts, grad.shape[1], grad.device)
     grouped.tables[0].optimizer.update_grouped_(groups, grouped.slots, grad)
     for table, r in zip(grouped.tables, by_table):
         table.gradients_applied(r)

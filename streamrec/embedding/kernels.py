@@ -373,15 +373,13 @@ def _fi_block(dim: int) -> int:
 
 def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, fresh: list[torch.Tensor],
                            counters: torch.Tensor, now_ms: int, seeds: list[int], init_std: float,
-                           state_fill: float, distinct: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           state_fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``find_or_insert`` for several tiers of one row shape in one launch (table-batched):
     ``keys`` holds each tier's batch-unique keys one group after another (``counts[g]`` of
     them), ``fresh[g]`` and ``seeds[g]`` are group g's, and ``counters`` (int32[groups, 2],
     zeroed) receives each group's (created, undecided). Rows and slots come back in ``keys``'
     order. Why: five tables cost five launches through Triton's Python launcher and five
-    sets of scratch buffers a step; here one. ``distinct`` (int64 [groups], on the device):
-    the keys of each group are its first ``distinct[g]`` of ``counts[g]`` (``unique_padded``'s
-    layout), known only to the device."""
+    sets of scratch buffers a step; here one."""
     first = tiers[0]
     dim, state_dim = first.dim, first.state_dim
     n = len(keys)
@@ -398,8 +396,6 @@ def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, f
                      f.data_ptr(), tier.weights.data_ptr(), tier.state.data_ptr(), tier.last_seen.data_ptr(),
                      tier.keys.data_ptr(), tier.live.data_ptr(), tier.dirty.data_ptr()])
     groups = to_device_async(rows, keys.device)
-    if distinct is not None:  # each group's row count, as the device counted it (field 1)
-        groups[:, 1].copy_(distinct)
     # compare-and-swap targets of lanes not claiming: never EMPTY, so never written (a group's
     # tail lanes share words with the next group's first lanes, harmlessly)
     scratch = torch.zeros(n + block, dtype=torch.int64, device=keys.device)
@@ -410,14 +406,12 @@ def find_or_insert_grouped(keys: torch.Tensor, counts: list[int], tiers: list, f
     return out, slots
 
 
-def group_blocks(counts: list[int], block: int, starts: list[int] | None = None) -> tuple[list[tuple[int, int, int]], int]:
+def group_blocks(counts: list[int], block: int) -> tuple[list[tuple[int, int, int]], int]:
     """A grouped launch's layout, ``block`` rows per program: each group's (first row, rows,
     first program), a group's rows never sharing a program with another's, and the programs
-    in all. The first three fields of every grouped kernel's per-group row. ``starts``: each
-    group's first row, where the groups are not packed one after another."""
+    in all. The first three fields of every grouped kernel's per-group row."""
     layout, start, programs = [], 0, 0
-    for g, count in enumerate(counts):
-        start = starts[g] if starts is not None else start
+    for count in counts:
         layout.append((start, count, programs))
         start, programs = start + count, programs + -(-count // block)
     return layout, programs

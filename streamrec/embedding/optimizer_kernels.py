@@ -131,10 +131,10 @@ def _launch(n: int, dim: int, groups: "OptimizerGroups | None") -> tuple[tuple[i
 
 class OptimizerGroups:
     """Several tiers updated by one launch (table-batched): ``grad`` and ``slots`` hold each
-    tier's rows one group after another (``counts[g]`` of them, from ``starts[g]`` where given)."""
+    tier's rows one group after another (``counts[g]`` of them)."""
 
-    def __init__(self, tiers: list, counts: list[int], dim: int, device: torch.device, starts: list[int] | None = None) -> None:
-        layout, blocks = group_blocks(counts, _block(dim), starts)
+    def __init__(self, tiers: list, counts: list[int], dim: int, device: torch.device) -> None:
+        layout, blocks = group_blocks(counts, _block(dim))
         rows = [[*placed, tier.weights.data_ptr(), tier.state.data_ptr(), tier.dirty.data_ptr()]
                 for placed, tier in zip(layout, tiers)]
         self.count, self.blocks, self.table = len(tiers), blocks, to_device_async(rows, device)

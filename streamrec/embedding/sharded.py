@@ -25,8 +25,7 @@ its own for them. The trainer lays the ids out on the host, off its step's threa
 (``layout_on_host``, in its sample reader process), so counting them costs no device sync
 either; laid out on the device (``plan`` without ``host``) the counts cost one. Three
 collectives and two host syncs per step (the owner's find_or_insert), whatever the number
-of tables; with ``late_syncs`` the table-batched owner reads both at its update instead
-(``grouped.settle``), where the device has usually long got to them. A caller that does not agree first (``find_or_insert`` without
+of tables. A caller that does not agree first (``find_or_insert`` without
 ``plan``/``agreed``) gets the counts sent in an all_gather of their own, then to the host:
 a fourth collective.
 
@@ -70,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
@@ -308,9 +306,8 @@ class ShardedCollection:
         self.device = local.device
         self.stats = ExchangeStats()
         self.sync_timings = False  # wait for the device at each part's end: exact times, slower steps
-        self.late_syncs = False  # the owner's table-batched find_or_insert settles at the update (grouped.settle)
         self._ahead: Ahead | None = None  # the next step's exchange, begun by prefetch
-        self._plans: deque[Plan] = deque()  # the next exchanges' ids and split sizes, oldest first, from plan (and agreed)
+        self._plan: Plan | None = None  # the next exchange's ids and split sizes, from plan (and agreed)
         self._pending: ShardedRows | None = None  # the rows handed out whose gradients have not come back
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sent: torch.cuda.Event | None = None  # on CUDA: the last step's rows have gone out
@@ -358,7 +355,7 @@ class ShardedCollection:
             union, positions = self._replicated_union(plan.replicated) if plan.replicated is not None else ({}, [])
             t0 = self._lap("ids", t0)
             # one find_or_insert for the sharded tables' received ids and the replicated tables' union
-            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms, late=self.late_syncs and plan.replicated is None)
+            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms)
             if plan.replicated is not None:
                 replicated = self._replicated_rows(plan.replicated, union, positions, owned, grouped, sum(route.table_sizes))
                 owned = {n: owned[n] for n in route.names}
@@ -436,12 +433,10 @@ class ShardedCollection:
                     pending.owned[name].generation = self._ahead.owned[name].generation
         self._lap("owner_find_or_insert", t1)
 
-    def _owner_find_or_insert(self, wanted: dict[str, torch.Tensor], now_ms: int,
-                              late: bool = False) -> tuple[dict[str, BatchRows], GroupedRows | None]:
+    def _owner_find_or_insert(self, wanted: dict[str, torch.Tensor], now_ms: int) -> tuple[dict[str, BatchRows], GroupedRows | None]:
         """The owner's find_or_insert of what it received: table-batched where it can be (the
-        owner's unique counts and created rows: the step's other two host syncs on CUDA, read
-        at the update instead with ``late``: ``grouped.find_or_insert_grouped``)."""
-        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms, late) if self.local.table_batched else None
+        owner's unique counts and created rows: the step's other two host syncs on CUDA)."""
+        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
         if grouped is not None:
             return grouped.by_table, grouped
         return self.local.find_or_insert_each(wanted, now_ms), None
@@ -528,18 +523,16 @@ class ShardedCollection:
         none, only one copy of its ids to the device. The caller sends the counts in the
         agreement (``trainer.distributed.agree``), then hands every rank's list to ``agreed``:
         the exchange then goes out with known split sizes, with no collective of its own for
-        them. Collective only through that agreement. Several plans may be made and agreed
-        ahead (the trainer agrees on the next step while this one runs): each find_or_insert
-        or prefetch takes the oldest, which must be of its ``ids``."""
+        them. Collective only through that agreement; the next find_or_insert or prefetch
+        must be of these ``ids``."""
         t0 = time.perf_counter()
         if host is not None:
             routed = host.routed.to(self.device, non_blocking=True)
-            plan = Plan(host.names, host.sizes, routed[0], routed[1], host.send_counts, asked=list(host.names))
+            self._plan = Plan(host.names, host.sizes, routed[0], routed[1], host.send_counts, asked=list(host.names))
         else:
-            plan = self._layout(ids)
-        self._plans.append(plan)
+            self._plan = self._layout(ids)
         self._lap("ids", t0)
-        return plan.counts()
+        return self._plan.counts()
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The sharded tables' ids in send order (by owner, then table), the replicated
@@ -567,11 +560,10 @@ class ShardedCollection:
         return Plan(names, sizes, keys[order], order, send_counts.tolist(), asked=list(ids), replicated=replicated)
 
     def agreed(self, counts_by_rank: list[list[int]]) -> None:
-        """Every rank's ``plan`` counts, as the agreement brought them (rank by rank), for the
-        oldest plan not yet agreed: what each rank sends this one, per table, fixes the ids
-        all_to_all's receive splits, and every rank's unique ids per replicated table the
-        replicated ids' exchange."""
-        plan = next((p for p in self._plans if p.recv_counts is None), None)
+        """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what
+        each rank sends this one, per table, fixes the ids all_to_all's receive splits, and
+        every rank's unique ids per replicated table the replicated ids' exchange."""
+        plan = self._plan
         width = len(plan.names) if plan is not None else 0
         if plan is None or len(counts_by_rank) != self.world or any(len(c) != len(plan.counts()) for c in counts_by_rank):
             raise RuntimeError("agreed needs every rank's plan counts, after this rank's plan")
@@ -585,17 +577,15 @@ class ShardedCollection:
         values would cost a device sync), taken. Without one (a caller that does not agree
         on counts first) the counts go to every rank in an all_gather of their own, then to
         the host."""
-        while self._plans and self._plans[0].recv_counts is None:  # planned but never agreed: laid out again below
-            self._plans.popleft()
-        plan = self._plans.popleft() if self._plans else None
-        if plan is None:
+        plan, self._plan = self._plan, None
+        if plan is None or plan.recv_counts is None:
             plan = self._layout(ids)
             mine = torch.tensor(plan.counts(), dtype=torch.int64, device=self.device)
             every = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(every, mine, group=self.group)
-            self._plans.appendleft(plan)
+            self._plan = plan
             self.agreed(torch.stack(every).tolist())  # host sync: the split sizes
-            self._plans.popleft()
+            self._plan = None
             self.stats.counts_exchanged += 1
             self.stats.ids_bytes_out += (self.world - 1) * len(mine) * mine.element_size()
             return plan

@@ -25,35 +25,6 @@ def unique_per_group(groups: list[torch.Tensor]) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def unique_padded(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``unique_concat`` without the host sync: each group's sorted unique keys where its ids
-    begin in the concatenation (group g's at ``sum(sizes[:g])``, ``distinct[g]`` of them; the
-    rest of its span is zeros), so every size the caller needs is known on the host before
-    the device has run. Returns (keys, the inverse of every id into them, counts, distinct:
-    int64 [groups] on the device)."""
-    device = groups[0].device
-    sizes = [g.numel() for g in groups]
-    ids = torch.cat([g.reshape(-1) for g in groups])
-    n = len(ids)
-    tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
-    by_id = torch.argsort(ids, stable=True)
-    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (group, id)
-    sorted_ids, sorted_tags = ids[order], tags[order]
-    first = torch.ones(n, dtype=torch.bool, device=device)
-    first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_tags[1:] != sorted_tags[:-1])
-    rank = torch.cumsum(first, 0) - 1  # position among all the distinct (group, id) pairs
-    distinct = torch.zeros(len(groups), dtype=torch.int64, device=device).index_add_(0, sorted_tags, first.long())
-    per_group = torch.zeros(len(groups), dtype=torch.int64, device=device).index_add_(0, tags, torch.ones_like(tags))
-    # each distinct pair's place: its group's first id's place, plus its rank within the group
-    shift = (torch.cumsum(per_group, 0) - per_group) - (torch.cumsum(distinct, 0) - distinct)
-    place = rank + shift[sorted_tags]
-    keys = torch.zeros(n, dtype=torch.int64, device=device).scatter_(0, place, sorted_ids)
-    counts = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, place, torch.ones_like(place))
-    inverse = torch.empty(n, dtype=torch.int64, device=device)
-    inverse[order] = place
-    return keys, inverse, counts, distinct
-
-
 def unique_concat(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """``unique_per_group`` as one tensor each: (every group's sorted unique keys, one group
     after another; the inverse of every id into those keys; counts; the distinct count of

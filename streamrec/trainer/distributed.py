@@ -152,56 +152,25 @@ class Agreed:
 HEADER = 6  # the agreement's fields before a rank's counts
 
 
-class PendingAgreement:
-    """An agreement begun (``begin_agreement``) whose all_gather may still be in flight on the
-    control group; ``result`` waits for it. Why: begun a step early, the small gloo
-    collective runs while this rank trains, and a step waits on it only where the other
-    ranks are a whole step behind."""
-
-    def __init__(self, ranks: Ranks, mine: torch.Tensor) -> None:
-        self.ranks, self._mine = ranks, mine
-        self._parts: list[torch.Tensor] | None = None
-        self._work: Any = None
-        if ranks.distributed:
-            self._parts = [torch.empty_like(mine) for _ in range(ranks.world)]
-            try:
-                self._work = dist.all_gather(self._parts, mine, group=ranks.control, async_op=True)
-            except RuntimeError as exc:
-                raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
-        self._agreed: Agreed | None = None
-
-    def result(self) -> Agreed:
-        """Every rank's word, once all have sent it (waits for the all_gather)."""
-        if self._agreed is None:
-            if self._parts is None:
-                rows = self._mine.unsqueeze(0)
-            else:
-                try:
-                    self._work.wait()
-                except RuntimeError as exc:
-                    raise RankFailure(f"rank {self.ranks.rank}: another rank stopped answering ({exc})") from exc
-                rows = torch.stack(self._parts)
-            self._agreed = Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
-                                  Publish(int(rows[0, 4])), bool(rows[0, 5]), rows[:, HEADER:].tolist())
-        return self._agreed
-
-
-def begin_agreement(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
-                    checkpoint: bool = False, counts: Sequence[int] = ()) -> PendingAgreement:
-    """One small all_gather on the control group, begun: every rank learns the others' state
-    and rank 0's decisions, so all take the same branch (and call the same collectives).
-    ``counts`` (as many on every rank): the step's ids per (owner, table)
-    (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
-    its own for its split sizes. Every rank begins its agreements in the same order, and
-    ends them in that order (``PendingAgreement.result``)."""
-    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts], dtype=torch.int64)
-    return PendingAgreement(ranks, mine)
-
-
 def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
           checkpoint: bool = False, counts: Sequence[int] = ()) -> Agreed:
-    """``begin_agreement``, waited for."""
-    return begin_agreement(ranks, samples, ended, stop, now_ms, publish, checkpoint, counts).result()
+    """One small all_gather on the control group: every rank learns the others' state and
+    rank 0's decisions, so all take the same branch (and call the same collectives).
+    ``counts`` (as many on every rank): the step's ids per (owner, table)
+    (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
+    its own for its split sizes."""
+    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts], dtype=torch.int64)
+    if not ranks.distributed:
+        rows = mine.unsqueeze(0)
+    else:
+        parts = [torch.empty_like(mine) for _ in range(ranks.world)]
+        try:
+            dist.all_gather(parts, mine, group=ranks.control)
+        except RuntimeError as exc:
+            raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
+        rows = torch.stack(parts)
+    return Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
+                  Publish(int(rows[0, 4])), bool(rows[0, 5]), rows[:, HEADER:].tolist())
 
 
 def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:

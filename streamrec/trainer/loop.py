@@ -48,7 +48,7 @@ from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_n
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
 from streamrec.trainer.dense_graph import GraphedDense
-from streamrec.trainer.distributed import Agreed, DenseGradients, PendingAgreement, Publish, ShardedVersionWriter, begin_agreement, gather_to_all
+from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
 from streamrec.trainer.prefetch import END, Skipped
 from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
@@ -69,17 +69,6 @@ class Turn:
 
     batch: SampleBatch | None
     agreed: Agreed
-    ended: bool
-    idle_s: float
-
-
-@dataclass
-class BegunTurn:
-    """A step's turn whose agreement may still be in flight (``TrainingLoop._begin_turn``);
-    ``TrainingLoop._end_turn`` waits for it."""
-
-    batch: SampleBatch | None
-    agreement: PendingAgreement
     ended: bool
     idle_s: float
 
@@ -148,10 +137,6 @@ class TrainingLoop:
         if self.exchange is not None:
             self.exchange.sync_timings = opts.sync_timings
         self.pipelined = self.exchange is not None and tcfg.pipeline_exchange  # _look_ahead
-        self.late_syncs = ranks.distributed and tcfg.late_syncs  # _begin_ahead; the exchange's owner settles late
-        if self.exchange is not None:
-            self.exchange.late_syncs = self.late_syncs
-        self.agreed_ahead = 0  # steps whose agreement was begun during the step before
         self.sparse = SparseFeatures(collection)
         self.by_rank: list[dict[str, Any]] | None = None  # every rank's step figures, once the run has ended
         self.dense_gradients = DenseGradients(session.model, ranks.group) if ranks.distributed else None  # ranks start equal
@@ -204,13 +189,12 @@ class TrainingLoop:
     def _train(self, reader: SampleReader) -> None:
         opts, ended, ahead = self.opts, False, None
         while True:
-            turn = self._end_turn(ahead) if isinstance(ahead, BegunTurn) else ahead if ahead is not None else self._next(reader, ended)
+            turn = ahead if ahead is not None else self._next(reader, ended)
             ended, agreed, ahead = turn.ended, turn.agreed, None
             if agreed.samples:
                 self._last_data = time.monotonic()
                 ahead = self._step(turn.batch if turn.batch is not None else _empty_batch(self.session), agreed,
-                                   lambda: self._begin_ahead(reader, turn.ended, agreed),
-                                   lambda begun: self._look_ahead(reader, turn.ended, agreed, begun))
+                                   lambda: self._look_ahead(reader, turn.ended, agreed))
             if agreed.ended:
                 return
             if agreed.stop:
@@ -224,12 +208,7 @@ class TrainingLoop:
         0's word on publishing and checkpointing after it (``ended``: this rank's source is
         done). On several ranks the batch goes to the device here and its ids' counts per
         owner travel in the agreement (``ShardedCollection.plan``); a rank without samples
-        plans an empty batch. ``ahead``: during the step before, on the exchange's side
-        stream (``_look_ahead``)."""
-        return self._end_turn(self._begin_turn(reader, ended, ahead))
-
-    def _begin_turn(self, reader: SampleReader, ended: bool, ahead: bool = False) -> BegunTurn:
-        """``_next`` up to its agreement, begun and not waited for."""
+        plans an empty batch. ``ahead``: during the step before (``_look_ahead``)."""
         opts = self.opts
         t0 = time.perf_counter()
         # files never idle: wait for the batch, so a slow decode never turns into an
@@ -259,42 +238,22 @@ class TrainingLoop:
                 counts = self.exchange.plan(None if batch.plan is not None else SparseFeatures.table_ids(batch), host=batch.plan)
             self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
-        agreement = begin_agreement(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts)
-        self.times["agree"] += time.perf_counter() - t1
-        return BegunTurn(batch, agreement, ended, idle_s)
-
-    def _end_turn(self, begun: BegunTurn) -> Turn:
-        """A begun turn, once every rank's word is in (the exchange's split sizes with it)."""
-        t0 = time.perf_counter()
-        agreed = begun.agreement.result()
+        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts)
         if self.exchange is not None:
             self.exchange.agreed(agreed.counts)
-        self.times["agree"] += time.perf_counter() - t0
-        return Turn(begun.batch, agreed, begun.ended, begun.idle_s)
+        self.times["agree"] += time.perf_counter() - t1
+        return Turn(batch, agreed, ended, idle_s)
 
-    def _begin_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed) -> BegunTurn | None:
-        """At the start of a step (``agreed``), once its batch is on its way to the device: the
-        next step's turn begun (its batch taken, laid out and copied, its agreement sent),
-        with ``trainer.late_syncs`` on several ranks. Why: the agreement's small gloo
-        all_gather then runs while this step trains, and the next step waits on it only
-        where another rank is a step behind, not for its latency and every rank's jitter
-        each step. Not after a step that stops the run (the same on every rank)."""
-        if not self.late_syncs or agreed.stop or agreed.ended:
-            return None
-        self.agreed_ahead += 1
-        return self._begin_turn(reader, ended)
-
-    def _look_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed, begun: BegunTurn | None) -> Turn | BegunTurn | None:
-        """During a step (``agreed``), after its backward is queued: the next step's turn
-        (``begun`` at the step's start, or now), and its ids sent to their owners, with the
-        owners' find_or_insert where it can run ahead (``ShardedCollection.prefetch``), while
-        this step's dense work runs. Only where nothing between the two steps reads or
-        changes the tables: no publish, checkpoint or stop after this step, and no expiry at
-        its end. The same on every rank. Returns ``begun`` as it is where it does not."""
+    def _look_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed) -> Turn | None:
+        """During a step (``agreed``), after its backward is queued: the next step's turn, and
+        its ids sent to their owners, with the owners' find_or_insert where it can run ahead
+        (``ShardedCollection.prefetch``), while this step's dense work runs. Only where
+        nothing between the two steps reads or changes the tables: no publish, checkpoint or
+        stop after this step, and no expiry at its end. The same on every rank."""
         expires = bool(self.cfg.model.ttl_s) and (self.state["step"] + 1) % EXPIRE_EVERY == 0
         if not self.pipelined or agreed.publish or agreed.checkpoint or agreed.stop or agreed.ended or expires:
-            return begun
-        turn = self._end_turn(begun) if begun is not None else self._next(reader, ended, ahead=True)
+            return None
+        turn = self._next(reader, ended, ahead=True)
         if turn.agreed.samples:
             t0 = time.perf_counter()
             with self.exchange.ahead_stream():
@@ -334,11 +293,9 @@ class TrainingLoop:
         versions in the store this trainer's state does not match (a full version is due)."""
         return self.state["global_samples"] > self.state.get("published_samples", -1) or self.publisher.force_full
 
-    def _step(self, batch: SampleBatch, agreed: Agreed, begin_ahead: Callable[[], BegunTurn | None] | None = None,
-              look_ahead: Callable[[BegunTurn | None], Turn | BegunTurn | None] | None = None) -> Turn | BegunTurn | None:
-        """One step of ``batch``; returns the next step's turn where ``begin_ahead`` (called
-        once the batch is on its way to the device) or ``look_ahead`` (called once backward is
-        queued, with what ``begin_ahead`` began) began it."""
+    def _step(self, batch: SampleBatch, agreed: Agreed, look_ahead: Callable[[], Turn | None] | None = None) -> Turn | None:
+        """One step of ``batch``; returns the next step's turn where ``look_ahead`` (called
+        once backward is queued) began it."""
         sync = self.opts.sync_timings and self.device.type == "cuda"
         t0 = time.perf_counter()
         batch = batch.to(self.device, non_blocking=True)
@@ -348,12 +305,6 @@ class TrainingLoop:
         self.state["samples"] += n
         self.state["global_samples"] += agreed.samples
         self.state["trained_through_ms"] = max(self.state["trained_through_ms"], now_ms)
-        if begin_ahead is not None:
-            t_begin = time.perf_counter()
-            begun = begin_ahead()
-            t0 += time.perf_counter() - t_begin  # its phases (input, lookup, agree) count themselves
-        else:
-            begun = None
         inputs, rows = self.sparse.training_inputs(batch, now_ms)
         if sync:
             torch.cuda.synchronize()
@@ -373,7 +324,7 @@ class TrainingLoop:
         if sync:
             torch.cuda.synchronize()
         t_backward = time.perf_counter()
-        ahead = look_ahead(begun) if look_ahead is not None else begun
+        ahead = look_ahead() if look_ahead is not None else None
         t_reduce = time.perf_counter()
         if self.dense_gradients is not None:
             self.dense_gradients.all_reduce(self.ranks.world)
@@ -481,7 +432,6 @@ class TrainingLoop:
             out["exchange"] = self.exchange.stats.per_step()
         if self.dense_gradients is not None:
             out["all_reduce_bytes"] = self.dense_gradients.bytes
-            out["agreed_ahead"] = self.agreed_ahead
         return out
 
     def status(self, source: SampleReader | None = None) -> dict[str, Any]:
