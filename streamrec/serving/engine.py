@@ -207,7 +207,7 @@ class ServingEngine:
         metrics = self.metrics
         metrics.queued.observe(queued_s)
         metrics.instances.inc(rows)
-        metrics.requests.labels("ok").inc()
+        metrics.answered.inc()
         metrics.latency.observe(time.perf_counter() - started)
 
     def failure(self, exc: BaseException, started: float) -> ApiError:

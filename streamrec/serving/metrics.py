@@ -84,6 +84,7 @@ class ModelMetrics:
             setattr(self, name, getattr(node, name).labels(model))
         for reason in ("queue_full", "deadline"):
             self.shed.labels(reason)
+        self.answered = self.requests.labels("ok")  # counted per request: the child looked up once
         self.assembly = node.assembly
 
     def observe_runtime(self, stats: dict) -> None:
