@@ -250,3 +250,21 @@ def test_the_trainers_pull_is_table_batched_and_trains_like_the_per_table_pull()
     assert SparseFeatures(small).training_inputs(batch, now_ms=1)[1].grouped is None
     for store in (grouped_store, per_table_store, small):
         store.close()
+
+
+def test_model_inputs_are_assembled_without_a_host_sync():
+    """SparseFeatures._assemble (every training step and serving batch) queues its work without
+    waiting for the device: a sync there stalls the step's host thread, and on several ranks
+    it also waits for the other ranks' rows (torch's sync debug mode raises on one)."""
+    from streamrec.model.sparse import SparseFeatures
+
+    rng = np.random.default_rng(3)
+    batch = batch_from_table(_instances(500, rng), SPEC, MODEL.history_len, with_labels=False).to("cuda")
+    emb = {name: torch.randn(len(ids), 16, device="cuda") for name, ids in SparseFeatures.table_ids(batch).items()}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        inputs = SparseFeatures._assemble(batch, emb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert inputs.history.shape[0] == len(batch) and bool(inputs.history_mask.any())

@@ -75,8 +75,9 @@ class SparseFeatures:
         flat = torch.cat([item[b:], category[b:]], dim=1)
         sequences = b if batch.hist_group is None else batch.history_groups
         history = torch.zeros(sequences * length, 2 * d, device=device, dtype=flat.dtype).index_copy(0, hist_index, flat)
-        mask = torch.zeros(sequences * length, dtype=torch.bool, device=device)
-        mask[hist_index] = True
+        # index_fill_, not ``mask[hist_index] = True``: that assignment waits for the device (a
+        # host sync every step, which on several ranks also waits for the others' rows)
+        mask = torch.zeros(sequences * length, dtype=torch.bool, device=device).index_fill_(0, hist_index, True)
         history, mask = history.view(sequences, length, 2 * d), mask.view(sequences, length)
         if batch.hist_group is not None:  # rows sharing sequences: each row gets its own copy here, on the device
             group = batch.hist_group.to(device)
