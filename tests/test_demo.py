@@ -94,9 +94,13 @@ def test_short_demo_runs_the_loop_and_cleans_up(broker, tmp_path):
     for name, v in graded["variants"].items():
         # each arm is scored by the same model as the probe's like-for-like figure on the same
         # users' samples; they differ only by the start-up (the online arm answered before the
-        # frozen copy was published) and the answering versions (seconds apart)
+        # frozen copy was published) and the answering versions (seconds apart). The frozen arm's
+        # version never changes; the online arm's do, and on a loaded 2-core box its answers
+        # and the probe's fall further apart in version.
+        # Either bound still fails a grading that joins the wrong samples (AUC about 0.5).
         assert v["count"] > 1000 and v["clicks"] > 20 and v["auc"] is not None and 0 < v["auc"] < 1, (name, v)
-        assert same[name]["samples"] > 1000 and abs(v["auc"] - same[name]["auc"]) < 0.03, (name, v, same[name])
+        bound = 0.05 if name == "online" else 0.03
+        assert same[name]["samples"] > 1000 and abs(v["auc"] - same[name]["auc"]) < bound, (name, v, same[name])
     assert all(p["left"] == 0 for p in result["processes"].values()), result["processes"]
     res = result["resources"]  # each stage's CPU and memory, the Flink JVM counted with the pipeline
     assert {"pipeline", "trainer", "serving", "generator", "demo (probe)"} <= set(res), res
