@@ -11,12 +11,11 @@ doing (``status``, ``metrics``). Every request reaches it in one of two columnar
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import functools
 
 import numpy as np
 import orjson

@@ -58,9 +58,13 @@ class TimeLists:
         self.changes = Changes()
         return self.changes
 
-    def _bound_changes(self) -> None:
-        """A record that outgrows the arena's slots (no mirror copied for a long while) turns
-        into one full copy: its size stays bounded however long no batch comes."""
+    def _changed(self, slot: int) -> None:
+        """A one-slot update, recorded while a mirror follows. A record that outgrows the
+        arena's slots (no mirror copied for a long while) turns into one full copy: its size
+        stays bounded however long no batch comes."""
+        if self.changes is None:
+            return
+        self.changes.slots.append(slot)
         if len(self.changes.slots) > max(CHANGES_KEPT, len(self.start) // 4):
             self._changed_everything()
 
@@ -119,9 +123,7 @@ class TimeLists:
             self.start[slot], self.cap[slot] = at, new_cap
         self.waste -= size - n  # waste: the arena's values that are not in a list
         self.length[slot] = size
-        if self.changes is not None:
-            self.changes.slots.append(slot)
-            self._bound_changes()
+        self._changed(slot)
 
     def expire(self, slot: int, cutoff: int) -> None:
         """Forget the slot's times at or before ``cutoff``."""
@@ -136,9 +138,7 @@ class TimeLists:
         self.length[slot] = n - k
         self.cap[slot] -= k
         self.waste += k
-        if self.changes is not None:
-            self.changes.slots.append(slot)
-            self._bound_changes()
+        self._changed(slot)
 
     def expire_all(self, cutoff: int, chunk: int = 1 << 20) -> None:
         """:meth:`expire` of every slot (numpy, ``chunk`` slots at a time)."""
