@@ -38,6 +38,7 @@ from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.distributed import Ranks, agree
 from streamrec.trainer.engine import Trainer, TrainOptions
 from streamrec.trainer.sources import FileSampleSource
+from streamrec.trainer.step_channel import StepChannel
 
 TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
 
@@ -77,7 +78,8 @@ def _join(rank: int, world: int, init: str, backend: str) -> tuple[torch.device,
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    return device, Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo"))
+    control = dist.new_group(backend="gloo")
+    return device, Ranks(rank, world, dist.group.WORLD, control, steps=StepChannel.open(rank, world, control, timeout_s=60))
 
 
 def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool, on_host: bool = False) -> tuple[Any, dict]:

@@ -1,8 +1,8 @@
 """Trainer parts: features, the model's inputs, batching positions, publishing, round trips."""
 
-from collections import Counter
-
+import gc
 import json
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +19,7 @@ from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.engine import Trainer, TrainingError, TrainOptions, train
+from streamrec.trainer.loop import WARM_UP_STEPS
 from streamrec.model.batch import TABLES, batch_from_table
 from streamrec.model.inference import InferenceModel
 from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
@@ -198,6 +199,23 @@ def test_a_run_that_fails_on_bad_input_releases_the_trainer(tmp_path, sample_run
     assert not list((tmp_path / "work" / "ctr").glob("tiers-*"))
     summary = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=2000, progress=False)).run()
     assert summary["samples_this_run"] >= 2000
+
+
+def test_steady_throughput_counts_from_the_warm_up_and_the_heap_is_frozen_only_during_the_run(tmp_path, sample_run):
+    """The summary's steady throughput is the samples trained after the warm-up steps over
+    the time they took; the run freezes the heap (full collections skip what it holds) and
+    thaws it when it ends, for the process that goes on."""
+    batch = 64
+    trainer = Trainer(_cfg(tmp_path, **{"trainer.batch_size": batch}),
+                      TrainOptions(files=[str(sample_run)], max_samples=batch * (WARM_UP_STEPS + 40), progress=False))
+    summary = trainer.run()
+    loop = trainer.loop
+    assert summary["step"] >= WARM_UP_STEPS + 40
+    (warmed_at, warmed_samples), (ended_at, samples) = loop.warmed, loop.last_step
+    assert warmed_samples == batch * WARM_UP_STEPS and samples == summary["samples"]
+    assert summary["steady_samples_per_s"] == pytest.approx((samples - warmed_samples) / (ended_at - warmed_at))
+    assert summary["gc"]["frozen_objects"] > 10_000  # torch's modules at least
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("dense_lr, sparse_lr, cause", [

@@ -41,7 +41,7 @@ from streamrec.serving.guard import HttpLimits, throttle_logs
 from streamrec.serving.by_ids import ByIdsQuery, answer_json, fan_out_json
 from streamrec.serving.ipc import TO_FRONTEND, Outbox, frame, pack_columns, read_frame
 from streamrec.serving.messages import PROTOCOL, Call, Failed, Hello, PredictByIds, PredictColumns, Requests, Welcome
-from streamrec.serving.pauses import freeze_heap
+from streamrec.plumbing.gc_pauses import freeze_heap
 from streamrec.serving.quotas import OverQuota
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.routing import RequestRouter

@@ -33,7 +33,7 @@ from streamrec.serving.ipc import Outbox, failed, payload_of
 from streamrec.serving.messages import PROTOCOL, Call, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
 from streamrec.serving.metrics import ServingMetrics
 from streamrec.serving.online_features import OnlineFeatures
-from streamrec.serving.pauses import GcPauses
+from streamrec.plumbing.gc_pauses import GcPauses
 from streamrec.serving.request import InstanceDecoder
 from streamrec.serving.routing import MODELS, RequestRouter
 from streamrec.plumbing.config import ServingConfig

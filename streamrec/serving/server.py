@@ -26,7 +26,7 @@ from streamrec.serving.node import ServingNode
 from streamrec.serving.online_features import OnlineFeatures
 from streamrec.serving.frontend import FrontendPlan
 from streamrec.serving.guard import HttpLimits, throttle_logs
-from streamrec.serving.pauses import GcPauses, freeze_heap
+from streamrec.plumbing.gc_pauses import GcPauses, freeze_heap
 from streamrec.serving.runner import RuntimeConfig
 from streamrec.serving.shortcut import PredictShortcut
 from streamrec.serving.state import ServedModel
@@ -68,7 +68,7 @@ def serve(cfg: Config) -> None:
         if model.version is None:
             log.warning("no version of %s under %s yet: /readyz answers 503 until one is published", model.model_store.model,
                         stores[model.model_store.model])
-    freeze_heap()  # the loaded models' objects: full collections no longer walk them (serving/pauses.py)
+    freeze_heap()  # the loaded models' objects: full collections no longer walk them (plumbing/gc_pauses.py)
     watchers = [VersionWatcher(model, s.poll_interval_s, UpdateListener(cfg.kafka.bootstrap_servers, cfg.topics.model_updates,
                                                                         model.model_store.model) if s.follow_updates else None).start()
                 for model in served]

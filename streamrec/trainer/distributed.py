@@ -7,12 +7,15 @@ across nodes). Three process groups:
 
 - ``group`` (NCCL on GPUs, gloo on CPU): the embedding exchange (embedding/sharded.py) and the
   dense gradients' all-reduce (:class:`DenseGradients`);
-- ``control`` (gloo): the per-step agreement, on the training thread;
+- ``control`` (gloo): the training thread's collectives of Python objects (the run's
+  figures, checkpoint agreement);
 - ``publish`` (gloo): the version writer threads (a group per thread, so their
   collectives never interleave with the training thread's).
 
-Every collective has the ``[trainer] collective_timeout_s`` timeout, so a rank that dies
-or hangs makes the others fail with an error instead of waiting forever.
+The per-step agreement goes over a channel of its own (``steps``: trainer/step_channel.py,
+one TCP connection per pair of ranks), cheaper than a gloo collective. Every collective
+and the channel have the ``[trainer] collective_timeout_s`` timeout, so a rank that dies or
+hangs makes the others fail with an error instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.sharded import REPLICATED
 from streamrec.modelstore.lease import LeaseLost
 from streamrec.trainer.publisher import PoisonedModel
+from streamrec.trainer.step_channel import PeerLost, StepChannel
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher starts
@@ -81,6 +85,7 @@ class Ranks:
     group: Any = None
     control: Any = None
     publish: Any = None
+    steps: StepChannel | None = None
 
     @property
     def distributed(self) -> bool:
@@ -88,6 +93,8 @@ class Ranks:
         return self.group is not None
 
     def close(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -110,8 +117,9 @@ def join(device: torch.device, timeout_s: float) -> Ranks:
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timeout, **kwargs)
     rank = dist.get_rank()
-    ranks = Ranks(rank, world, dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout),
-                  dist.new_group(backend="gloo", timeout=timeout))
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    ranks = Ranks(rank, world, dist.group.WORLD, control, dist.new_group(backend="gloo", timeout=timeout),
+                  StepChannel.open(rank, world, control, timeout_s))
     log.info("rank %d of %d (%s, collective timeout %.0f s)", rank, world, backend, timeout_s)
     return ranks
 
@@ -154,23 +162,21 @@ HEADER = 6  # the agreement's fields before a rank's counts
 
 def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
           checkpoint: bool = False, counts: Sequence[int] = ()) -> Agreed:
-    """One small all_gather on the control group: every rank learns the others' state and
-    rank 0's decisions, so all take the same branch (and call the same collectives).
+    """One small all_gather over the ranks' step channel: every rank learns the others' state
+    and rank 0's decisions, so all take the same branch (and call the same collectives).
     ``counts`` (as many on every rank): the step's ids per (owner, table)
     (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
     its own for its split sizes."""
-    mine = torch.tensor([samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts], dtype=torch.int64)
+    mine = [samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts]
     if not ranks.distributed:
-        rows = mine.unsqueeze(0)
+        rows = [mine]
     else:
-        parts = [torch.empty_like(mine) for _ in range(ranks.world)]
         try:
-            dist.all_gather(parts, mine, group=ranks.control)
-        except RuntimeError as exc:
+            rows = ranks.steps.all_gather(mine)
+        except PeerLost as exc:
             raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
-        rows = torch.stack(parts)
-    return Agreed(int(rows[:, 0].sum()), bool(rows[:, 1].all()), bool(rows[:, 2].any()), int(rows[:, 3].max()),
-                  Publish(int(rows[0, 4])), bool(rows[0, 5]), rows[:, HEADER:].tolist())
+    return Agreed(sum(r[0] for r in rows), all(r[1] for r in rows), any(r[2] for r in rows), max(r[3] for r in rows),
+                  Publish(rows[0][4]), bool(rows[0][5]), [r[HEADER:] for r in rows])
 
 
 def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:

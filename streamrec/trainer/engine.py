@@ -97,6 +97,7 @@ class Trainer:
             "elapsed_s": elapsed_s,
             "samples_this_run": trained,
             "samples_per_s": trained / max(elapsed_s, 1e-9),
+            "steady_samples_per_s": loop.steady_samples_per_s(),
             "device": str(self.session.device),
             "ms_per_step": {p: 1000 * t / steps for p, t in loop.times.items()},
             "published": [asdict(r) for r in loop.publisher.records],
@@ -104,6 +105,7 @@ class Trainer:
             "publish_stall_ms_per_million_rows": loop.publisher.stall_ms_per_million_rows(),
             "frozen_version": state.get("frozen_version"),
             "table_rows": {name: len(t) for name, t in self.session.embeddings.tables.items()},
+            "gc": loop.gc_pauses.as_json(),
         })
         if ranks.distributed:
             shares = gather_to_all(ranks, {"samples": state["samples"], "table_rows": out["table_rows"],

@@ -47,6 +47,7 @@ from streamrec.embedding.sharded import ShardedCollection
 from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_names
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
+from streamrec.plumbing.gc_pauses import GcPauses, freeze_heap, thaw_heap
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
@@ -60,6 +61,10 @@ log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "agree", "lookup", "forward_backward", "all_reduce", "update", "evaluate", "publish")
 DRAIN_EVERY = 16  # steps between host syncs of losses and scores
 EXPIRE_EVERY = 100  # steps between expiries of unseen rows (model.ttl_s)
+# the first steps of a run pay one-time costs (kernel compilation, the collectives' first
+# connections, the tables' first growth, the first full version): the steady throughput
+# (``steady_samples_per_s``) counts from the end of this step of the run on
+WARM_UP_STEPS = 200
 
 
 @dataclass
@@ -129,6 +134,9 @@ class TrainingLoop:
         self.model, self.optimizer, self.embeddings = session.model, session.optimizer, session.embeddings
         self.rejected = session.rejected
         self.times = {p: 0.0 for p in PHASES}  # seconds spent in each phase of the step
+        self.gc_pauses = GcPauses()
+        self.warmed: tuple[float, int] | None = None  # (time, samples of all ranks) when the warm-up steps ended
+        self.last_step: tuple[float, int] | None = None  # the same when the last step ended
         self.started = time.monotonic()  # these four are set again when run starts
         self.samples_at_start, self.steps_at_start, self.rank_samples_at_start = self._counts()
         self._pending: list[PendingStep] = []  # steps whose loss and scores are not yet on the host
@@ -175,6 +183,10 @@ class TrainingLoop:
                                   self.ranks.world if laid_out else None)
         reader = SampleReader(_source_spec(self.session), self.feature_spec, settings, self.device,
                               len(dense_feature_names(self.feature_spec))).start()
+        # what the run holds from here on (modules, tables, the reader) is never garbage: full
+        # collections skip it, so no rank pauses a step for one that the others then wait for
+        freeze_heap()
+        self.gc_pauses.install()
         self.started = time.monotonic()
         self._last_data = time.monotonic()
         self._last_checkpoint = time.monotonic()
@@ -185,6 +197,8 @@ class TrainingLoop:
             self._finish(reader)
         finally:
             reader.stop()
+            self.gc_pauses.uninstall()
+            thaw_heap()
 
     def _train(self, reader: SampleReader) -> None:
         opts, ended, ahead = self.opts, False, None
@@ -350,6 +364,9 @@ class TrainingLoop:
         self.times["update"] += t3 - t2
         self.times["evaluate"] += t4 - t3
         self.state["step"] += 1
+        self.last_step = (time.monotonic(), self.state["global_samples"])
+        if self.state["step"] - self.steps_at_start == WARM_UP_STEPS:
+            self.warmed = self.last_step
         self._advance(batch.positions, batch.rejected)
         self.prom.samples.inc(n)
         if self.cfg.model.ttl_s and self.state["step"] % EXPIRE_EVERY == 0:
@@ -421,13 +438,21 @@ class TrainingLoop:
         return path
 
     # ------------------------------------------------------------------ reporting
+    def steady_samples_per_s(self) -> float | None:
+        """Samples of all ranks per second from the end of the warm-up steps to the end of the
+        last step (None: the run had no more than WARM_UP_STEPS steps)."""
+        if self.warmed is None or self.last_step is None or self.last_step[0] <= self.warmed[0]:
+            return None
+        return (self.last_step[1] - self.warmed[1]) / (self.last_step[0] - self.warmed[0])
+
     def step_figures(self) -> dict[str, Any]:
         """This rank's average step of this run: ms per phase, and on several ranks what its
         exchange sent and received and the dense all_reduce's payload (host-side counts)."""
         steps = self.state["step"] - self.steps_at_start
         out: dict[str, Any] = {"rank": self.ranks.rank, "steps": steps, "samples": self.state["samples"] - self.rank_samples_at_start,
                                "sync_timings": self.opts.sync_timings,
-                               "ms_per_step": {p: 1000 * t / max(1, steps) for p, t in self.times.items()}}
+                               "ms_per_step": {p: 1000 * t / max(1, steps) for p, t in self.times.items()},
+                               "gc": self.gc_pauses.as_json()}
         if self.exchange is not None:
             out["exchange"] = self.exchange.stats.per_step()
         if self.dense_gradients is not None:

@@ -1,0 +1,75 @@
+"""The ranks' step channel (trainer/step_channel.py): every rank's row on every rank, in rank
+order, round after round; a rank that is gone or silent makes the others fail with a clear
+error instead of waiting forever. Ranks are threads joined by socket pairs here; the
+trainer's ranks use the channel through ``join`` (tests/test_distributed.py, real processes)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from streamrec.trainer.step_channel import PeerLost, StepChannel
+
+
+def _channels(world: int, timeout_s: float = 10.0) -> list[StepChannel]:
+    peers: list[dict[int, socket.socket]] = [{} for _ in range(world)]
+    for a in range(world):
+        for b in range(a + 1, world):
+            sa, sb = socket.socketpair()
+            for s in (sa, sb):
+                s.settimeout(timeout_s)
+            peers[a][b], peers[b][a] = sa, sb
+    return [StepChannel(r, world, peers[r]) for r in range(world)]
+
+
+def _on_every_rank(channels: list[StepChannel], work) -> list:
+    results: list = [None] * len(channels)
+
+    def run(r: int) -> None:
+        try:
+            results[r] = work(r, channels[r])
+        except BaseException as exc:  # handed to the test
+            results[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(channels))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results
+
+
+def test_every_rank_gets_every_row_in_rank_order_round_after_round():
+    channels = _channels(3)
+
+    def rounds(r: int, channel: StepChannel) -> list:
+        return [channel.all_gather([r, step, -(2**62) + r, 2**62 - step]) for step in range(200)]
+
+    results = _on_every_rank(channels, rounds)
+    expected = [[[r, step, -(2**62) + r, 2**62 - step] for r in range(3)] for step in range(200)]
+    assert results == [expected] * 3
+
+
+def test_a_rank_that_is_gone_fails_the_others_at_once():
+    channels = _channels(2, timeout_s=30)
+    channels[1].close()
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match="rank 1"):
+        channels[0].all_gather([1, 2])
+    assert time.monotonic() - started < 5  # not the 30 s timeout
+
+
+def test_a_silent_rank_fails_the_others_after_the_timeout():
+    channels = _channels(2, timeout_s=0.5)
+    with pytest.raises(PeerLost, match="rank 1 did not answer within"):
+        channels[0].all_gather([1, 2])
+
+
+def test_rows_of_different_lengths_are_refused():
+    channels = _channels(2, timeout_s=1.0)  # the rank that reads the shorter row waits for the rest of it
+    results = _on_every_rank(channels, lambda r, c: c.all_gather([7] * (2 + r)))
+    assert isinstance(results[0], (ValueError, PeerLost)) and isinstance(results[1], (ValueError, PeerLost))
+    assert any(isinstance(x, ValueError) and "do not run the same step" in str(x) for x in results)
