@@ -33,7 +33,11 @@ in the JSON). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with set
 their own (e.g. a trainer option off), in turn with the others, for an A/B in one run. A short warm-up
 run first fills the on-disk kernel caches, so no measured run compiles more than another;
 every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
-by the trainer itself (from its first step), so the launcher's start is not counted. CPU ranks get
+by the trainer itself (from its first step), so the launcher's start is not counted; the
+steady figure (``steady_samples_per_s``) counts from the end of the trainer's warm-up steps
+(trainer/loop.py ``WARM_UP_STEPS``: kernel compilation, the collectives' first connections,
+the tables' first growth, the first full version), the same for every configuration, and
+is what a trainer that runs for hours sustains (``--steps`` must exceed the warm-up). CPU ranks get
 ``cores // N`` threads each, the lone process all cores' worth of them as 1 rank would.
 Per rank of each run (the trainer's summary, ``step_by_rank``): ms per phase of the step
 (input, agree, lookup, forward_backward, all_reduce, update, evaluate, publish) and of the
@@ -324,6 +328,7 @@ def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, 
     return {"ranks": nproc, "launcher": launcher, "variant": variant.label if variant else None, "env": variant.env if variant else {},
             "samples": summary["samples_this_run"], "elapsed_s": summary["elapsed_s"],
             "samples_per_s": summary["samples_per_s"], "samples_per_s_per_rank": summary["samples_per_s"] / nproc,
+            "steady_samples_per_s": summary["steady_samples_per_s"],
             "ms_per_step": summary["ms_per_step"], "auc_online": summary.get("auc_online"), "by_rank": by_rank,
             "ids_received_imbalance": imbalance(by_rank)}
 
@@ -382,10 +387,13 @@ def scaling(args: argparse.Namespace) -> None:
                       flush=True)
                 run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), variant=variant)
                 tries[(nproc, launcher, variant)].append(run)
-                print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank", flush=True)
+                steady = run["steady_samples_per_s"]
+                print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank; "
+                      f"steady {f'{steady:,.0f}' if steady else 'n/a (no more steps than the warm-up)'}", flush=True)
         for nproc, launcher, variant in runs:
             run = max(tries[(nproc, launcher, variant)], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
             run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[(nproc, launcher, variant)]]
+            run["steady_samples_per_s_every_rep"] = [r["steady_samples_per_s"] for r in tries[(nproc, launcher, variant)]]
             result["runs"].append(run)
             if args.split:
                 print(f"{nproc} rank(s){' under the launcher' if launcher else ''}{f' [{variant.label}]' if variant else ''}, again "
@@ -398,13 +406,16 @@ def scaling(args: argparse.Namespace) -> None:
                   f"{' (device drained between phases)' if 'split' in run else ''}, "
                   "exchange KiB sent to other ranks per step, ids received per step:", flush=True)
             print(rank_table(shown), flush=True)
-    lone = result["runs"][0]["samples_per_s"]
+    lone, lone_steady = result["runs"][0]["samples_per_s"], result["runs"][0]["steady_samples_per_s"]
     for run in result["runs"]:
         run["speedup_over_lone"] = run["samples_per_s"] / lone
         run["scaling_efficiency"] = run["samples_per_s"] / (run["ranks"] * lone)
+        steady = run["steady_samples_per_s"]
+        run["steady_speedup_over_lone"] = steady / lone_steady if steady and lone_steady else None
     names = [f"{r['ranks']}{'L' if r['launcher'] else ''}" + (f" [{r['variant']}]" if r["variant"] else "") for r in result["runs"]]
-    print("speed-up over the lone process: " + ", ".join(f"{name}: {r['speedup_over_lone']:.2f}x" for name, r in zip(names, result["runs"])),
-          flush=True)
+    print("speed-up over the lone process, whole run (steady): " + ", ".join(
+        f"{name}: {r['speedup_over_lone']:.2f}x ({f'{x:.2f}x' if (x := r['steady_speedup_over_lone']) else 'n/a'})"
+        for name, r in zip(names, result["runs"])), flush=True)
     write_result(args.out, f"trainer-scaling-{torch.device(device).type}", result)
 
 

@@ -94,8 +94,13 @@ def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
     """The rank that owns each key (int64 keys: a tensor, or a numpy array alike). A different
     mix than the hash index's (which takes the top bits of ``key * 0x9E37...``), so one shard's
     keys do not crowd one part of its index."""
-    mixed = (keys ^ (keys >> 31)) * _MIX
-    return ((mixed >> 32) & 0x7FFFFFFF) % world
+    mixed = keys >> 31  # then in place: one buffer, not one per operation
+    mixed ^= keys
+    mixed *= _MIX
+    mixed >>= 32
+    mixed &= 0x7FFFFFFF
+    mixed %= world
+    return mixed
 
 
 SHARDED, REPLICATED = "sharded", "replicated"
@@ -264,25 +269,22 @@ class ExchangeStats:
 def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False) -> HostPlan:
     """``ShardedCollection.plan``'s layout of ``ids`` (table -> int64 [n] in host memory) over
     ``world`` ranks, made on the host by any thread or process (the trainer's sample reader):
-    each table's owners hashed and its ids put in owner order by a radix sort of one byte, then
-    the ids in send order (by owner, then table) with their counts; ``pin``: the ids and their
+    every id's (owner, table) as one small code, the ids put in code order by one stable sort
+    (a radix sort where the code fits a byte), then counted; ``pin``: the ids and their
     positions in page-locked memory, for one asynchronous copy to the device."""
     names = list(ids)
     flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
-    counts = np.zeros((world, len(names)), np.int64)
-    by_owner: list[list[np.ndarray]] = [[] for _ in range(world)]
-    start = 0
-    for t, keys in enumerate(flat):
-        owners = owner_of(keys, world).astype(np.uint8 if world <= 256 else np.int32)
-        order = np.argsort(owners, kind="stable")
-        counts[:, t] = np.bincount(owners, minlength=world)
-        for r, part in enumerate(np.split(order, np.cumsum(counts[:-1, t]))):
-            by_owner[r].append(part + start)
-        start += len(keys)
-    order = np.concatenate([part for parts in by_owner for part in parts]) if start else np.empty(0, np.int64)
+    sizes = [len(f) for f in flat]
+    groups = world * len(names)
     keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
-    routed = torch.from_numpy(np.stack([keys[order], order]))
-    return HostPlan(names, [len(f) for f in flat], routed.pin_memory() if pin else routed, counts.reshape(-1).tolist())
+    code = owner_of(keys, world) * len(names) + np.repeat(np.arange(len(names)), sizes)
+    code = code.astype(np.uint8 if groups <= 256 else np.int32)
+    routed = torch.empty((2, len(keys)), dtype=torch.int64, pin_memory=pin)
+    order = routed[1].numpy()
+    order[:] = np.argsort(code, kind="stable")
+    np.take(keys, order, out=routed[0].numpy())
+    counts = np.bincount(code, minlength=groups)
+    return HostPlan(names, sizes, routed, counts.tolist())
 
 
 class ShardedCollection:

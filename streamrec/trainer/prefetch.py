@@ -1,8 +1,11 @@
 """Decoding and batching on a thread (the trainer runs it inside its sample reader process,
 trainer/reader.py).
 
-A background thread reads chunks from the source, cuts them into batches of
-``batch_size`` samples, converts them to tensors and keeps up to ``depth`` batches queued.
+A background thread cuts the source's chunks into batches of ``batch_size`` samples,
+converts them to tensors and keeps up to ``depth`` batches queued. Another reads the
+chunks (decoded, checked) up to ``CHUNKS_AHEAD`` ahead of it: decoding runs mostly in
+pyarrow without the GIL, so it overlaps the batching's Python and numpy work instead of
+adding to it.
 A partial batch whose oldest sample has waited ``max_delay_s`` is released (checked at
 every chunk the source yields, an empty one included): an online learner should not sit on
 fresh samples waiting for a full batch. ``max_delay_s=None`` (sample files) never releases a
@@ -20,17 +23,18 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.trainer.sources import Rejection, SampleSource
+from streamrec.trainer.sources import Rejection, SampleChunk, SampleSource
 
 END = "end"  # the source is exhausted
 IDLE = "idle"  # nothing to train on right now
+CHUNKS_AHEAD = 2  # chunks read ahead of the batching
 
 
 @dataclass
@@ -57,8 +61,11 @@ class Prefetcher:
         self.decode_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-prefetch", daemon=True)
+        self._chunks: queue.Queue = queue.Queue(maxsize=CHUNKS_AHEAD)
+        self._reader = threading.Thread(target=self._read_chunks, name="trainer-chunks", daemon=True)
 
     def start(self) -> "Prefetcher":
+        self._reader.start()
         self._thread.start()
         return self
 
@@ -81,22 +88,48 @@ class Prefetcher:
             return None
 
     def stop(self) -> None:
+        """Stop both threads (the source is not touched after this returns: it may be closed)."""
         self._stop.set()
-        while self._thread.is_alive():
+        while self._thread.is_alive() or self._reader.is_alive():
             try:
                 self.queue.get_nowait()  # unblock a put
             except queue.Empty:
                 pass
-            self._thread.join(timeout=0.1)
+            self._thread.join(timeout=0.05)
+            self._reader.join(timeout=0.05)
 
-    def _put(self, item) -> bool:
+    def _put(self, item, into: queue.Queue | None = None) -> bool:
+        into = self.queue if into is None else into
         while not self._stop.is_set():
             try:
-                self.queue.put(item, timeout=0.1)
+                into.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def _read_chunks(self) -> None:
+        """The source's chunks, then END (or the source's failure), into ``_chunks``."""
+        try:
+            for chunk in self.source.chunks():
+                if not self._put(chunk, self._chunks):
+                    return
+            self._put(END, self._chunks)
+        except BaseException as exc:  # the batching thread hands it on
+            self._put(exc, self._chunks)
+
+    def _chunks_read(self) -> Iterator[SampleChunk]:
+        """What ``_read_chunks`` read, in order; raises its failure."""
+        while not self._stop.is_set():
+            try:
+                item = self._chunks.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def _run(self) -> None:
         tables: list[pa.Table] = []
@@ -107,7 +140,7 @@ class Prefetcher:
         rejects: list[Rejection] = []  # not yet handed to the trainer
         oldest = None
         try:
-            for chunk in self.source.chunks():
+            for chunk in self._chunks_read():
                 if self._stop.is_set():
                     return
                 t0 = time.perf_counter()
