@@ -222,7 +222,6 @@ class TrainerConfig:
     metrics_host: str
     progress_interval_s: float
     collective_timeout_s: float
-    pin_cpus: bool
     pipeline_exchange: bool
     lease_s: float
     max_publish_failures: int

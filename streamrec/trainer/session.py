@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import os
 import re
 import shutil
 import signal
@@ -34,7 +33,6 @@ from streamrec.modelstore.lease import LeaseHeld, WriterLease
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import Config
 from streamrec.trainer.checkpoint import Checkpointer
-from streamrec.trainer.cpu_share import keep_to_share
 from streamrec.trainer.distributed import gather_to_all, join, rank_device
 from streamrec.trainer.publisher import ChainPosition
 from streamrec.trainer.sources import sample_files
@@ -90,8 +88,6 @@ class TrainingSession:
             sample_files(opts.files)  # fail fast on a wrong path
         self.home = Path(tcfg.work_dir) / mcfg.name
         self.home.mkdir(parents=True, exist_ok=True)
-        if tcfg.pin_cpus and "WORLD_SIZE" in os.environ:
-            keep_to_share()
         self.ranks = join(self.device, tcfg.collective_timeout_s)
         if self.ranks.rank:  # rank 0 reports versions for all
             logging.getLogger("streamrec.trainer.publisher").setLevel(logging.WARNING)
