@@ -1,0 +1,123 @@
+"""The trainer's sample reader at full rate: how fast it hands over batches, for one rank's
+share of a sample file and for a share of several ranks (every N-th stripe, each batch's
+ids laid out for the exchange), against the same work done in the training thread.
+
+Ours: ``trainer.reader.SampleReader``, the process the trainer reads through (the chunks
+read and checked by one thread, batched and laid out by another, handed over in shared
+slots); the consumer takes each batch as soon as it comes (and, with ``--device cuda``,
+queues its copy to the GPU, as a step does). Baseline, same run: the same stages (decode,
+the rank's stripes, checks, ``batch_from_table``, the layout) one after another in the
+consumer's own thread, as a trainer without a reader process would run them. Both loop
+over the file; the first ``--warmup`` batches are left out.
+
+What a rank's reader must keep up with: its step (bench/RESULTS.md, "Trainer scaling"). A
+reader slower than the step makes that rank wait, and every other rank with it.
+
+Usage: python bench/bench_reader.py [--samples RUN_DIR|samples.parquet] [--ranks 1 2] [--batches 300] [--device cpu]
+Writes bench/out/reader-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from output import write_result  # noqa: E402
+
+from streamrec.embedding.sharded import layout_on_host  # noqa: E402
+from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_names  # noqa: E402
+from streamrec.model.sparse import SparseFeatures  # noqa: E402
+from streamrec.plumbing.config import load_config  # noqa: E402
+from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec  # noqa: E402
+from streamrec.trainer.sources import FileSampleSource, sample_files  # noqa: E402
+
+
+def ours(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int, device: torch.device) -> dict:
+    """The reader process at full rate: ms per batch, and how long each take waited."""
+    settings = ReaderSettings(batch, spec.history_len, 4, None, ranks if ranks > 1 else None)
+    reader = SampleReader(SourceSpec(files=files, loop=True, shard=(0, ranks)), spec, settings, device,
+                          len(dense_feature_names(spec))).start()
+    waits, taken, started = [], 0, 0.0
+    try:
+        while taken < warmup + batches:
+            t0 = time.perf_counter()
+            item = reader.get(timeout=None)
+            if not isinstance(item, SampleBatch):
+                continue
+            waits.append(time.perf_counter() - t0)
+            item.to(device, non_blocking=True)
+            taken += 1
+            if taken == warmup:
+                started = time.perf_counter()
+        elapsed = time.perf_counter() - started
+    finally:
+        reader.stop()
+    waits = sorted(waits[warmup:])
+    return {"ms_per_batch": 1e3 * elapsed / batches, "take_ms_p50": 1e3 * statistics.median(waits),
+            "take_ms_p90": 1e3 * waits[int(0.9 * len(waits))]}
+
+
+def in_thread(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int) -> dict:
+    """The same stages in this thread, one after another."""
+    chunks = FileSampleSource(files, spec, None, loop=True, shard=(0, ranks)).chunks()
+    buffered: list[pa.Table] = []
+    rows = made = 0
+    started = 0.0
+    while made < warmup + batches:
+        chunk = next(chunks)
+        buffered.append(chunk.table)
+        rows += chunk.table.num_rows
+        while rows >= batch and made < warmup + batches:
+            table = pa.concat_tables(buffered)
+            sample_batch = batch_from_table(table.slice(0, batch), spec, spec.history_len)
+            if ranks > 1:
+                layout_on_host(SparseFeatures.table_ids(sample_batch), ranks)
+            buffered, rows, made = [table.slice(batch)], rows - batch, made + 1
+            if made == warmup:
+                started = time.perf_counter()
+    return {"ms_per_batch": 1e3 * (time.perf_counter() - started) / batches}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", help="a `pipeline offline` run dir or sample file (default: 60 s of generated traffic)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="the share of rank 0 of this many ranks")
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default="bench/out")
+    args = parser.parse_args()
+    spec = load_config().features
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.samples is None:
+            from bench_trainer import make_samples
+
+            args.samples = make_samples(Path(tmp) / "run")
+        files = [str(f) for f in sample_files([args.samples])]
+        result = {"bench": "reader", "batch": args.batch, "batches": args.batches, "warmup": args.warmup, "device": str(device),
+                  "samples": args.samples, "shares": []}
+        for ranks in args.ranks:
+            print(f"rank 0 of {ranks}: the reader process, then the same work in this thread ...", flush=True)
+            share = {"ranks": ranks, "ours": ours(files, spec, ranks, args.batch, args.batches, args.warmup, device),
+                     "in_thread": in_thread(files, spec, ranks, args.batch, args.batches, args.warmup)}
+            share["speedup"] = share["in_thread"]["ms_per_batch"] / share["ours"]["ms_per_batch"]
+            result["shares"].append(share)
+            o = share["ours"]
+            print(f"  reader process {o['ms_per_batch']:.2f} ms/batch (a take waits p50 {o['take_ms_p50']:.2f}, "
+                  f"p90 {o['take_ms_p90']:.2f} ms); in the thread {share['in_thread']['ms_per_batch']:.2f} ms/batch: "
+                  f"{share['speedup']:.2f}x", flush=True)
+    write_result(args.out, "reader", result)
+
+
+if __name__ == "__main__":
+    main()
