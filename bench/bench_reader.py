@@ -1,19 +1,24 @@
-"""The trainer's sample reader at full rate: how fast it hands over batches, for one rank's
-share of a sample file and for a share of several ranks (every N-th stripe, each batch's
-ids laid out for the exchange), against the same work done in the training thread.
+"""The trainer's sample reader: what a batch costs the training thread, and how fast the
+reader hands batches over, for one rank's share of a sample file and for a share of several
+ranks (every N-th stripe, each batch's ids laid out for the exchange), against the same
+work done in the training thread.
 
 Ours: ``trainer.reader.SampleReader``, the process the trainer reads through (the chunks
 read and checked by one thread, batched and laid out by another, handed over in shared
-slots); the consumer takes each batch as soon as it comes (and, with ``--device cuda``,
-queues its copy to the GPU, as a step does). Baseline, same run: the same stages (decode,
-the rank's stripes, checks, ``batch_from_table``, the layout) one after another in the
-consumer's own thread, as a trainer without a reader process would run them. Both loop
-over the file; the first ``--warmup`` batches are left out.
+slots). The consumer takes a batch (and, with ``--device cuda``, queues its copy to the GPU,
+as a step does), then keeps its core busy for ``--step-ms`` as a training step would, then
+takes the next: the take's time is what a batch costs the training thread at that step
+time (waiting included, where the reader falls behind). ``--step-ms 0`` measures the
+reader's full rate instead. Baseline, same run: the same stages (decode, the rank's
+stripes, checks, ``batch_from_table``, the layout) one after another in the consumer's own
+thread, as a trainer without a reader process runs them: all of it is the training
+thread's. Both loop over the file; the first ``--warmup`` batches are left out.
 
-What a rank's reader must keep up with: its step (bench/RESULTS.md, "Trainer scaling"). A
-reader slower than the step makes that rank wait, and every other rank with it.
+A reader slower than a rank's step makes that rank wait, and every other rank with it
+(bench/RESULTS.md, "Trainer scaling"). The reader process needs cores beside the training
+thread's: on a box with two, the two compete.
 
-Usage: python bench/bench_reader.py [--samples RUN_DIR|samples.parquet] [--ranks 1 2] [--batches 300] [--device cpu]
+Usage: python bench/bench_reader.py [--samples RUN_DIR|samples.parquet] [--ranks 1 2] [--step-ms 0 8] [--batches 300] [--device cpu]
 Writes bench/out/reader-<time>.json.
 """
 
@@ -40,8 +45,9 @@ from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec  #
 from streamrec.trainer.sources import FileSampleSource, sample_files  # noqa: E402
 
 
-def ours(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int, device: torch.device) -> dict:
-    """The reader process at full rate: ms per batch, and how long each take waited."""
+def ours(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int, device: torch.device, step_ms: float) -> dict:
+    """The reader process, a batch taken every ``step_ms`` of busy work (0: as fast as they
+    come): ms per batch, and what each take cost the consumer."""
     settings = ReaderSettings(batch, spec.history_len, 4, None, ranks if ranks > 1 else None)
     reader = SampleReader(SourceSpec(files=files, loop=True, shard=(0, ranks)), spec, settings, device,
                           len(dense_feature_names(spec))).start()
@@ -52,17 +58,20 @@ def ours(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: i
             item = reader.get(timeout=None)
             if not isinstance(item, SampleBatch):
                 continue
-            waits.append(time.perf_counter() - t0)
             item.to(device, non_blocking=True)
+            waits.append(time.perf_counter() - t0)
             taken += 1
+            until = time.perf_counter() + step_ms / 1e3
+            while time.perf_counter() < until:  # the step: this core stays busy
+                pass
             if taken == warmup:
                 started = time.perf_counter()
         elapsed = time.perf_counter() - started
     finally:
         reader.stop()
     waits = sorted(waits[warmup:])
-    return {"ms_per_batch": 1e3 * elapsed / batches, "take_ms_p50": 1e3 * statistics.median(waits),
-            "take_ms_p90": 1e3 * waits[int(0.9 * len(waits))]}
+    return {"step_ms": step_ms, "ms_per_batch": 1e3 * elapsed / batches, "take_ms_mean": 1e3 * statistics.fmean(waits),
+            "take_ms_p50": 1e3 * statistics.median(waits), "take_ms_p90": 1e3 * waits[int(0.9 * len(waits))]}
 
 
 def in_thread(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int) -> dict:
@@ -91,6 +100,8 @@ def main() -> None:
     parser.add_argument("--samples", help="a `pipeline offline` run dir or sample file (default: 60 s of generated traffic)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="the share of rank 0 of this many ranks")
     parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 8.0],
+                        help="busy ms between takes (0: full rate); 8 is about a 2-rank step on the GPUs measured")
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--device", default="cpu")
@@ -107,15 +118,19 @@ def main() -> None:
         result = {"bench": "reader", "batch": args.batch, "batches": args.batches, "warmup": args.warmup, "device": str(device),
                   "samples": args.samples, "shares": []}
         for ranks in args.ranks:
-            print(f"rank 0 of {ranks}: the reader process, then the same work in this thread ...", flush=True)
-            share = {"ranks": ranks, "ours": ours(files, spec, ranks, args.batch, args.batches, args.warmup, device),
-                     "in_thread": in_thread(files, spec, ranks, args.batch, args.batches, args.warmup)}
-            share["speedup"] = share["in_thread"]["ms_per_batch"] / share["ours"]["ms_per_batch"]
+            print(f"rank 0 of {ranks}: the same work in this thread, then the reader process ...", flush=True)
+            share = {"ranks": ranks, "in_thread": in_thread(files, spec, ranks, args.batch, args.batches, args.warmup), "ours": []}
+            base = share["in_thread"]["ms_per_batch"]
+            print(f"  in the training thread: {base:.2f} ms of its time per batch", flush=True)
+            for step_ms in args.step_ms:
+                o = ours(files, spec, ranks, args.batch, args.batches, args.warmup, device, step_ms)
+                o["in_thread_over_take"] = base / o["take_ms_mean"]
+                share["ours"].append(o)
+                print(f"  reader process, {'full rate' if not step_ms else f'a batch every {step_ms:g} ms step'}: "
+                      f"{o['ms_per_batch']:.2f} ms/batch; a take costs the training thread {o['take_ms_mean']:.2f} ms "
+                      f"(p50 {o['take_ms_p50']:.2f}, p90 {o['take_ms_p90']:.2f}); the work in the thread / a take: "
+                      f"{o['in_thread_over_take']:.2f}x", flush=True)
             result["shares"].append(share)
-            o = share["ours"]
-            print(f"  reader process {o['ms_per_batch']:.2f} ms/batch (a take waits p50 {o['take_ms_p50']:.2f}, "
-                  f"p90 {o['take_ms_p90']:.2f} ms); in the thread {share['in_thread']['ms_per_batch']:.2f} ms/batch: "
-                  f"{share['speedup']:.2f}x", flush=True)
     write_result(args.out, "reader", result)
 
 
