@@ -530,6 +530,26 @@ def test_two_ranks_step_with_the_dense_gradients_of_one_rank_on_the_same_samples
             torch.testing.assert_close(two[name], grad, rtol=1e-5, atol=1e-8, msg=lambda m: f"rank {r}, {name}: {m}")
 
 
+@pytest.mark.parametrize("world, tables", [(1, 3), (3, 5), (64, 5)])  # 64 x 5 codes: past one byte
+def test_the_host_layout_sends_each_owner_its_ids_table_by_table_in_input_order(world, tables):
+    gen = torch.Generator().manual_seed(world)
+    ids = {f"t{t}": torch.randint(-(2**62), 2**62, (int(torch.randint(0, 500, (1,), generator=gen)),), generator=gen)
+           for t in range(tables)}
+    plan = layout_on_host(ids, world)
+    flat = torch.cat(list(ids.values()))
+    expected, counts = [], []
+    for owner in range(world):  # by owner, then table; within a table in input order
+        start = 0
+        for keys in ids.values():
+            mine = torch.nonzero(owner_of(keys, world) == owner).flatten()
+            expected.append(mine + start)
+            counts.append(len(mine))
+            start += len(keys)
+    order = torch.cat(expected)
+    assert torch.equal(plan.routed[1], order) and torch.equal(plan.routed[0], flat[order])
+    assert plan.send_counts == counts and plan.sizes == [len(k) for k in ids.values()]
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_shards_are_balanced_within_ten_percent_on_zipf_ids(world):
     rng = np.random.default_rng(3)
