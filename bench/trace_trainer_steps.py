@@ -100,9 +100,10 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _steps(path: Path, skip: int) -> list[dict[str, Any]]:
-    """One record per step after ``skip``: its phases summed over the instrumented methods,
-    its cycle (ms to the next step's start), and when this rank reached the agreement."""
+def _steps(path: Path, skip: int) -> tuple[list[dict[str, Any]], dict[int, list[float]] | None]:
+    """One record per step after ``skip`` (its phases summed over the instrumented methods,
+    its cycle: ms to the next step's start, and when this rank reached the agreement), and
+    the GC pauses within those steps: per generation, [collections, ms] (None: no steps)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     by_kind = {k: [r for r in rows if r["k"] == k] for k in INSTRUMENTED}
     nexts, steps, betweens = by_kind["_next"], by_kind["_step"], by_kind["_between_steps"]
@@ -114,18 +115,19 @@ def _steps(path: Path, skip: int) -> list[dict[str, Any]]:
                 phases[p] = phases.get(p, 0.0) + ms
         out.append({"phases": phases, "cycle": (nexts[i + 1]["t0"] - nexts[i]["t0"]) * 1e3,
                     "agree_reached": nexts[i]["t1"] - phases.get("agree", 0.0) / 1e3, "agree_ms": phases.get("agree", 0.0)})
-    gc_ms = [r for r in rows if r["k"] == "gc" and out and nexts[skip]["t0"] <= r["t0"] <= nexts[len(out) + skip]["t0"]]
-    if out:
-        out[0]["gc_in_window"] = {g: [sum(1 for r in gc_ms if r["gen"] == g), sum(r["ms"] for r in gc_ms if r["gen"] == g)]
-                                  for g in (0, 1, 2)}
-    return out
+    if not out:
+        return out, None
+    begin, end = nexts[skip]["t0"], nexts[skip + len(out)]["t0"]
+    pauses = [r for r in rows if r["k"] == "gc" and begin <= r["t0"] <= end]
+    return out, {g: [sum(1 for r in pauses if r["gen"] == g), sum(r["ms"] for r in pauses if r["gen"] == g)] for g in (0, 1, 2)}
 
 
 def analyze_dir(directory: Path, skip: int) -> dict[str, Any]:
     traces = sorted(directory.glob("trace-*.jsonl"))
     if not traces:
         raise FileNotFoundError(f"no trace-*.jsonl in {directory}")
-    ranks = {t.stem.removeprefix("trace-"): _steps(t, skip) for t in traces}
+    traced = {t.stem.removeprefix("trace-"): _steps(t, skip) for t in traces}
+    ranks = {rank: steps for rank, (steps, _) in traced.items()}
     result: dict[str, Any] = {"dir": str(directory), "skip": skip, "ranks": {}}
     for rank, steps in ranks.items():
         phases = sorted({p for s in steps for p in s["phases"]})
@@ -136,7 +138,7 @@ def analyze_dir(directory: Path, skip: int) -> dict[str, Any]:
             "phase_ms_mean": {p: statistics.fmean(s["phases"].get(p, 0.0) for s in steps) for p in phases},
             "phase_ms_median": {p: _median([s["phases"].get(p, 0.0) for s in steps]) for p in phases},
             "input_tail_ms": statistics.fmean(inputs) - _median(inputs),
-            "gc_in_window": steps[0].get("gc_in_window") if steps else None}
+            "gc_in_window": traced[rank][1]}
     if len(ranks) > 1 and "lone" not in ranks:
         every = [ranks[r] for r in sorted(ranks, key=int)]
         n = min(map(len, every))
