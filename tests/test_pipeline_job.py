@@ -415,11 +415,15 @@ def test_the_job_recovers_by_itself_after_a_broker_kill_9(tmp_path):
     kafka.up(timeout_s=30)
     broker = f"{kafka.host}:{kafka.port}"
     name = f"bk-{uuid.uuid4().hex[:8]}"
-    env = {**_env(broker, tmp_path, name), "FLINK_LOG_DIR": str(tmp_path / "flink-log")}
+    # checkpoints 5 times a second: the job works through the backlog below within a second, and
+    # the kill must come after some of it was committed, while the rest is still being written
+    env = {**_env(broker, tmp_path, name), "FLINK_LOG_DIR": str(tmp_path / "flink-log"),
+           "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "0.2"}
     rest_port = env["STREAMREC_FLINK__REST_PORT"]
     rest = FlinkRest(f"127.0.0.1:{rest_port}")
     # a backlog, written (and saved by the broker) before the job starts, so the broker dies while
-    # the job's sinks write and its input stands still; the job works through it in seconds
+    # the job's sinks write and its input stands still (a tail the broker had not saved would be
+    # lost with it, behind offsets the job has checkpointed)
     gen = run_cli("generate", "--duration", "30", "--rate", "1500", "--fast", "--no-truth", env=env)
     assert gen.returncode == 0, gen.stderr
     ensure_topics(broker, [f"{name}.samples"], 4)  # watched from the start
@@ -429,14 +433,19 @@ def test_the_job_recovers_by_itself_after_a_broker_kill_9(tmp_path):
         # (the broker has not saved them yet, so its restart fails the sink's producer)
         with _EndOffsets(broker, f"{name}.samples") as ends:
             last = {tp: 0 for tp in ends.parts}
+            seen: list[tuple[float, int, int]] = []  # (s since submit, samples written, samples committed)
+            submitted = time.monotonic()
 
             def writing_after_some_commits() -> bool:
                 high, stable = ends.offsets()
                 grew = [tp for tp in ends.parts if high[tp] > max(last[tp], stable[tp])]
                 last.update(high)
+                if not seen or seen[-1][1:] != (sum(high.values()), sum(stable.values())):
+                    seen.append((round(time.monotonic() - submitted, 2), sum(high.values()), sum(stable.values())))
                 return sum(stable.values()) > 3000 and bool(grew)
 
-            _wait_for(writing_after_some_commits, 180, "the job writing samples after a few checkpoints", poll_s=0.05)
+            _wait_for(writing_after_some_commits, 180, "the job writing samples after a few checkpoints",
+                      lambda: f"jobs {rest.jobs()}, (s, samples written, committed) {seen}", poll_s=0.05)
         os.killpg(kafka.status().pid, signal.SIGKILL)
         job_id = next(j.job_id for j in rest.jobs() if j.name == name)
         _wait_for(lambda: kafka.status() is None and not port_in_use(kafka.host, kafka.port), 30, "the broker gone")
