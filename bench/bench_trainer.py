@@ -347,21 +347,23 @@ SHOWN_EXCHANGE = (("x.ids", "ids"), ("x.find", "owner_find_or_insert"), ("x.rows
 
 def rank_table(run: dict) -> str:
     """One line per rank: ms/step per phase and per part of the exchange (x.*), KiB the
-    exchange sent to other ranks per step (ids, rows back, gradients), ids received per step."""
-    head = [name for name, _ in SHOWN_PHASES + SHOWN_EXCHANGE] + ["KiB.ids", "KiB.row", "KiB.grd", "ids.in"]
+    exchange sent to other ranks per step (ids, rows back, gradients), per step the ids of its
+    batch, the keys it sent (each table's distinct ids) and the keys it received as owner."""
+    head = [name for name, _ in SHOWN_PHASES + SHOWN_EXCHANGE] + ["KiB.ids", "KiB.row", "KiB.grd", "ids", "keys", "keys.in"]
     lines = ["  rank " + " ".join(f"{h:>7}" for h in head)]
     for r in run["by_rank"]:
         cells = [f"{r['ms_per_step'][key]:7.2f}" for _, key in SHOWN_PHASES]
         x = r.get("exchange")
         if x:
             cells += [f"{x['ms'][key]:7.2f}" for _, key in SHOWN_EXCHANGE]
-            cells += [f"{x['bytes_out'][k] / 1024:7.1f}" for k in ("ids", "rows", "grads")] + [f"{x['ids_received']:7.0f}"]
+            cells += [f"{x['bytes_out'][k] / 1024:7.1f}" for k in ("ids", "rows", "grads")]
+            cells += [f"{x[k]:7.0f}" for k in ("ids_asked", "ids_sent", "ids_received")]
         else:
-            cells += [f"{'-':>7}"] * (len(SHOWN_EXCHANGE) + 4)
+            cells += [f"{'-':>7}"] * (len(SHOWN_EXCHANGE) + 6)
         lines.append(f"  {r['rank']:>4} " + " ".join(cells))
     if run["ids_received_imbalance"] is not None:
         first = run["by_rank"][0]
-        lines.append(f"  ids received, max / mean over ranks: {run['ids_received_imbalance']:.3f}; steps whose exchange went ahead: "
+        lines.append(f"  keys received as owner, max / mean over ranks: {run['ids_received_imbalance']:.3f}; steps whose exchange went ahead: "
                      f"{first['exchange']['ahead']} of {first['steps']} (the owner's find_or_insert too: {first['exchange']['found_ahead']})")
     return "\n".join(lines)
 

@@ -43,10 +43,11 @@ from streamrec.trainer.step_channel import StepChannel
 TABLES = [TableConfig("a", 4, optimizer="adagrad", lr=0.1, init_std=0.0), TableConfig("b", 4, optimizer="adam", lr=0.05, init_std=0.0)]
 
 
-def _batches(rank: int, steps: int = 6) -> list[dict[str, torch.Tensor]]:
+def _batches(rank: int, steps: int = 6, b_keys: int = 9) -> list[dict[str, torch.Tensor]]:
     """Per step, the ids each rank asks for: overlapping across ranks, duplicates within."""
     g = torch.Generator().manual_seed(100 + rank)
-    return [{"a": torch.randint(0, 50, (40,), generator=g) * 7919, "b": torch.randint(0, 9, (13,), generator=g)} for _ in range(steps)]
+    return [{"a": torch.randint(0, 50, (40,), generator=g) * 7919, "b": torch.randint(0, b_keys, (13,), generator=g)}
+            for _ in range(steps)]
 
 
 def _grad(ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -88,12 +89,12 @@ def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed
     find_or_insert; then backward with ``_grad`` as the model's would leave it, and the update.
     Returns the rows found and a copy of them taken before the update."""
     if agreed:
-        host = layout_on_host({n: t.cpu() for n, t in ids.items()}, sharded.world, pin=ids["a"].is_cuda) if on_host else None
+        host = layout_on_host({n: t.cpu() for n, t in ids.items()}, sharded.world, pin=ids["a"].is_cuda,
+                              every_sighting=sharded.every_sighting) if on_host else None
         if on_host:  # the host's layout is the device's
             on_device = sharded._layout(ids)
             assert host.send_counts == on_device.send_counts and host.sizes == on_device.sizes
-            assert torch.equal(host.routed[0].to(ids["a"].device), on_device.keys)
-            assert torch.equal(host.routed[1].to(ids["a"].device), on_device.order)
+            assert torch.equal(host.routed.to(ids["a"].device), torch.cat([on_device.keys, on_device.inverse]))
         counts = sharded.plan(None if on_host else ids, host=host)
         sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
     pulled = sharded.find_or_insert(ids, now_ms=step)
@@ -121,15 +122,16 @@ def _replay_on_one_store(ref: EmbeddingCollection, per_rank: list, tables: tuple
             ref[n].apply_gradients(pulled[n], summed / 2)
 
 
-def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", how: str = "counts_exchanged") -> None:
+def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo", how: str = "counts_exchanged",
+                     tables: list[TableConfig] = TABLES, b_keys: int = 9) -> None:
     """``how``: the split sizes travel in the trainer's per-step agreement (``plan``,
     ``agree``, ``agreed``) from ids laid out on the device (``counts_agreed``) or on the host
     (``laid_out_on_host``), else in the exchange's own counts all_to_all (``counts_exchanged``)."""
     device, ranks = _join(rank, world, init, backend)
-    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in TABLES], device)
+    store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in tables], device)
     sharded = ShardedCollection(store)
     pulled_rows = []
-    for step, ids in enumerate(_batches(rank)):
+    for step, ids in enumerate(_batches(rank, b_keys=b_keys)):
         pulled_rows.append(_step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, how != "counts_exchanged",
                                  on_host=how == "laid_out_on_host")[1])
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
@@ -162,19 +164,42 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
             assert k in got[owner]["rows"][n] and k not in got[1 - owner]["rows"][n]  # one owner per key
             torch.testing.assert_close(torch.tensor(got[owner]["rows"][n][k]), v, rtol=0, atol=tol)
 
-    # the exchange's counts: every id asked for, served by its owner, and the bytes that crossed to the other rank
+    # the exchange's counts: every id asked for, each distinct one sent once to its owner, and
+    # the bytes that crossed to the other rank
     asked = [sum(len(ids) for batch in per_rank[r] for ids in batch.values()) for r in range(2)]
-    off_rank = [sum(int((owner_of(ids, 2) != r).sum()) for batch in per_rank[r] for ids in batch.values()) for r in range(2)]
+    keys = [[torch.unique(ids) for batch in per_rank[r] for ids in batch.values()] for r in range(2)]
+    sent = [sum(len(k) for k in keys[r]) for r in range(2)]
+    off_rank = [sum(int((owner_of(k, 2) != r).sum()) for k in keys[r]) for r in range(2)]
     stats = [g["stats"] for g in got]
-    assert [s["steps"] for s in stats] == [6, 6] and [s["ids_sent"] for s in stats] == asked
+    assert [s["steps"] for s in stats] == [6, 6] and [s["ids_asked"] for s in stats] == asked
+    assert [s["ids_sent"] for s in stats] == sent and sent[0] < asked[0] and sent[1] < asked[1]
     assert [s["counts_exchanged"] for s in stats] == [0 if agreed else 6] * 2
-    assert sum(s["ids_received"] for s in stats) == sum(asked) and all(s["ids_received"] > 0 for s in stats)
+    assert sum(s["ids_received"] for s in stats) == sum(sent) and all(s["ids_received"] > 0 for s in stats)
     for r in range(2):
         row_bytes = 4 * 4  # dim 4, float32
         # int64 ids, and unless the agreement carried them, each step a count per (owner, table) for the other rank
         assert stats[r]["ids_bytes_out"] == 8 * (off_rank[r] + (0 if agreed else 2 * 2 * 6))  # else each rank's 2 x 2 counts per step
         assert stats[r]["grads_bytes_out"] == row_bytes * off_rank[r]
         assert stats[1 - r]["rows_bytes_out"] == row_bytes * off_rank[r]  # the other owner answered each of them
+
+
+@pytest.mark.parametrize("how", ["counts_agreed", "laid_out_on_host"])
+def test_a_table_whose_admission_counts_sightings_sends_every_id_and_admits_as_one_store(tmp_path, how):
+    """A table with an admission sketch sends every id to its owner, not each key once, so
+    that its owner counts every sighting: keys seen twice in one rank's batch are admitted
+    as one store that sees both batches admits them."""
+    tables, b_keys = [TABLES[0], replace(TABLES[1], admit_after=2)], 60  # b: most keys seen once or twice
+    _run_two_ranks(_exchange_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"), "gloo", how, tables, b_keys), timeout_s=120)
+    got = [torch.load(tmp_path / f"out{r}") for r in range(2)]
+    ref = EmbeddingCollection(tables)
+    per_rank = [_batches(0, b_keys=b_keys), _batches(1, b_keys=b_keys)]
+    _replay_on_one_store(ref, per_rank, ("a", "b"), ("a", "b"), got, 1e-6)
+    keys = torch.cat([k for k, _ in ref["b"].export_all()])
+    assert 0 < len(keys) < len(torch.unique(torch.cat([batch["b"] for r in range(2) for batch in per_rank[r]])))  # some not admitted
+    assert sorted(keys.tolist()) == sorted([*got[0]["rows"]["b"], *got[1]["rows"]["b"]])  # the same keys admitted
+    for r in range(2):
+        want = sum(len(torch.unique(batch["a"])) + len(batch["b"]) for batch in per_rank[r])
+        assert got[r]["stats"]["ids_sent"] == want
 
 
 REPLICATED_C = TableConfig("c", 4, optimizer="adagrad", lr=0.1, init_std=0.01, admit_after=2)  # random rows, admission
@@ -246,7 +271,8 @@ def test_replicated_tables_train_as_one_store_and_stay_equal_on_every_rank(tmp_p
                 assert seen == want[n][k][2]
     asked_a = [sum(len(batch["a"]) for batch in per_rank[r]) for r in range(2)]
     stats = [g["stats"] for g in got]
-    assert [s_["ids_sent"] for s_ in stats] == asked_a  # only the sharded table's ids go to owners
+    assert [s_["ids_asked"] for s_ in stats] == asked_a  # only the sharded table's ids go to owners
+    assert [s_["ids_sent"] for s_ in stats] == [sum(len(torch.unique(batch["a"])) for batch in per_rank[r]) for r in range(2)]
     assert stats[0]["replicated_rows"] == stats[1]["replicated_rows"] > 0
     assert all(s_["replicated_bytes_out"] > 0 for s_ in stats)
     assert [s_["counts_exchanged"] for s_ in stats] == [0 if agreed else 6] * 2
@@ -531,23 +557,30 @@ def test_two_ranks_step_with_the_dense_gradients_of_one_rank_on_the_same_samples
 
 
 @pytest.mark.parametrize("world, tables", [(1, 3), (3, 5), (64, 5)])  # 64 x 5 codes: past one byte
-def test_the_host_layout_sends_each_owner_its_ids_table_by_table_in_input_order(world, tables):
+def test_the_host_layout_sends_each_owner_each_key_once_table_by_table(world, tables):
+    """Each owner gets, table by table, the distinct ids it owns, sorted (every id, sorted, of a
+    table whose admission counts every sighting); each input id finds its own key again."""
     gen = torch.Generator().manual_seed(world)
-    ids = {f"t{t}": torch.randint(-(2**62), 2**62, (int(torch.randint(0, 500, (1,), generator=gen)),), generator=gen)
+    ids = {f"t{t}": torch.randint(-50, 50, (int(torch.randint(0, 500, (1,), generator=gen)),), generator=gen) * (2**40 + t)
            for t in range(tables)}
-    plan = layout_on_host(ids, world)
-    flat = torch.cat(list(ids.values()))
+    every_sighting = {"t1"}
+    plan = layout_on_host(ids, world, every_sighting=every_sighting)
     expected, counts = [], []
-    for owner in range(world):  # by owner, then table; within a table in input order
-        start = 0
-        for keys in ids.values():
-            mine = torch.nonzero(owner_of(keys, world) == owner).flatten()
-            expected.append(mine + start)
+    for owner in range(world):  # by owner, then table; within a table by key
+        for name, keys in ids.items():
+            mine = keys[owner_of(keys, world) == owner]
+            mine = torch.sort(mine).values if name in every_sighting else torch.unique(mine)
+            expected.append(mine)
             counts.append(len(mine))
-            start += len(keys)
-    order = torch.cat(expected)
-    assert torch.equal(plan.routed[1], order) and torch.equal(plan.routed[0], flat[order])
+    sent = torch.cat(expected)
+    n_keys = len(sent)
+    assert torch.equal(plan.routed[:n_keys], sent)
+    places = plan.routed[n_keys:]
+    assert torch.equal(sent[places], torch.cat(list(ids.values())))
+    counted = places[len(ids["t0"]):len(ids["t0"]) + len(ids["t1"])]
+    assert len(torch.unique(counted)) == len(counted)  # every sighting of t1 is sent
     assert plan.send_counts == counts and plan.sizes == [len(k) for k in ids.values()]
+    assert n_keys < sum(plan.sizes)  # the ids repeat: fewer keys than ids cross
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -5,29 +5,32 @@ spread evenly), and only its owner stores the row, in the owner's own
 ``EmbeddingCollection`` with its own HBM/DRAM/SSD tiers, admission and expiry. A training
 step, for all tables at once::
 
-    requester: every id of every table, grouped by (owner, table); its counts per
-                (owner, table) go in the step's agreement (plan, agreed)
-    all_to_all  ids, with the split sizes the agreement brought   -> owners
-    owner:      find_or_insert of what it received: one de-duplication of the ids of
-                all ranks, rows created/admitted there, one row per id received
+    requester: each table's distinct ids (keys), grouped by (owner, table); its counts
+                per (owner, table) go in the step's agreement (plan, agreed)
+    all_to_all  keys, with the split sizes the agreement brought   -> owners
+    owner:      find_or_insert of what it received: one de-duplication of the keys of
+                all ranks, rows created/admitted there, one row per key received
     all_to_all  rows                                         -> requesters
-    ... forward, backward on the requester ...
-    all_to_all  the gradient of each id                      -> owners
-    owner:      sums the gradients of each key (over its ids from every rank), averages
+    requester:  one row per input id (an index_select of the rows by each id's key)
+    ... forward, backward on the requester (which sums the gradients of a key's ids) ...
+    all_to_all  the gradient of each key                     -> owners
+    owner:      sums the gradients of each key (over the ranks that sent it), averages
                 over ranks (as the dense gradients are averaged), applies the optimizer
 
-The requester sends its ids as they are, not de-duplicated: the owner has to de-duplicate
-what several ranks sent anyway, and one de-duplication means one host sync less per step
-and admission sees every sighting, as on one rank. The split sizes need every rank's
-counts; they ride in the per-step agreement (trainer/distributed.py: one small gloo
-all_gather that runs anyway), so the exchange has no collective and no host round-trip of
-its own for them. The trainer lays the ids out on the host, off its step's thread
-(``layout_on_host``, in its sample reader process), so counting them costs no device sync
-either; laid out on the device (``plan`` without ``host``) the counts cost one. Three
-collectives and two host syncs per step (the owner's find_or_insert), whatever the number
-of tables. A caller that does not agree first (``find_or_insert`` without
-``plan``/``agreed``) gets the counts sent in an all_gather of their own, then to the host:
-a fourth collective.
+The requester sends each key once: a batch asks for most keys many times (a popular
+item in many histories, a handful of categories and contexts in every sample), so the
+ids, rows and gradients that cross ranks, and the owner's de-duplication, shrink by that
+factor, and a hot key no longer loads its owner with every sighting. Tables whose
+admission sketch counts every sighting (``every_sighting``) send every id instead. The
+trainer lays the keys out on the host, off its step's thread (``layout_on_host``, in its
+sample reader process: a hash de-duplication per table), so neither the de-duplication nor
+the counts cost a device sync; laid out on the device (``plan`` without ``host``) the
+counts cost one. The split sizes need every rank's counts; they ride in the per-step
+agreement (trainer/distributed.py), so the exchange has no collective and no host
+round-trip of its own for them. Three collectives and two host syncs per step (the
+owner's find_or_insert), whatever the number of tables. A caller that does not agree
+first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent in an
+all_gather of their own, then to the host: a fourth collective.
 
 Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
 sample asks for are held whole by every rank and trained data-parallel instead. Each
@@ -73,6 +76,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
@@ -138,7 +142,7 @@ class Route:
 
     names: list[str]
     sizes: list[int]  # requester: input ids per table
-    order: torch.Tensor  # requester: the ids of all tables in send order (by owner, then table)
+    inverse: torch.Tensor  # requester: each input id's place among the keys sent (and the rows back)
     send_splits: list[int]  # rows sent to / received back from each rank
     recv_splits: list[int]  # rows received from / sent back to each rank
     recv_grid: list[list[int]]  # owner: ids received from each rank (rows) of each table (columns)
@@ -166,8 +170,8 @@ class HostPlan:
 
     names: list[str]
     sizes: list[int]  # input ids per table
-    routed: torch.Tensor  # int64 [2, n]: the ids in send order (by owner, then table), then their positions in the input
-    send_counts: list[int]  # ids to each (owner, table), owner-major
+    routed: torch.Tensor  # int64 [keys + ids]: the keys in send order (by owner, table, key), then each input id's place among them
+    send_counts: list[int]  # keys to each (owner, table), owner-major
 
 
 @dataclass
@@ -176,9 +180,9 @@ class Plan:
 
     names: list[str]
     sizes: list[int]  # input ids per table
-    keys: torch.Tensor  # the ids of all tables in send order (by owner, then table)
-    order: torch.Tensor  # their positions in the input
-    send_counts: list[int]  # ids to each (owner, table), owner-major
+    keys: torch.Tensor  # int64: the keys sent, in send order (by owner, table, key): each table's distinct ids, or every id
+    inverse: torch.Tensor  # int64 [input ids]: each input id's place in ``keys``
+    send_counts: list[int]  # keys to each (owner, table), owner-major
     recv_counts: list[int] | None = None  # ids from each (rank, table), rank-major; known once agreed
     asked: list[str] = field(default_factory=list)  # every table asked for, replicated ones included, in order
     replicated: "ReplicatedPlan | None" = None  # the ids of the replicated tables
@@ -216,8 +220,8 @@ class ReplicatedRows:
 class ShardedRows:
     """``ShardedCollection.find_or_insert``'s rows: what the requester got, and what the owner must update."""
 
-    embeddings: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]; views of ``leaf``
-    leaf: torch.Tensor  # requester: those rows, tables one after another [sum n_t, dim]; requires grad
+    embeddings: dict[str, torch.Tensor]  # requester: one row per input id of each table, [n_t, dim]; ``leaf``'s rows by ``route.inverse``
+    leaf: torch.Tensor  # requester: one row per key sent, in send order [keys, dim]; requires grad
     route: Route
     owned: dict[str, BatchRows]  # owner: its find_or_insert of what it received, per table
     grouped: GroupedRows | None = None  # owner: the same, table-batched (``owned`` then holds views of it)
@@ -243,7 +247,8 @@ class ExchangeStats:
     that ``ids_received`` across ranks shows how evenly the owners are loaded."""
 
     steps: int = 0
-    ids_sent: int = 0  # ids this rank asked their owners for
+    ids_asked: int = 0  # ids of this rank's batches (sharded tables), before de-duplication
+    ids_sent: int = 0  # keys this rank asked their owners for (each table's distinct ids)
     ids_received: int = 0  # ids this rank served as their owner
     ids_bytes_out: int = 0  # ids and their counts to the other owners
     rows_bytes_out: int = 0  # rows this owner sent back to the other requesters
@@ -259,32 +264,58 @@ class ExchangeStats:
         """The figures of an average step (bytes and ids per step, host ms per part)."""
         steps = max(1, self.steps)
         return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead, "counts_exchanged": self.counts_exchanged,
-                "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
+                "ids_asked": self.ids_asked / steps, "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
                 "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
                               "grads": self.grads_bytes_out / steps, "replicated_ids": self.replicated_bytes_out / steps},
                 "replicated_rows": self.replicated_rows / steps,
                 "ms": {part: 1000 * s / steps for part, s in self.seconds.items()}}
 
 
-def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False) -> HostPlan:
+def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False,
+                   every_sighting: Collection[str] = ()) -> HostPlan:
     """``ShardedCollection.plan``'s layout of ``ids`` (table -> int64 [n] in host memory) over
     ``world`` ranks, made on the host by any thread or process (the trainer's sample reader):
-    every id's (owner, table) as one small code, the ids put in code order by one stable sort
-    (a radix sort where the code fits a byte), then counted; ``pin``: the ids and their
-    positions in page-locked memory, for one asynchronous copy to the device."""
+    each table's distinct ids (a hash de-duplication, then sorted), every one's (owner, table)
+    as one small code, the distinct ids put in code order by one stable sort, then counted;
+    each input id's place among them. The tables in ``every_sighting`` (an admission sketch
+    counts every sighting) keep every id, sorted. ``pin``: the result in page-locked memory,
+    for one asynchronous copy to the device."""
     names = list(ids)
-    flat = [ids[n].reshape(-1).to(torch.int64).numpy() for n in names]
-    sizes = [len(f) for f in flat]
+    distinct, where = [], []  # per table: its keys sorted (distinct unless every sighting counts); each id's place
+    for name in names:
+        flat = ids[name].reshape(-1).to(torch.int64).numpy()
+        if name in every_sighting:
+            by_key = np.argsort(flat, kind="stable")
+            keys = flat[by_key]
+            place = np.empty(len(flat), np.int64)
+            place[by_key] = np.arange(len(flat))
+        else:
+            encoded = pa.array(flat, pa.int64()).dictionary_encode()  # hashed: no sort of every id
+            seen = encoded.dictionary.to_numpy()
+            by_key = np.argsort(seen)
+            keys = seen[by_key]
+            rank = np.empty(len(seen), np.int64)
+            rank[by_key] = np.arange(len(seen))
+            place = rank[encoded.indices.to_numpy(zero_copy_only=False)]
+        distinct.append(keys)
+        where.append(place)
+    counts_by_table = [len(k) for k in distinct]
+    keys = np.concatenate(distinct) if distinct else np.empty(0, np.int64)
     groups = world * len(names)
-    keys = np.concatenate(flat) if flat else np.empty(0, np.int64)
-    code = owner_of(keys, world) * len(names) + np.repeat(np.arange(len(names)), sizes)
+    code = owner_of(keys, world) * len(names) + np.repeat(np.arange(len(names)), counts_by_table)
     code = code.astype(np.uint8 if groups <= 256 else np.int32)
-    routed = torch.empty((2, len(keys)), dtype=torch.int64, pin_memory=pin)
-    order = routed[1].numpy()
-    order[:] = np.argsort(code, kind="stable")
-    np.take(keys, order, out=routed[0].numpy())
+    send = np.argsort(code, kind="stable")
+    sent_at = np.empty(len(keys), np.int64)  # each distinct key's place in send order
+    sent_at[send] = np.arange(len(keys))
+    firsts = np.cumsum([0, *counts_by_table[:-1]])
+    n_ids = sum(len(w) for w in where)
+    routed = torch.empty(len(keys) + n_ids, dtype=torch.int64, pin_memory=pin)
+    out = routed.numpy()
+    np.take(keys, send, out=out[:len(keys)])
+    if n_ids:
+        np.take(sent_at, np.concatenate([w + first for w, first in zip(where, firsts)]), out=out[len(keys):])
     counts = np.bincount(code, minlength=groups)
-    return HostPlan(names, sizes, routed, counts.tolist())
+    return HostPlan(names, [len(w) for w in where], routed, counts.tolist())
 
 
 class ShardedCollection:
@@ -302,6 +333,8 @@ class ShardedCollection:
                              f"{sorted(replicated)} of {list(local.tables)}")
         self.local, self.group = local, group
         self.replicated = [n for n in local.tables if n in set(replicated)]  # in the collection's order
+        # tables whose owner must see every id, not each key once: an admission sketch counts sightings
+        self.every_sighting = [n for n, t in local.tables.items() if t.sketch is not None]
         self.dim = dims.pop()
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -382,7 +415,8 @@ class ShardedCollection:
         if self._side is not None:
             self._sent = torch.cuda.Event()
             self._sent.record(torch.cuda.current_stream(self.device))
-        embeddings = dict(zip(route.names, leaf.split(route.sizes)))
+        # one row per input id (backward sums the gradients of a key's ids into its row of the leaf)
+        embeddings = dict(zip(route.names, leaf.index_select(0, route.inverse).split(route.sizes)))
         if replicated is not None:
             embeddings.update(replicated[0])
             embeddings = {n: embeddings[n] for n in ids}
@@ -485,7 +519,7 @@ class ShardedCollection:
         (one launch for all tables where ``find_or_insert`` was table-batched)."""
         t0 = time.perf_counter()
         route, grad = rows.route, rows.leaf.grad
-        sent = grad.index_select(0, route.order) if grad is not None else torch.zeros_like(rows.leaf)
+        sent = grad if grad is not None else torch.zeros_like(rows.leaf)  # one gradient per key sent, summed over its ids
         received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
         dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
         self.stats.grads_bytes_out += self._off_rank(route.send_splits) * self.dim * received.element_size()
@@ -530,24 +564,34 @@ class ShardedCollection:
         t0 = time.perf_counter()
         if host is not None:
             routed = host.routed.to(self.device, non_blocking=True)
-            self._plan = Plan(host.names, host.sizes, routed[0], routed[1], host.send_counts, asked=list(host.names))
+            n_keys = sum(host.send_counts)
+            self._plan = Plan(host.names, host.sizes, routed[:n_keys], routed[n_keys:], host.send_counts, asked=list(host.names))
         else:
             self._plan = self._layout(ids)
         self._lap("ids", t0)
         return self._plan.counts()
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
-        """The sharded tables' ids in send order (by owner, then table), the replicated
-        tables' unique ids, and their counts on the host."""
+        """``layout_on_host`` on the device: the sharded tables' keys in send order (by owner,
+        table, key; distinct but for the ``every_sighting`` tables), each input id's place
+        among them, and the replicated tables' unique ids; their counts on the host."""
         names, world, device = [n for n in ids if n not in self.replicated], self.world, self.device
         flat = [ids[n].to(device, torch.int64).reshape(-1) for n in names]
         sizes = [len(f) for f in flat]
-        keys = torch.cat(flat)
+        every_id = torch.cat(flat)
         tables = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
-        code = owner_of(keys, world) * len(names) + tables
-        order = torch.argsort(code, stable=True)
-        # a count per (owner, table): index_add, not bincount (which waits for the device to size its output)
-        send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, code, torch.ones_like(code))
+        code = owner_of(every_id, world) * len(names) + tables
+        by_key = torch.argsort(every_id, stable=True)
+        order = by_key[torch.argsort(code[by_key], stable=True)]  # by (owner, table, key), ties in input order
+        sorted_ids, sorted_code = every_id[order], code[order]
+        first = torch.ones(len(order), dtype=torch.bool, device=device)  # a key sent: the first of its (code, key)
+        first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_code[1:] != sorted_code[:-1])
+        counted = [t for t, n in enumerate(names) if n in self.every_sighting]
+        if counted:
+            first |= torch.isin(sorted_code % len(names), torch.tensor(counted, device=device))
+        place = torch.cumsum(first, 0) - 1
+        # keys per (owner, table): index_add, not bincount (which waits for the device to size its output)
+        send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, sorted_code, first.long())
         replicated = None
         rep_names = [n for n in ids if n in self.replicated]
         if rep_names:
@@ -558,8 +602,10 @@ class ShardedCollection:
                 uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in rep_flat]
             unique, inverse, sightings = (list(x) for x in zip(*uniques))
             replicated = ReplicatedPlan(rep_names, unique, inverse, sightings, [len(u) for u in unique])
-        # host sync: the split sizes
-        return Plan(names, sizes, keys[order], order, send_counts.tolist(), asked=list(ids), replicated=replicated)
+        send_counts_list = send_counts.tolist()  # host sync: the split sizes
+        keys = torch.empty(sum(send_counts_list), dtype=torch.int64, device=device).scatter_(0, place, sorted_ids)
+        inverse = torch.empty_like(place).index_copy_(0, order, place)
+        return Plan(names, sizes, keys, inverse, send_counts_list, asked=list(ids), replicated=replicated)
 
     def agreed(self, counts_by_rank: list[list[int]]) -> None:
         """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what
@@ -607,11 +653,12 @@ class ShardedCollection:
         received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
         dist.all_to_all_single(received, plan.keys, recv_splits, send_splits, group=self.group)
         # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
-        route = Route(names, plan.sizes, plan.order, send_splits, recv_splits, recv_grid,
+        route = Route(names, plan.sizes, plan.inverse, send_splits, recv_splits, recv_grid,
                       [sum(row[t] for row in recv_grid) for t in range(n_tables)])
         wanted = dict(zip(names, torch.split(route.to_table_order(received), route.table_sizes)))
         stats = self.stats
         stats.steps += 1
+        stats.ids_asked += sum(plan.sizes)
         stats.ids_sent += sum(send_splits)
         stats.ids_received += sum(recv_splits)
         stats.ids_bytes_out += self._off_rank(send_splits) * plan.keys.element_size()
@@ -672,9 +719,8 @@ class ShardedCollection:
 
     def _send_rows(self, route: Route, outgoing: torch.Tensor) -> torch.Tensor:
         """The owner's rows for what it received (``outgoing``: one per id received, in the
-        order received) back to the requesters: one row per input id, tables one after
-        another (``route.sizes``)."""
-        back = torch.empty(sum(route.sizes), self.dim, device=self.device)
+        order received) back to the requesters: one row per key sent, in send order."""
+        back = torch.empty(sum(route.send_splits), self.dim, device=self.device)
         dist.all_to_all_single(back, outgoing, route.send_splits, route.recv_splits, group=self.group)
         self.stats.rows_bytes_out += self._off_rank(route.recv_splits) * self.dim * outgoing.element_size()
-        return torch.empty_like(back).index_copy_(0, route.order, back)
+        return back

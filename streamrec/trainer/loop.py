@@ -180,7 +180,8 @@ class TrainingLoop:
         laid_out = self.exchange is not None and not self.exchange.replicated  # the reader lays out the exchange's ids
         settings = ReaderSettings(tcfg.batch_size, self.spec.history_len, tcfg.prefetch_batches,
                                   None if self.opts.files else tcfg.max_batch_delay_ms / 1000,
-                                  self.ranks.world if laid_out else None)
+                                  self.ranks.world if laid_out else None,
+                                  tuple(self.exchange.every_sighting) if laid_out else ())
         reader = SampleReader(_source_spec(self.session), self.feature_spec, settings, self.device,
                               len(dense_feature_names(self.feature_spec))).start()
         # what the run holds from here on (modules, tables, the reader) is never garbage: full

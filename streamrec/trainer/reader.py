@@ -81,18 +81,20 @@ class SourceSpec:
 @dataclass
 class ReaderSettings:
     """What the child's Prefetcher does (trainer/prefetch.py), and ``layout_world``: the
-    ranks to lay each batch's ids out for (``embedding.sharded.layout_on_host``), or None."""
+    ranks to lay each batch's ids out for (``embedding.sharded.layout_on_host``), or None;
+    ``every_sighting``: the tables that send every id, not each key once."""
 
     batch_size: int
     history_len: int
     depth: int
     max_delay_s: float | None
     layout_world: int | None = None
+    every_sighting: tuple[str, ...] = ()
 
 
 def slot_bytes(batch_size: int, history_len: int, dense_width: int, laid_out: bool) -> int:
     """Room for one batch of ``batch_size`` samples with full histories (SampleBatch's tensors
-    and, ``laid_out``, the exchange's ids and their positions), each tensor 64-byte aligned."""
+    and, ``laid_out``, the exchange's keys and each id's place among them), each tensor 64-byte aligned."""
     b, ids = batch_size, batch_size * (7 + 2 * history_len)  # every table's ids (SparseFeatures.table_ids)
     tensors = 8 * b * 5 + 4 * b + 4 * b * dense_width + 8 * 3 * b + 8 * 3 * b * history_len + 8 * b
     return tensors + (16 * ids if laid_out else 0) + 16 * ALIGN
@@ -317,7 +319,7 @@ def _child_main(conn: Connection, slots_fd: int) -> None:
         mapping = mmap.mmap(slots_fd, size * slots)
         os.close(slots_fd)
         source = source_spec.open(spec)
-        layout = _laying_out(settings.layout_world) if settings.layout_world is not None else None
+        layout = _laying_out(settings.layout_world, settings.every_sighting) if settings.layout_world is not None else None
         prefetcher = Prefetcher(source, spec, settings.batch_size, settings.history_len, max(1, settings.depth),
                                 max_delay_s=settings.max_delay_s, prepare=layout).start()
         conn.send(("ready", source.lag()))
@@ -336,13 +338,13 @@ def _child_main(conn: Connection, slots_fd: int) -> None:
             source.close()
 
 
-def _laying_out(world: int) -> Callable[[SampleBatch], None]:
+def _laying_out(world: int, every_sighting: tuple[str, ...]) -> Callable[[SampleBatch], None]:
     """The exchange's layout of each batch's ids over ``world`` ranks (embedding/sharded.py)."""
     from streamrec.embedding.sharded import layout_on_host
     from streamrec.model.sparse import SparseFeatures
 
     def lay_out(batch: SampleBatch) -> None:
-        batch.plan = layout_on_host(SparseFeatures.table_ids(batch), world)
+        batch.plan = layout_on_host(SparseFeatures.table_ids(batch), world, every_sighting=every_sighting)
 
     return lay_out
 
