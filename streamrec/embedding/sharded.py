@@ -553,7 +553,7 @@ class ShardedCollection:
 
     def plan(self, ids: Mapping[str, torch.Tensor] | None, host: HostPlan | None = None) -> list[int]:
         """Lay out a step's ids before the step, and return this rank's counts for the step's
-        agreement (int, on the host): its ids per (owner, sharded table), then its unique ids
+        agreement (int, on the host): its keys per (owner, sharded table), then its unique ids
         per replicated table. Laid out here on the device, the counts cost a host sync;
         ``host`` (``layout_on_host`` of the same ``ids``, made off the training thread) costs
         none, only one copy of its ids to the device. The caller sends the counts in the
