@@ -516,6 +516,9 @@ def _dense_gradients(run: Path, root: Path, rank: int, world: int, port: int) ->
         if exchange is not None:
             exchange.agreed(agreed.counts)
         trainer.loop._step(batch, agreed)
+        reduced = trainer.loop.dense_gradients
+        if reduced is not None:  # backward accumulated into the buffer the ranks reduced: no copies
+            assert all(p.grad.untyped_storage().data_ptr() == reduced.flat.untyped_storage().data_ptr() for p in reduced.params)
         return {name: p.grad.clone() for name, p in session.model.named_parameters() if p.grad is not None}
     finally:
         trainer.close()

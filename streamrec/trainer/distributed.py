@@ -44,11 +44,14 @@ WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher star
 
 
 class DenseGradients:
-    """The dense model's gradients averaged over the ranks: one ``all_reduce`` of all of them,
-    flattened, after backward. In place of DDP so that each rank's forward and backward can
-    replay as CUDA graphs (trainer/dense_graph.py: DDP's gradient hooks cannot be captured);
-    the dense model is small, so the reduction not overlapping the backward costs little.
-    The ranks start from rank 0's parameters and buffers (broadcast when this is made)."""
+    """The dense model's gradients averaged over the ranks: one ``all_reduce`` of all of them
+    after backward. In place of DDP so that each rank's forward and backward can replay as
+    CUDA graphs (trainer/dense_graph.py: DDP's gradient hooks cannot be captured); the dense
+    model is small, so the reduction not overlapping the backward costs little. Every
+    parameter's gradient is a view of one flat buffer, so backward accumulates into it in
+    place and the reduction reads and writes it whole: no per-parameter work on the host,
+    whose thread bounds the step. The ranks start from rank 0's parameters and buffers
+    (broadcast when this is made)."""
 
     def __init__(self, model: torch.nn.Module, group: Any) -> None:
         self.group = group
@@ -57,22 +60,27 @@ class DenseGradients:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0, group=group)
+        first = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        self.views = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
+        self._nccl = self.flat.is_cuda and dist.get_backend(group) == "nccl"
+        self.zero()
+
+    def zero(self) -> None:
+        """Before backward (in place of the optimizer's ``zero_grad``): every gradient zero, a
+        view of the buffer again (re-attached where something replaced it)."""
+        self.flat.zero_()
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                p.grad = view
 
     def all_reduce(self, world: int) -> None:
-        """Average every parameter's gradient over ``world`` ranks (a parameter without one,
-        e.g. on a rank whose batch was empty, counts as zeros). A handful of launches
-        whatever the number of parameters (the step is bound by its host thread): one
-        concatenation, the reduction (averaging itself on NCCL), one grouped copy back."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        nccl = flat.is_cuda and dist.get_backend(self.group) == "nccl"
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG if nccl else dist.ReduceOp.SUM, group=self.group)
-        if not nccl:
-            flat /= world
-        torch._foreach_copy_(grads, [r.view_as(g) for r, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        """Average every parameter's gradient over ``world`` ranks (a rank whose batch was
+        empty adds zeros): one reduction of the buffer, averaging itself on NCCL."""
+        dist.all_reduce(self.flat, op=dist.ReduceOp.AVG if self._nccl else dist.ReduceOp.SUM, group=self.group)
+        if not self._nccl:
+            self.flat /= world
+
 
 class RankFailure(RuntimeError):
     """Another rank died or stopped answering: this one stops too."""

@@ -334,7 +334,10 @@ class TrainingLoop:
         else:
             loss = F.binary_cross_entropy_with_logits(logits, batch.label)
             reported = loss.detach()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.dense_gradients is not None:
+            self.dense_gradients.zero()  # the gradients stay views of the buffer the ranks reduce
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if sync:
             torch.cuda.synchronize()
