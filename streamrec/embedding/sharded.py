@@ -145,7 +145,7 @@ class Route:
     inverse: torch.Tensor  # requester: each input id's place among the keys sent (and the rows back)
     send_splits: list[int]  # rows sent to / received back from each rank
     recv_splits: list[int]  # rows received from / sent back to each rank
-    recv_grid: list[list[int]]  # owner: ids received from each rank (rows) of each table (columns)
+    recv_grid: list[list[int]]  # owner: keys received from each rank (rows) of each table (columns)
     table_sizes: list[int]  # owner: rows received per table
 
     def to_table_order(self, arrived: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ class Plan:
     keys: torch.Tensor  # int64: the keys sent, in send order (by owner, table, key): each table's distinct ids, or every id
     inverse: torch.Tensor  # int64 [input ids]: each input id's place in ``keys``
     send_counts: list[int]  # keys to each (owner, table), owner-major
-    recv_counts: list[int] | None = None  # ids from each (rank, table), rank-major; known once agreed
+    recv_counts: list[int] | None = None  # keys from each (rank, table), rank-major; known once agreed
     asked: list[str] = field(default_factory=list)  # every table asked for, replicated ones included, in order
     replicated: "ReplicatedPlan | None" = None  # the ids of the replicated tables
 
@@ -249,7 +249,7 @@ class ExchangeStats:
     steps: int = 0
     ids_asked: int = 0  # ids of this rank's batches (sharded tables), before de-duplication
     ids_sent: int = 0  # keys this rank asked their owners for (each table's distinct ids)
-    ids_received: int = 0  # ids this rank served as their owner
+    ids_received: int = 0  # keys this rank served as their owner
     ids_bytes_out: int = 0  # ids and their counts to the other owners
     rows_bytes_out: int = 0  # rows this owner sent back to the other requesters
     grads_bytes_out: int = 0  # gradients this requester sent to the other owners
@@ -514,8 +514,9 @@ class ShardedCollection:
                 rows.rows[rows.admitted] = weights.index_select(0, rows.slots).to(rows.rows.device)
 
     def apply_gradients(self, rows: ShardedRows) -> None:
-        """Send the gradient of each input id's row (zeros where backward left none) to the
-        owners, which sum them per key, average them over ranks and apply the optimizers
+        """Send the gradient of each key's row (its ids' gradients, summed by backward; zeros
+        where it left none) to the owners, which sum them per key over the ranks, average them
+        over ranks and apply the optimizers
         (one launch for all tables where ``find_or_insert`` was table-batched)."""
         t0 = time.perf_counter()
         route, grad = rows.route, rows.leaf.grad
@@ -586,9 +587,9 @@ class ShardedCollection:
         sorted_ids, sorted_code = every_id[order], code[order]
         first = torch.ones(len(order), dtype=torch.bool, device=device)  # a key sent: the first of its (code, key)
         first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_code[1:] != sorted_code[:-1])
-        counted = [t for t, n in enumerate(names) if n in self.every_sighting]
-        if counted:
-            first |= torch.isin(sorted_code % len(names), torch.tensor(counted, device=device))
+        if any(n in self.every_sighting for n in names):  # every id of those tables is sent
+            first |= torch.cat([torch.full((size,), n in self.every_sighting, dtype=torch.bool, device=device)
+                                for n, size in zip(names, sizes)])[order]
         place = torch.cumsum(first, 0) - 1
         # keys per (owner, table): index_add, not bincount (which waits for the device to size its output)
         send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, sorted_code, first.long())
@@ -643,8 +644,8 @@ class ShardedCollection:
         return plan
 
     def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor]]:
-        """Every id of the sharded tables to its owner, one all_to_all with the agreed split
-        sizes: (the route, what this rank owns of every rank's ids, by table)."""
+        """The sharded tables' keys to their owners, one all_to_all with the agreed split
+        sizes: (the route, what this rank owns of every rank's keys, by table)."""
         world, device = self.world, self.device
         names, n_tables = plan.names, len(plan.names)
         recv_grid = [plan.recv_counts[r * n_tables:(r + 1) * n_tables] for r in range(world)]

@@ -40,6 +40,7 @@ from streamrec.trainer.step_channel import PeerLost, StepChannel
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "STREAMREC_TRAIN_WORKER"  # set for the processes the launcher starts
+GRAD_ALIGN = 16  # elements: where each dense gradient starts in DenseGradients' buffer
 
 
 
@@ -60,9 +61,15 @@ class DenseGradients:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0, group=group)
-        first = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
-        self.views = [g.view_as(p) for g, p in zip(self.flat.split([p.numel() for p in self.params]), self.params)]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"the dense model's gradients are reduced as one buffer: its parameters need one dtype, got {dtypes}")
+        # each gradient starts 64 bytes aligned, so the fused optimizer reads it vectorized
+        starts = [0]
+        for p in self.params:
+            starts.append(starts[-1] + -(-p.numel() // GRAD_ALIGN) * GRAD_ALIGN)
+        self.flat = torch.zeros(starts[-1], dtype=dtypes.pop(), device=self.params[0].device)
+        self.views = [self.flat[at:at + p.numel()].view_as(p) for at, p in zip(starts, self.params)]
         self._nccl = self.flat.is_cuda and dist.get_backend(group) == "nccl"
         self.zero()
 
