@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
 from streamrec.embedding.table import BatchRows
-from streamrec.embedding.unique import unique_per_group
+from streamrec.embedding.unique import unique_per_group, unique_tagged
 
 if TYPE_CHECKING:
     from streamrec.embedding.collection import EmbeddingCollection
@@ -243,7 +243,7 @@ class Ahead:
 @dataclass
 class ExchangeStats:
     """One rank's exchange, summed over steps. Bytes count what left this rank for the other
-    ranks (what it sends itself is a local copy); ids count every id, its own included, so
+    ranks (what it sends itself is a local copy); the id and key counts include its own, so
     that ``ids_received`` across ranks shows how evenly the owners are loaded."""
 
     steps: int = 0
@@ -284,21 +284,16 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     distinct, where = [], []  # per table: its keys sorted (distinct unless every sighting counts); each id's place
     for name in names:
         flat = ids[name].reshape(-1).to(torch.int64).numpy()
-        if name in every_sighting:
-            by_key = np.argsort(flat, kind="stable")
-            keys = flat[by_key]
-            place = np.empty(len(flat), np.int64)
-            place[by_key] = np.arange(len(flat))
+        if name in every_sighting:  # each id its own key
+            values, of_id = flat, np.arange(len(flat))
         else:
             encoded = pa.array(flat, pa.int64()).dictionary_encode()  # hashed: no sort of every id
-            seen = encoded.dictionary.to_numpy()
-            by_key = np.argsort(seen)
-            keys = seen[by_key]
-            rank = np.empty(len(seen), np.int64)
-            rank[by_key] = np.arange(len(seen))
-            place = rank[encoded.indices.to_numpy(zero_copy_only=False)]
-        distinct.append(keys)
-        where.append(place)
+            values, of_id = encoded.dictionary.to_numpy(), encoded.indices.to_numpy(zero_copy_only=False)
+        by_key = np.argsort(values, kind="stable")
+        rank = np.empty(len(values), np.int64)
+        rank[by_key] = np.arange(len(values))
+        distinct.append(values[by_key])
+        where.append(rank[of_id])
     counts_by_table = [len(k) for k in distinct]
     keys = np.concatenate(distinct) if distinct else np.empty(0, np.int64)
     groups = world * len(names)
@@ -581,18 +576,13 @@ class ShardedCollection:
         sizes = [len(f) for f in flat]
         every_id = torch.cat(flat)
         tables = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
-        code = owner_of(every_id, world) * len(names) + tables
-        by_key = torch.argsort(every_id, stable=True)
-        order = by_key[torch.argsort(code[by_key], stable=True)]  # by (owner, table, key), ties in input order
-        sorted_ids, sorted_code = every_id[order], code[order]
-        first = torch.ones(len(order), dtype=torch.bool, device=device)  # a key sent: the first of its (code, key)
-        first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_code[1:] != sorted_code[:-1])
-        if any(n in self.every_sighting for n in names):  # every id of those tables is sent
-            first |= torch.cat([torch.full((size,), n in self.every_sighting, dtype=torch.bool, device=device)
-                                for n, size in zip(names, sizes)])[order]
-        place = torch.cumsum(first, 0) - 1
-        # keys per (owner, table): index_add, not bincount (which waits for the device to size its output)
-        send_counts = torch.zeros(world * len(names), dtype=torch.int64, device=device).index_add_(0, sorted_code, first.long())
+        counted = None  # the ids of the tables whose every id is sent
+        if any(n in self.every_sighting for n in names):
+            counted = torch.cat([torch.full((size,), n in self.every_sighting, dtype=torch.bool, device=device)
+                                 for n, size in zip(names, sizes)])
+        # keys in (owner, table, key) order: the code's order; with their counts per code on the host (a host sync)
+        keys, inverse, _, send_counts = unique_tagged(every_id, owner_of(every_id, world) * len(names) + tables,
+                                                      world * len(names), counted)
         replicated = None
         rep_names = [n for n in ids if n in self.replicated]
         if rep_names:
@@ -601,12 +591,9 @@ class ShardedCollection:
                 uniques = unique_per_group(rep_flat)
             else:
                 uniques = [torch.unique(f, return_inverse=True, return_counts=True) for f in rep_flat]
-            unique, inverse, sightings = (list(x) for x in zip(*uniques))
-            replicated = ReplicatedPlan(rep_names, unique, inverse, sightings, [len(u) for u in unique])
-        send_counts_list = send_counts.tolist()  # host sync: the split sizes
-        keys = torch.empty(sum(send_counts_list), dtype=torch.int64, device=device).scatter_(0, place, sorted_ids)
-        inverse = torch.empty_like(place).index_copy_(0, order, place)
-        return Plan(names, sizes, keys, inverse, send_counts_list, asked=list(ids), replicated=replicated)
+            unique, rep_inverse, sightings = (list(x) for x in zip(*uniques))
+            replicated = ReplicatedPlan(rep_names, unique, rep_inverse, sightings, [len(u) for u in unique])
+        return Plan(names, sizes, keys, inverse, send_counts, asked=list(ids), replicated=replicated)
 
     def agreed(self, counts_by_rank: list[list[int]]) -> None:
         """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what

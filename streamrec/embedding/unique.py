@@ -30,22 +30,33 @@ def unique_concat(groups: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     after another; the inverse of every id into those keys; counts; the distinct count of
     each group, on the host)."""
     device = groups[0].device
-    sizes = [g.numel() for g in groups]
     ids = torch.cat([g.reshape(-1) for g in groups])
-    n = len(ids)
+    # the tag of each id: fills, not repeat_interleave (which would wait for the device)
+    tags = torch.cat([torch.full((g.numel(),), t, dtype=torch.int64, device=device) for t, g in enumerate(groups)])
+    return unique_tagged(ids, tags, len(groups))
+
+
+def unique_tagged(ids: torch.Tensor, tags: torch.Tensor, n_tags: int, every_id: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """The distinct (tag, id) pairs of ``ids`` (int64 [n]) tagged by ``tags`` (int64 [n], each
+    in [0, n_tags)), in any order: (their ids sorted by (tag, id); the inverse of every id
+    into them; counts; the distinct count of each tag, on the host: the one host sync).
+    ``every_id`` (bool [n]): ids kept each on its own, duplicates included (sorted among the
+    others, ties in input order)."""
+    device, n = ids.device, len(ids)
     if n == 0:
         keys, inverse, counts = (torch.empty(0, dtype=torch.int64, device=device) for _ in range(3))
-        return keys, inverse, counts, [0] * len(groups)
-    # the tag of each id: fills, not repeat_interleave (which would wait for the device)
-    tags = torch.cat([torch.full((size,), t, dtype=torch.int64, device=device) for t, size in enumerate(sizes)])
+        return keys, inverse, counts, [0] * n_tags
     by_id = torch.argsort(ids, stable=True)
-    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (group, id)
+    order = by_id[torch.argsort(tags[by_id], stable=True)]  # sorted by (tag, id), ties in input order
     sorted_ids, sorted_tags = ids[order], tags[order]
     first = torch.ones(n, dtype=torch.bool, device=device)
     first[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_tags[1:] != sorted_tags[:-1])
-    rank = torch.cumsum(first, 0) - 1  # position among the distinct (group, id) pairs
-    per_group = torch.zeros(len(groups), dtype=torch.int64, device=device).index_add_(0, sorted_tags, first.long())
-    totals_list = per_group.tolist()  # the one host sync
+    if every_id is not None:
+        first |= every_id[order]
+    rank = torch.cumsum(first, 0) - 1  # position among the distinct (tag, id) pairs
+    per_tag = torch.zeros(n_tags, dtype=torch.int64, device=device).index_add_(0, sorted_tags, first.long())
+    totals_list = per_tag.tolist()  # the one host sync
     total = sum(totals_list)
     keys = torch.empty(total, dtype=torch.int64, device=device).scatter_(0, rank, sorted_ids)
     counts = torch.zeros(total, dtype=torch.int64, device=device).index_add_(0, rank, torch.ones_like(rank))

@@ -50,14 +50,13 @@ class DenseGradients:
     CUDA graphs (trainer/dense_graph.py: DDP's gradient hooks cannot be captured); the dense
     model is small, so the reduction not overlapping the backward costs little. Every
     parameter's gradient is a view of one flat buffer, so backward accumulates into it in
-    place and the reduction reads and writes it whole: no per-parameter work on the host,
-    whose thread bounds the step. The ranks start from rank 0's parameters and buffers
+    place and the reduction reads and writes it whole: no per-parameter copy or launch on
+    the host, whose thread bounds the step. The ranks start from rank 0's parameters and buffers
     (broadcast when this is made)."""
 
     def __init__(self, model: torch.nn.Module, group: Any) -> None:
         self.group = group
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.bytes = sum(p.numel() * p.element_size() for p in self.params)  # one all_reduce's payload
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0, group=group)
@@ -70,6 +69,7 @@ class DenseGradients:
             starts.append(starts[-1] + -(-p.numel() // GRAD_ALIGN) * GRAD_ALIGN)
         self.flat = torch.zeros(starts[-1], dtype=dtypes.pop(), device=self.params[0].device)
         self.views = [self.flat[at:at + p.numel()].view_as(p) for at, p in zip(starts, self.params)]
+        self.bytes = self.flat.numel() * self.flat.element_size()  # one all_reduce's payload
         self._nccl = self.flat.is_cuda and dist.get_backend(group) == "nccl"
         self.zero()
 
@@ -179,7 +179,7 @@ def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publ
           checkpoint: bool = False, counts: Sequence[int] = ()) -> Agreed:
     """One small all_gather over the ranks' step channel: every rank learns the others' state
     and rank 0's decisions, so all take the same branch (and call the same collectives).
-    ``counts`` (as many on every rank): the step's ids per (owner, table)
+    ``counts`` (as many on every rank): the step's keys per (owner, table)
     (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
     its own for its split sizes."""
     mine = [samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts]
