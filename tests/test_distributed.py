@@ -96,7 +96,9 @@ def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed
             assert host.send_counts == on_device.send_counts and host.sizes == on_device.sizes
             assert torch.equal(host.routed.to(ids["a"].device), torch.cat([on_device.keys, on_device.inverse]))
         counts = sharded.plan(None if on_host else ids, host=host)
-        sharded.agreed(agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts).counts)
+        agreed_step = agree(ranks, 1, ended=False, stop=False, now_ms=step, counts=counts, to_each=sharded.keys_out())
+        assert (agreed_step.keys_from is not None) == on_host  # keys laid out on the host ride in the agreement
+        sharded.agreed(agreed_step.counts, agreed_step.keys_from)
     pulled = sharded.find_or_insert(ids, now_ms=step)
     before = {n: pulled.embeddings[n].detach().cpu() for n in ids}
     torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
@@ -174,6 +176,7 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     assert [s["steps"] for s in stats] == [6, 6] and [s["ids_asked"] for s in stats] == asked
     assert [s["ids_sent"] for s in stats] == sent and sent[0] < asked[0] and sent[1] < asked[1]
     assert [s["counts_exchanged"] for s in stats] == [0 if agreed else 6] * 2
+    assert [s["keys_agreed"] for s in stats] == [6 if how == "laid_out_on_host" else 0] * 2  # no ids all_to_all then
     assert sum(s["ids_received"] for s in stats) == sum(sent) and all(s["ids_received"] > 0 for s in stats)
     for r in range(2):
         row_bytes = 4 * 4  # dim 4, float32
@@ -667,6 +670,7 @@ def test_two_ranks_learn_as_well_as_one_on_the_same_data(runs, sample_run):
     assert [r["rank"] for r in by_rank] == [0, 1] and sum(r["samples"] for r in by_rank) == rows
     assert all(r["exchange"]["bytes_out"]["rows"] > 0 and r["exchange"]["ids_received"] > 0 for r in by_rank)
     assert all(r["exchange"]["counts_exchanged"] == 0 for r in by_rank)  # the split sizes came with the agreement
+    assert all(r["exchange"]["keys_agreed"] == r["exchange"]["steps"] > 0 for r in by_rank)  # and so did the keys
     assert [r["samples"] for r in one["step_by_rank"]] == [rows] and "exchange" not in one["step_by_rank"][0]
 
 
@@ -684,6 +688,7 @@ def test_small_tables_replicated_on_every_rank_learn_as_the_sharded_run(runs, re
     assert abs(two["auc_online"] - replicated_run["auc_online"]) < 0.01
     by_rank = replicated_run["step_by_rank"]
     assert all(r["exchange"]["replicated_rows"] > 0 and r["exchange"]["counts_exchanged"] == 0 for r in by_rank)
+    assert all(r["exchange"]["keys_agreed"] == 0 for r in by_rank)  # laid out on the device: the exchange sends them
     assert replicated_run["table_rows"] == two["table_rows"]  # a replicated table's rows counted once, not once per rank
 
     manifest = json.loads((root / "replicated" / "models" / "ctr" / "versions" / f"{replicated_run['version']:012d}" /

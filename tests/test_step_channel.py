@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from streamrec.trainer.step_channel import PeerLost, StepChannel
@@ -22,7 +23,7 @@ def _channels(world: int, timeout_s: float = 10.0) -> list[StepChannel]:
             for s in (sa, sb):
                 s.settimeout(timeout_s)
             peers[a][b], peers[b][a] = sa, sb
-    return [StepChannel(r, world, peers[r]) for r in range(world)]
+    return [StepChannel(r, world, peers[r], timeout_s) for r in range(world)]
 
 
 def _on_every_rank(channels: list[StepChannel], work) -> list:
@@ -73,3 +74,35 @@ def test_rows_of_different_lengths_are_refused():
     results = _on_every_rank(channels, lambda r, c: c.all_gather([7] * (2 + r)))
     assert isinstance(results[0], (ValueError, PeerLost)) and isinstance(results[1], (ValueError, PeerLost))
     assert any(isinstance(x, ValueError) and "do not run the same step" in str(x) for x in results)
+
+
+def test_every_rank_gets_what_each_rank_sent_it_of_any_size_beside_the_rows():
+    """Arrays far larger than a socket's buffers (both ranks write before they read) and
+    empty ones, round after round, each to its own rank."""
+    channels = _channels(3)
+    sizes = [0, 1, 3, 700_000]  # 700,000 int64: 5.6 MB, beyond any default socket buffer
+
+    def rounds(r: int, channel: StepChannel) -> list:
+        out = []
+        for step, size in enumerate(sizes):
+            to_each = [np.arange(size, dtype=np.int64) * 10 + 100 * r + peer for peer in range(3)]
+            rows, got = channel.exchange([r, step], to_each)
+            out.append((rows, [g.tolist() for g in got]))
+        return out
+
+    results = _on_every_rank(channels, rounds)
+    for me in range(3):
+        assert not isinstance(results[me], BaseException), results[me]
+        for step, size in enumerate(sizes):
+            rows, got = results[me][step]
+            assert rows == [[r, step] for r in range(3)]
+            assert got == [(np.arange(size) * 10 + 100 * r + me).tolist() for r in range(3)]
+
+
+def test_all_gather_and_exchange_mix_round_after_round():
+    channels = _channels(2)
+
+    def rounds(r: int, channel: StepChannel) -> list:
+        return [channel.all_gather([r]), channel.exchange([r], [np.array([r, 1 - r])] * 2)[1][1 - r].tolist(), channel.all_gather([r + 5])]
+
+    assert _on_every_rank(channels, rounds) == [[[[0], [1]], [1, 0], [[5], [6]]], [[[0], [1]], [0, 1], [[5], [6]]]]

@@ -6,8 +6,8 @@ spread evenly), and only its owner stores the row, in the owner's own
 step, for all tables at once::
 
     requester: each table's distinct ids (keys), grouped by (owner, table); its counts
-                per (owner, table) go in the step's agreement (plan, agreed)
-    all_to_all  keys, with the split sizes the agreement brought   -> owners
+                per (owner, table), and the keys themselves, go in the step's agreement
+                (plan, keys_out, agreed)                           -> owners
     owner:      find_or_insert of what it received: one de-duplication of the keys of
                 all ranks, rows created/admitted there, one row per key received
     all_to_all  rows                                         -> requesters
@@ -26,11 +26,14 @@ trainer lays the keys out on the host, off its step's thread (``layout_on_host``
 sample reader process: a hash de-duplication per table), so neither the de-duplication nor
 the counts cost a device sync; laid out on the device (``plan`` without ``host``) the
 counts cost one. The split sizes need every rank's counts; they ride in the per-step
-agreement (trainer/distributed.py), so the exchange has no collective and no host
-round-trip of its own for them. Three collectives and two host syncs per step (the
-owner's find_or_insert), whatever the number of tables. A caller that does not agree
-first (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent in an
-all_gather of their own, then to the host: a fourth collective.
+agreement (trainer/distributed.py), and so do the keys where every rank laid them out on
+the host: the agreement is a round of messages between the ranks' hosts anyway, and the
+keys are a few thousand integers, so the ids need no collective (and the owner no
+regrouping of them on the device). Two collectives (rows, gradients) and two host syncs
+per step (the owner's find_or_insert), whatever the number of tables; a third collective
+sends the keys where they were laid out on the device. A caller that does not agree first
+(``find_or_insert`` without ``plan``/``agreed``) gets the counts sent in an all_gather of
+their own, then to the host: one more.
 
 Replicated tables (``replicated``; ``plan_placement`` picks them): small tables every
 sample asks for are held whole by every rank and trained data-parallel instead. Each
@@ -186,6 +189,8 @@ class Plan:
     recv_counts: list[int] | None = None  # keys from each (rank, table), rank-major; known once agreed
     asked: list[str] = field(default_factory=list)  # every table asked for, replicated ones included, in order
     replicated: "ReplicatedPlan | None" = None  # the ids of the replicated tables
+    host_keys: np.ndarray | None = None  # ``keys`` on the host (laid out there, or none at all): they can ride in the agreement
+    received: torch.Tensor | None = None  # owner: every rank's keys for it, table by table (each rank by rank), on the host; once agreed with them
 
     def counts(self) -> list[int]:
         """What the agreement carries for this rank: the sharded tables' counts per (owner,
@@ -256,6 +261,7 @@ class ExchangeStats:
     ahead: int = 0  # steps whose ids went to their owners during the step before (prefetch)
     found_ahead: int = 0  # of those, steps whose owner's find_or_insert ran then too
     counts_exchanged: int = 0  # steps whose split sizes took a counts all_gather of their own (no agreed plan)
+    keys_agreed: int = 0  # steps whose keys rode in the agreement (no ids all_to_all)
     replicated_rows: int = 0  # unique rows of the replicated tables' union (every rank's ids), its gradient all_reduce's rows
     replicated_bytes_out: int = 0  # this rank's unique ids of the replicated tables (and their counts) to the other ranks
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(EXCHANGE_PARTS, 0.0))
@@ -264,6 +270,7 @@ class ExchangeStats:
         """The figures of an average step (bytes and ids per step, host ms per part)."""
         steps = max(1, self.steps)
         return {"steps": self.steps, "ahead": self.ahead, "found_ahead": self.found_ahead, "counts_exchanged": self.counts_exchanged,
+                "keys_agreed": self.keys_agreed,
                 "ids_asked": self.ids_asked / steps, "ids_sent": self.ids_sent / steps, "ids_received": self.ids_received / steps,
                 "bytes_out": {"ids": self.ids_bytes_out / steps, "rows": self.rows_bytes_out / steps,
                               "grads": self.grads_bytes_out / steps, "replicated_ids": self.replicated_bytes_out / steps},
@@ -561,11 +568,25 @@ class ShardedCollection:
         if host is not None:
             routed = host.routed.to(self.device, non_blocking=True)
             n_keys = sum(host.send_counts)
-            self._plan = Plan(host.names, host.sizes, routed[:n_keys], routed[n_keys:], host.send_counts, asked=list(host.names))
+            self._plan = Plan(host.names, host.sizes, routed[:n_keys], routed[n_keys:], host.send_counts, asked=list(host.names),
+                              host_keys=host.routed.numpy()[:n_keys])
         else:
             self._plan = self._layout(ids)
+            if not sum(self._plan.send_counts):  # nothing to send (an empty batch): nothing to copy back either
+                self._plan.host_keys = np.empty(0, np.int64)
         self._lap("ids", t0)
         return self._plan.counts()
+
+    def keys_out(self) -> list[np.ndarray] | None:
+        """The planned step's keys for each owner, rank by rank (int64 host arrays, each owner's
+        table by table), for the agreement to carry (``agree(to_each=...)``); None where they
+        are on the device only (laid out there), so the exchange sends them itself."""
+        plan = self._plan
+        if plan is None or plan.host_keys is None:
+            return None
+        width = len(plan.names)
+        per_owner = [sum(plan.send_counts[r * width:(r + 1) * width]) for r in range(self.world)]
+        return np.split(plan.host_keys, np.cumsum(per_owner[:-1]).tolist())
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """``layout_on_host`` on the device: the sharded tables' keys in send order (by owner,
@@ -595,10 +616,12 @@ class ShardedCollection:
             replicated = ReplicatedPlan(rep_names, unique, rep_inverse, sightings, [len(u) for u in unique])
         return Plan(names, sizes, keys, inverse, send_counts, asked=list(ids), replicated=replicated)
 
-    def agreed(self, counts_by_rank: list[list[int]]) -> None:
+    def agreed(self, counts_by_rank: list[list[int]], keys_from: list[np.ndarray] | None = None) -> None:
         """Every rank's ``plan`` counts, as the agreement brought them (rank by rank): what
         each rank sends this one, per table, fixes the ids all_to_all's receive splits, and
-        every rank's unique ids per replicated table the replicated ids' exchange."""
+        every rank's unique ids per replicated table the replicated ids' exchange.
+        ``keys_from``: every rank's ``keys_out`` for this one, where the agreement carried
+        them (on every rank alike): the exchange then sends no ids of its own."""
         plan = self._plan
         width = len(plan.names) if plan is not None else 0
         if plan is None or len(counts_by_rank) != self.world or any(len(c) != len(plan.counts()) for c in counts_by_rank):
@@ -607,6 +630,21 @@ class ShardedCollection:
         plan.recv_counts = [n for counts in counts_by_rank for n in counts[lo:lo + width]]
         if plan.replicated is not None:
             plan.replicated.by_rank = [list(counts[self.world * width:]) for counts in counts_by_rank]
+        if keys_from is not None:
+            plan.received = self._by_table(keys_from, [counts[lo:lo + width] for counts in counts_by_rank])
+
+    def _by_table(self, keys_from: list[np.ndarray], grid: list[list[int]]) -> torch.Tensor:
+        """Every rank's keys for this owner (``grid``: how many of each table each rank sent),
+        table by table, each table's rank by rank, as the exchange regroups what arrives: one
+        host tensor (page-locked on CUDA, for one asynchronous copy to the device)."""
+        if [len(k) for k in keys_from] != [sum(row) for row in grid]:
+            raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
+                               f"{[sum(row) for row in grid]}")
+        parts = [np.split(keys, np.cumsum(row[:-1]).tolist()) if len(row) > 1 else [keys] for keys, row in zip(keys_from, grid)]
+        received = torch.empty(sum(map(len, keys_from)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        if len(received):
+            np.concatenate([parts[r][t] for t in range(len(grid[0])) for r in range(self.world)], out=received.numpy())
+        return received
 
     def _take_plan(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The agreed plan of ``ids`` (checked by their tables and sizes: a check of their
@@ -632,18 +670,24 @@ class ShardedCollection:
 
     def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor]]:
         """The sharded tables' keys to their owners, one all_to_all with the agreed split
-        sizes: (the route, what this rank owns of every rank's keys, by table)."""
+        sizes, or none where the agreement brought them: (the route, what this rank owns of
+        every rank's keys, by table)."""
         world, device = self.world, self.device
         names, n_tables = plan.names, len(plan.names)
         recv_grid = [plan.recv_counts[r * n_tables:(r + 1) * n_tables] for r in range(world)]
         send_splits = [sum(plan.send_counts[r * n_tables:(r + 1) * n_tables]) for r in range(world)]
         recv_splits = [sum(row) for row in recv_grid]
-        received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
-        dist.all_to_all_single(received, plan.keys, recv_splits, send_splits, group=self.group)
-        # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
         route = Route(names, plan.sizes, plan.inverse, send_splits, recv_splits, recv_grid,
                       [sum(row[t] for row in recv_grid) for t in range(n_tables)])
-        wanted = dict(zip(names, torch.split(route.to_table_order(received), route.table_sizes)))
+        if plan.received is not None:  # the agreement brought them, already by table
+            by_table = plan.received.to(device, non_blocking=True)
+            self.stats.keys_agreed += 1
+        else:
+            received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
+            dist.all_to_all_single(received, plan.keys, recv_splits, send_splits, group=self.group)
+            # received: for each source rank, its ids of table 0, then table 1, ...; regroup by table
+            by_table = route.to_table_order(received)
+        wanted = dict(zip(names, torch.split(by_table, route.table_sizes)))
         stats = self.stats
         stats.steps += 1
         stats.ids_asked += sum(plan.sizes)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -170,28 +171,33 @@ class Agreed:
     publish: Publish  # rank 0's word
     checkpoint: bool  # rank 0's word
     counts: list[list[int]] = field(default_factory=list)  # each rank's ``counts``, rank by rank
+    keys_from: list[np.ndarray] | None = None  # what each rank sent this one (``to_each``), rank by rank; None unless every rank sent
 
 
-HEADER = 6  # the agreement's fields before a rank's counts
+HEADER = 7  # the agreement's fields before a rank's counts
 
 
 def agree(ranks: Ranks, samples: int, ended: bool, stop: bool, now_ms: int, publish: Publish = Publish.NO,
-          checkpoint: bool = False, counts: Sequence[int] = ()) -> Agreed:
+          checkpoint: bool = False, counts: Sequence[int] = (), to_each: Sequence[np.ndarray] | None = None) -> Agreed:
     """One small all_gather over the ranks' step channel: every rank learns the others' state
     and rank 0's decisions, so all take the same branch (and call the same collectives).
     ``counts`` (as many on every rank): the step's keys per (owner, table)
     (``ShardedCollection.plan``), carried here so that the exchange needs no collective of
-    its own for its split sizes."""
-    mine = [samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), *counts]
+    its own for its split sizes. ``to_each`` (int64 host arrays, one per rank): the step's
+    keys for each owner (``ShardedCollection.keys_out``), carried too, so that they need no
+    collective either; ``keys_from`` holds what came, where every rank sent them (the same
+    answer on every rank: all ranks then take the same route)."""
+    mine = [samples, int(ended), int(stop), now_ms, int(publish), int(checkpoint), int(to_each is not None), *counts]
     if not ranks.distributed:
-        rows = [mine]
+        rows, received = [mine], list(to_each or [])
     else:
         try:
-            rows = ranks.steps.all_gather(mine)
+            rows, received = ranks.steps.exchange(mine, to_each)
         except PeerLost as exc:
             raise RankFailure(f"rank {ranks.rank}: another rank stopped answering ({exc})") from exc
+    keys_from = received if all(r[6] for r in rows) else None
     return Agreed(sum(r[0] for r in rows), all(r[1] for r in rows), any(r[2] for r in rows), max(r[3] for r in rows),
-                  Publish(rows[0][4]), bool(rows[0][5]), [r[HEADER:] for r in rows])
+                  Publish(rows[0][4]), bool(rows[0][5]), [r[HEADER:] for r in rows], keys_from)
 
 
 def gather_to_all(ranks: Ranks, value: Any, group: Any = None) -> list[Any]:

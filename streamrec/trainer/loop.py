@@ -221,8 +221,8 @@ class TrainingLoop:
     def _next(self, reader: SampleReader, ended: bool, ahead: bool = False) -> Turn:
         """The next step as every rank agrees it: this rank's batch, whether to stop, rank
         0's word on publishing and checkpointing after it (``ended``: this rank's source is
-        done). On several ranks the batch goes to the device here and its ids' counts per
-        owner travel in the agreement (``ShardedCollection.plan``); a rank without samples
+        done). On several ranks the batch goes to the device here and its keys and their counts
+        per owner travel in the agreement (``ShardedCollection.plan``); a rank without samples
         plans an empty batch. ``ahead``: during the step before (``_look_ahead``)."""
         opts = self.opts
         t0 = time.perf_counter()
@@ -253,9 +253,11 @@ class TrainingLoop:
                 counts = self.exchange.plan(None if batch.plan is not None else SparseFeatures.table_ids(batch), host=batch.plan)
             self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
-        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts)
+        keys_out = self.exchange.keys_out() if self.exchange is not None else None
+        agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts,
+                       keys_out)
         if self.exchange is not None:
-            self.exchange.agreed(agreed.counts)
+            self.exchange.agreed(agreed.counts, agreed.keys_from)
         self.times["agree"] += time.perf_counter() - t1
         return Turn(batch, agreed, ended, idle_s)
 

@@ -1,5 +1,6 @@
-"""The ranks' per-step agreement: a few integers from every rank to every rank, over one TCP
-connection per pair of ranks.
+"""The ranks' per-step agreement: a few integers from every rank to every rank, and an array
+of int64 from every rank to each other rank (the exchange's keys for their owner), over one
+TCP connection per pair of ranks.
 
 Why not a gloo ``all_gather``: the agreement runs once a step on the training thread, and
 gloo's costs several hundred microseconds even when no rank waits for another (its work
@@ -11,20 +12,24 @@ The connections are made once, when the ranks join: each rank listens on the add
 routes to the rendezvous host (``MASTER_ADDR``; loopback without one), the ranks learn each
 other's addresses through a gloo ``all_gather_object``, and each connects to the ranks below
 it. A rank that dies closes its connections, so the others fail at their next agreement
-instead of waiting; one that hangs makes them fail after ``timeout_s``.
+instead of waiting; one that hangs makes them fail after ``timeout_s``. A rank writes to
+and reads from all its peers at once (``select``), so rows and arrays of any size go
+through without two ranks each waiting for the other to read first.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
+import time
 from typing import Any, Sequence
 
 import numpy as np
 import torch.distributed as dist
 
-_HEADER = struct.Struct("<I")  # bytes of the row that follows (a check: every rank's row has the same length)
+_HEADER = struct.Struct("<II")  # bytes of the row that follows (a check: every rank's row has the same length); of the array after it
 _RANK = struct.Struct("<q")  # a connecting rank says who it is
 
 
@@ -33,11 +38,16 @@ class PeerLost(ConnectionError):
 
 
 class StepChannel:
-    """Every rank's row of int64, on every rank (``all_gather``). Every rank must call it
-    the same number of times with rows of the same length, as with any collective."""
+    """Every rank's row of int64, on every rank (``all_gather``), with an int64 array of any
+    length from every rank to each other one (``exchange``). Every rank must call it the
+    same number of times with rows of the same length, as with any collective."""
 
-    def __init__(self, rank: int, world: int, peers: dict[int, socket.socket]) -> None:
-        self.rank, self.world, self.peers = rank, world, peers
+    def __init__(self, rank: int, world: int, peers: dict[int, socket.socket], timeout_s: float = 600.0) -> None:
+        """``peers``: a connected socket to every other rank (made non-blocking here: the
+        channel waits in ``select``, for at most ``timeout_s`` a round)."""
+        self.rank, self.world, self.peers, self.timeout_s = rank, world, peers, timeout_s
+        for conn in peers.values():
+            conn.setblocking(False)
 
     @classmethod
     def open(cls, rank: int, world: int, group: Any, timeout_s: float) -> "StepChannel":
@@ -65,30 +75,85 @@ class StepChannel:
         finally:
             listener.close()
         for conn in peers.values():
-            conn.settimeout(timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(rank, world, peers)
+        return cls(rank, world, peers, timeout_s)
 
     def all_gather(self, row: Sequence[int]) -> list[list[int]]:
         """``row`` from every rank, in rank order (raises PeerLost)."""
+        return self.exchange(row)[0]
+
+    def exchange(self, row: Sequence[int], to_each: Sequence[np.ndarray] | None = None
+                 ) -> tuple[list[list[int]], list[np.ndarray]]:
+        """``row`` from every rank, in rank order; and ``to_each[r]`` (int64 [any], host) to
+        rank ``r``: returns (every rank's row, what each rank sent this one: int64 arrays in
+        rank order, this rank's own ``to_each[rank]`` at its place; empty without ``to_each``).
+        Raises PeerLost."""
         payload = np.asarray(row, dtype="<i8").tobytes()
-        message = _HEADER.pack(len(payload)) + payload
-        for peer, conn in self.peers.items():
-            try:
-                conn.sendall(message)
-            except OSError as exc:
-                raise PeerLost(f"rank {peer} is gone ({exc})") from None
+        arrays = [np.ascontiguousarray(a, dtype="<i8") for a in to_each] if to_each is not None else None
+        if arrays is not None and len(arrays) != self.world:
+            raise ValueError(f"exchange needs an array for each of the {self.world} ranks, got {len(arrays)}")
+        outgoing = {}
+        for peer in self.peers:
+            extra = arrays[peer].tobytes() if arrays is not None else b""
+            outgoing[peer] = memoryview(_HEADER.pack(len(payload), len(extra)) + payload + extra)
+        fixed = _HEADER.size + len(payload)  # every rank's header and row: as long as ours
+        received = self._send_and_receive(outgoing, fixed)
         rows: list[list[int]] = []
+        extras: list[np.ndarray] = []
         for r in range(self.world):
             if r == self.rank:
                 rows.append(list(row))
+                extras.append(arrays[r] if arrays is not None else np.empty(0, np.int64))
                 continue
-            received = _read(self.peers[r], len(message), f"rank {r}")  # one read: the rows are as long as ours
-            if _HEADER.unpack_from(received)[0] != len(payload):
-                raise ValueError(f"rank {r} sent a row of {_HEADER.unpack_from(received)[0] // 8} integers, this rank "
+            message = received[r]
+            row_bytes, _ = _HEADER.unpack_from(message)
+            if row_bytes != len(payload):
+                raise ValueError(f"rank {r} sent a row of {row_bytes // 8} integers, this rank "
                                  f"{len(payload) // 8}: the ranks do not run the same step")
-            rows.append(np.frombuffer(received, dtype="<i8", offset=_HEADER.size).tolist())
-        return rows
+            rows.append(np.frombuffer(message, dtype="<i8", count=len(payload) // 8, offset=_HEADER.size).tolist())
+            extras.append(np.frombuffer(message, dtype="<i8", offset=fixed).astype(np.int64, copy=False))
+        return rows, extras
+
+    def _send_and_receive(self, outgoing: dict[int, memoryview], fixed: int) -> dict[int, bytearray]:
+        """Write each peer's message and read each peer's (``fixed`` bytes, then the array its
+        header announces), all at once: no peer waits for another to read first. Each pass
+        tries every pending write and read, then waits (``select``) only for what is left."""
+        sent = dict.fromkeys(outgoing, 0)
+        inbox = {peer: bytearray() for peer in self.peers}
+        wanted = dict.fromkeys(self.peers, fixed)
+        deadline = None
+        while True:
+            for peer, message in outgoing.items():
+                if sent[peer] < len(message):
+                    try:
+                        sent[peer] += self.peers[peer].send(message[sent[peer]:])
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as exc:
+                        raise PeerLost(f"rank {peer} is gone ({exc})") from None
+            for peer, conn in self.peers.items():
+                while len(inbox[peer]) < wanted[peer]:
+                    try:
+                        chunk = conn.recv(wanted[peer] - len(inbox[peer]))
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as exc:
+                        raise PeerLost(f"rank {peer} is gone ({exc})") from None
+                    if not chunk:
+                        raise PeerLost(f"rank {peer} closed its connection (it stopped or died)")
+                    inbox[peer] += chunk
+                    if len(inbox[peer]) == fixed == wanted[peer]:  # the header is in: now the array's length
+                        wanted[peer] = fixed + _HEADER.unpack_from(inbox[peer])[1]
+            writers = [self.peers[p] for p, m in outgoing.items() if sent[p] < len(m)]
+            readers = [c for p, c in self.peers.items() if len(inbox[p]) < wanted[p]]
+            if not writers and not readers:
+                return inbox
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now >= deadline:
+                late = next(p for p, c in self.peers.items() if c in readers or c in writers)
+                raise PeerLost(f"rank {late} did not answer within {self.timeout_s:.0f} s")
+            select.select(readers, writers, [], deadline - now)
 
     def close(self) -> None:
         for conn in self.peers.values():
