@@ -598,25 +598,30 @@ def test_shards_are_balanced_within_ten_percent_on_zipf_ids(world):
     assert float(rows.max() / rows.mean()) < 1.1 and float(rows.min() / rows.mean()) > 0.9, rows.tolist()
 
 
-def test_file_shares_are_disjoint_cover_every_row_and_resume_exactly(sample_run):
-    """Each rank reads its stripes; stopping anywhere and resuming from the position
-    reads the rest of its share, so over all ranks every row is read exactly once."""
+@pytest.mark.parametrize("group_rows", [None, 1000], ids=["one_row_group", "many_row_groups"])
+def test_file_shares_are_disjoint_cover_every_row_and_resume_exactly(sample_run, tmp_path, group_rows):
+    """Each rank reads its share (stripes of a file of one row group; whole row groups of a
+    file of many, as ``pipeline offline`` writes them); stopping anywhere and resuming from
+    the position reads the rest of its share, so over all ranks every row is read exactly once."""
     from streamrec.trainer.sources import FileSampleSource
 
-    total = pq.ParquetFile(sample_run / "samples.parquet").metadata.num_rows
+    table = pq.read_table(sample_run / "samples.parquet")
+    path = tmp_path / "samples.parquet"
+    pq.write_table(table, path, row_group_size=group_rows or table.num_rows)
+    assert pq.ParquetFile(path).metadata.num_row_groups == (1 if group_rows is None else -(-table.num_rows // group_rows))
     seen = []
     for rank in range(3):
-        first = FileSampleSource([str(sample_run)], FeatureSpec(), chunk_rows=5000, shard=(rank, 3))
+        first = FileSampleSource([str(path)], FeatureSpec(), chunk_rows=5000, shard=(rank, 3))
         chunks = first.chunks()
         head = [next(chunks) for _ in range(4)]
         position = head[-1].consumed
-        rest = list(FileSampleSource([str(sample_run)], FeatureSpec(), start=position, chunk_rows=5000, shard=(rank, 3)).chunks())
+        rest = list(FileSampleSource([str(path)], FeatureSpec(), start=position, chunk_rows=5000, shard=(rank, 3)).chunks())
         mine = np.concatenate([c.offsets for c in head + rest] + [np.array([o for _, o, _ in c.rejected], np.int64) for c in head + rest])
         assert len(mine) == len(np.unique(mine))
-        assert set(((mine // 64) % 3).tolist()) == {rank}
+        assert set(((mine // (group_rows or 64)) % 3).tolist()) == {rank}  # its row groups, or its stripes
         seen.append(mine)
     everything = np.sort(np.concatenate(seen))
-    assert np.array_equal(everything, np.arange(total))
+    assert np.array_equal(everything, np.arange(table.num_rows))
 
 
 # ---------------------------------------------------------------- the CLI on several ranks

@@ -28,6 +28,9 @@ from streamrec.contracts import events as ev
 from streamrec.contracts.feature_spec import COUNTED_EVENTS, SAMPLE_VERSION, FeatureSpec
 
 IMPS, CLICKS = COUNTED_EVENTS
+# rows per row group of a sample file: small enough that each rank of a sharded trainer reads
+# whole groups of its own (trainer/sources.py) and decodes no other rank's rows
+SAMPLE_ROW_GROUP_ROWS = 8192
 
 
 @dataclass
@@ -188,7 +191,7 @@ def write_samples(table: pa.Table, rejected: list[Rejected], out_dir: str | Path
     out.mkdir(parents=True, exist_ok=True)
     samples_path, rejected_path = out / "samples.parquet", out / "rejected.jsonl"
     tmp = samples_path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="zstd", row_group_size=SAMPLE_ROW_GROUP_ROWS)
     tmp.replace(samples_path)
     tmp = rejected_path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(b"".join(orjson.dumps({"reason": r.reason, "raw": r.raw.decode("utf-8", "replace")}) + b"\n" for r in rejected))

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -72,16 +72,20 @@ def sample_files(paths: list[str]) -> list[Path]:
     return out
 
 
-STRIPE_ROWS = 64  # rows of a file that go to one rank in turn (several ranks)
+STRIPE_ROWS = 64  # rows of a file that go to one rank in turn (several ranks, a file of few row groups)
+GROUPS_PER_RANK = 4  # row groups a file needs per rank for each rank of several to read whole groups of its own
 
 
 class FileSampleSource:
     """Parquet files of samples (``streamrec pipeline offline``), read in row order.
 
-    ``shard=(rank, ranks)``: this rank reads every ``ranks``-th stripe of ``STRIPE_ROWS``
-    rows of each file, starting at its ``rank``-th: the ranks of a sharded trainer read
-    disjoint shares and move through the file's time together, as one rank would. A
-    rank's position in a file is the row after the last one it read."""
+    ``shard=(rank, ranks)``: the ranks of a sharded trainer read disjoint shares of each
+    file and move through its time together, as one rank would. A file of many row groups
+    (at least ``GROUPS_PER_RANK`` a rank, as ``pipeline offline`` writes them) is shared by
+    whole row groups: rank ``r`` reads groups ``r``, ``r + ranks``, ... and decodes nothing
+    else. Any other file is shared by stripes: every ``ranks``-th stripe of ``STRIPE_ROWS``
+    rows, starting at the ``rank``-th, with every row decoded by every rank. A rank's
+    position in a file is the row after the last one it read."""
 
     def __init__(self, paths: list[str], spec: FeatureSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
                  loop: bool = False, shard: tuple[int, int] = (0, 1)) -> None:
@@ -97,27 +101,51 @@ class FileSampleSource:
     def chunks(self) -> Iterator[SampleChunk]:
         while True:
             for part, path in enumerate(self.files):
-                offset = 0
                 skip = self.start.get(part, 0)
-                for batch in pq.ParquetFile(path).iter_batches(batch_size=self.chunk_rows):
+                batches, file_rows, striped = self._decoded(pq.ParquetFile(path), skip)
+                read = 0  # rows of ``batches`` so far
+                for batch in batches:
                     table = pa.Table.from_batches([batch])
-                    lo = offset
-                    offset += table.num_rows
-                    if offset <= skip:
+                    rows = file_rows(read, read + table.num_rows)
+                    read += table.num_rows
+                    if not len(rows) or rows[-1] < skip:
                         continue
-                    if lo < skip:
-                        table, lo = table.slice(skip - lo), skip
-                    rows = np.arange(lo, offset, dtype=np.int64)
-                    if self.ranks > 1:  # this rank's stripes
+                    if rows[0] < skip:  # resuming inside this batch (its rows ascend)
+                        done = int(np.searchsorted(rows, skip))
+                        table, rows = table.slice(done), rows[done:]
+                    consumed = {part: int(rows[-1]) + 1}
+                    if striped:  # this rank's stripes
                         mine = (rows // STRIPE_ROWS) % self.ranks == self.rank
                         table, rows = table.filter(pa.array(mine)), rows[mine]
                     good, reasons = check_samples(table, self.spec)
                     self._left -= table.num_rows
-                    yield SampleChunk(table.filter(pa.array(good)), np.full(int(good.sum()), part, np.int64), rows[good],
-                                      {part: offset}, [Rejection(part, int(rows[i]), r) for i, r in reasons])
+                    yield SampleChunk(table.filter(pa.array(good)) if reasons else table, np.full(int(good.sum()), part, np.int64),
+                                      rows[good], consumed, [Rejection(part, int(rows[i]), r) for i, r in reasons])
             if not self.loop:
                 return
             self.start = {}
+
+    def _decoded(self, file: pq.ParquetFile, skip: int) -> tuple[Iterator[pa.RecordBatch], Callable[[int, int], np.ndarray], bool]:
+        """What this rank decodes of ``file``: (its batches; the file's row numbers of their
+        rows ``lo`` to ``hi``, counted across the batches; whether to keep only this rank's
+        stripes of them). Row groups of other ranks, and of this rank's that end before
+        ``skip``, are not read at all."""
+        meta = file.metadata
+        sizes = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)], np.int64)
+        if self.ranks == 1 or len(sizes) < GROUPS_PER_RANK * self.ranks:
+            return file.iter_batches(batch_size=self.chunk_rows), lambda lo, hi: np.arange(lo, hi, dtype=np.int64), self.ranks > 1
+        ends = np.cumsum(sizes)
+        groups = np.array([g for g in range(self.rank, len(sizes), self.ranks) if ends[g] > skip], np.int64)
+        if not len(groups):
+            return iter(()), lambda lo, hi: np.empty(0, np.int64), False
+        firsts, read_ends = ends[groups] - sizes[groups], np.cumsum(sizes[groups])  # each group's first row; where it ends in the batches
+
+        def file_rows(lo: int, hi: int) -> np.ndarray:
+            at = np.arange(lo, hi, dtype=np.int64)
+            group = np.searchsorted(read_ends, at, side="right")
+            return firsts[group] + at - (read_ends[group] - sizes[groups][group])
+
+        return file.iter_batches(batch_size=self.chunk_rows, row_groups=groups.tolist()), file_rows, False
 
     def lag(self) -> int | None:
         return max(0, self._left)
