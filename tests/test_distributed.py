@@ -83,10 +83,12 @@ def _join(rank: int, world: int, init: str, backend: str) -> tuple[torch.device,
     return device, Ranks(rank, world, dist.group.WORLD, control, steps=StepChannel.open(rank, world, control, timeout_s=60))
 
 
-def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool, on_host: bool = False) -> tuple[Any, dict]:
+def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed: bool, on_host: bool = False,
+          average: torch.Tensor | None = None) -> tuple[Any, dict]:
     """One step of the exchange: split sizes agreed first (``agreed``; the ids laid out on
     the host with ``on_host``, as the trainer's prefetch thread does) or exchanged by
     find_or_insert; then backward with ``_grad`` as the model's would leave it, and the update.
+    ``average``: a tensor the update's all_to_all averages over the ranks too.
     Returns the rows found and a copy of them taken before the update."""
     if agreed:
         host = layout_on_host({n: t.cpu() for n, t in ids.items()}, sharded.world, pin=ids["a"].is_cuda,
@@ -102,7 +104,7 @@ def _step(sharded: ShardedCollection, ranks: Ranks, ids: dict, step: int, agreed
     pulled = sharded.find_or_insert(ids, now_ms=step)
     before = {n: pulled.embeddings[n].detach().cpu() for n in ids}
     torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], step) for n in ids])
-    sharded.apply_gradients(pulled)
+    sharded.apply_gradients(pulled, average=average)
     return pulled, before
 
 
@@ -132,12 +134,15 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
     device, ranks = _join(rank, world, init, backend)
     store = EmbeddingCollection([replace(c, gpu_cache_rows=4096) for c in tables], device)
     sharded = ShardedCollection(store)
-    pulled_rows = []
+    pulled_rows, averaged = [], []
     for step, ids in enumerate(_batches(rank, b_keys=b_keys)):
+        # with the keys in the agreement, the update also averages a buffer (the trainer's dense gradients)
+        average = torch.full((5,), float(rank + 1) * (step + 1), device=device) if how == "laid_out_on_host" else None
         pulled_rows.append(_step(sharded, ranks, {n: t.to(device) for n, t in ids.items()}, step, how != "counts_exchanged",
-                                 on_host=how == "laid_out_on_host")[1])
+                                 on_host=how == "laid_out_on_host", average=average)[1])
+        averaged.append(average.tolist() if average is not None else None)
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
-    torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats)}, out)
+    torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats), "averaged": averaged}, out)
     dist.destroy_process_group()
 
 
@@ -177,6 +182,8 @@ def test_the_exchange_over_two_ranks_equals_one_store_on_both_batches(tmp_path, 
     assert [s["ids_sent"] for s in stats] == sent and sent[0] < asked[0] and sent[1] < asked[1]
     assert [s["counts_exchanged"] for s in stats] == [0 if agreed else 6] * 2
     assert [s["keys_agreed"] for s in stats] == [6 if how == "laid_out_on_host" else 0] * 2  # no ids all_to_all then
+    if how == "laid_out_on_host":  # the buffer averaged in the gradients' all_to_all: (1 + 2) / 2 times the step's number
+        assert [g["averaged"] for g in got] == [[[1.5 * (step + 1)] * 5 for step in range(6)]] * 2
     assert sum(s["ids_received"] for s in stats) == sum(sent) and all(s["ids_received"] > 0 for s in stats)
     for r in range(2):
         row_bytes = 4 * 4  # dim 4, float32

@@ -94,6 +94,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXCHANGE_PARTS = ("ids", "owner_find_or_insert", "rows", "grads", "owner_update")
+AVERAGE_MAX_WORLD = 8  # ranks up to which apply_gradients' all_to_all also averages a dense buffer (a whole copy to each rank)
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
 
 
@@ -515,16 +516,28 @@ class ShardedCollection:
             elif len(rows.slots):
                 rows.rows[rows.admitted] = weights.index_select(0, rows.slots).to(rows.rows.device)
 
-    def apply_gradients(self, rows: ShardedRows) -> None:
+    def can_average(self, dense: torch.Tensor) -> bool:
+        """Whether ``apply_gradients`` can average ``dense`` over the ranks in its all_to_all:
+        a flat float32 tensor on this rank's device, on at most ``AVERAGE_MAX_WORLD`` ranks
+        (each rank sends its whole copy to every rank: beyond that an all_reduce moves less)."""
+        return self.world <= AVERAGE_MAX_WORLD and dense.dim() == 1 and dense.dtype == torch.float32 and dense.device == self.device
+
+    def apply_gradients(self, rows: ShardedRows, average: torch.Tensor | None = None) -> None:
         """Send the gradient of each key's row (its ids' gradients, summed by backward; zeros
         where it left none) to the owners, which sum them per key over the ranks, average them
         over ranks and apply the optimizers
-        (one launch for all tables where ``find_or_insert`` was table-batched)."""
+        (one launch for all tables where ``find_or_insert`` was table-batched).
+        ``average`` (``can_average``; every rank's own, e.g. the dense model's gradients)
+        rides in the same all_to_all and becomes the mean over the ranks, in place: one
+        collective a step fewer than an all_reduce of its own."""
         t0 = time.perf_counter()
         route, grad = rows.route, rows.leaf.grad
         sent = grad if grad is not None else torch.zeros_like(rows.leaf)  # one gradient per key sent, summed over its ids
-        received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
-        dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
+        if average is None:
+            received = torch.empty(sum(route.recv_splits), self.dim, device=self.device)
+            dist.all_to_all_single(received, sent.contiguous(), route.recv_splits, route.send_splits, group=self.group)
+        else:
+            received = self._send_averaging(sent, route, average)
         self.stats.grads_bytes_out += self._off_rank(route.send_splits) * self.dim * received.element_size()
         replicated = rows.replicated
         if replicated is not None:
@@ -549,6 +562,24 @@ class ShardedCollection:
         self._lap("owner_update", t1)
         if rows is self._pending:
             self._pending = None
+
+    def _send_averaging(self, sent: torch.Tensor, route: Route, average: torch.Tensor) -> torch.Tensor:
+        """The gradients' all_to_all with all of ``average`` behind each rank's share: returns
+        the gradients received (one row per key, in arrival order); ``average`` becomes the
+        mean of every rank's, in place."""
+        if not self.can_average(average):
+            raise ValueError(f"cannot average a {average.dtype} tensor of shape {tuple(average.shape)} on {average.device} "
+                             f"over {self.world} ranks in the gradients' all_to_all")
+        dim, n = self.dim, average.numel()
+        out_sizes = [keys * dim + n for keys in route.send_splits]
+        in_sizes = [keys * dim + n for keys in route.recv_splits]
+        outgoing = torch.cat([piece for share in sent.split(route.send_splits) for piece in (share.reshape(-1), average)])
+        arrived = torch.empty(sum(in_sizes), dtype=sent.dtype, device=self.device)
+        dist.all_to_all_single(arrived, outgoing, in_sizes, out_sizes, group=self.group)
+        chunks = arrived.split([size for keys in route.recv_splits for size in (keys * dim, n)])
+        torch.sum(torch.stack(chunks[1::2]), 0, out=average)
+        average.div_(self.world)
+        return torch.cat(chunks[0::2]).view(-1, dim)
 
     def _off_rank(self, splits: list[int]) -> int:
         """The rows of ``splits`` (one count per rank) that go to or come from other ranks."""

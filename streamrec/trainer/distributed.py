@@ -46,8 +46,9 @@ GRAD_ALIGN = 16  # elements: where each dense gradient starts in DenseGradients'
 
 
 class DenseGradients:
-    """The dense model's gradients averaged over the ranks: one ``all_reduce`` of all of them
-    after backward. In place of DDP so that each rank's forward and backward can replay as
+    """The dense model's gradients averaged over the ranks: one reduction of all of them after
+    backward (the sparse gradients' all_to_all carries it where it can,
+    ``ShardedCollection.can_average``; else ``all_reduce``). In place of DDP so that each rank's forward and backward can replay as
     CUDA graphs (trainer/dense_graph.py: DDP's gradient hooks cannot be captured); the dense
     model is small, so the reduction not overlapping the backward costs little. Every
     parameter's gradient is a view of one flat buffer, so backward accumulates into it in

@@ -346,13 +346,20 @@ class TrainingLoop:
         t_backward = time.perf_counter()
         ahead = look_ahead() if look_ahead is not None else None
         t_reduce = time.perf_counter()
-        if self.dense_gradients is not None:
+        dense = self.dense_gradients.flat if self.dense_gradients is not None else None
+        # the dense gradients averaged in the sparse gradients' all_to_all where it can carry them
+        folded = dense is not None and self.exchange is not None and self.exchange.can_average(dense)
+        if dense is not None and not folded:
             self.dense_gradients.all_reduce(self.ranks.world)
         if sync:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        self.optimizer.step()
-        self.sparse.apply_gradients(rows)
+        if folded:
+            self.exchange.apply_gradients(rows, average=dense)
+            self.optimizer.step()
+        else:
+            self.optimizer.step()
+            self.sparse.apply_gradients(rows)
         if sync:
             torch.cuda.synchronize()
         t3 = time.perf_counter()
