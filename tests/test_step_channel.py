@@ -5,6 +5,8 @@ trainer's ranks use the channel through ``join`` (tests/test_distributed.py, rea
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -69,11 +71,31 @@ def test_a_silent_rank_fails_the_others_after_the_timeout():
         channels[0].all_gather([1, 2])
 
 
-def test_rows_of_different_lengths_are_refused():
-    channels = _channels(2, timeout_s=1.0)  # the rank that reads the shorter row waits for the rest of it
+def test_rows_of_different_lengths_are_refused_at_once():
+    channels = _channels(2, timeout_s=30)
+    started = time.monotonic()
     results = _on_every_rank(channels, lambda r, c: c.all_gather([7] * (2 + r)))
-    assert isinstance(results[0], (ValueError, PeerLost)) and isinstance(results[1], (ValueError, PeerLost))
-    assert any(isinstance(x, ValueError) and "do not run the same step" in str(x) for x in results)
+    assert all(isinstance(x, ValueError) and "do not run the same step" in str(x) for x in results), results
+    assert time.monotonic() - started < 5  # both see it in the other's header, not after the 30 s timeout
+
+
+def test_sockets_numbered_past_select_limit_work():
+    """``select`` refuses descriptors from 1024 on; a trainer with many files open has them."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= 2100:
+        pytest.skip(f"needs more than 2100 open files allowed, the limit is {soft}")
+    pairs = socket.socketpair()
+    high = [socket.socket(fileno=os.dup2(s.fileno(), 2000 + i)) for i, s in enumerate(pairs)]
+    for s in pairs:
+        s.close()
+    for s in high:
+        s.settimeout(10)
+    channels = [StepChannel(0, 2, {1: high[0]}, 10), StepChannel(1, 2, {0: high[1]}, 10)]
+    results = _on_every_rank(channels, lambda r, c: c.exchange([r], [np.array([r]), np.array([10 + r])]))
+    assert [rows for rows, _ in results] == [[[0], [1]]] * 2
+    assert [[a.tolist() for a in got] for _, got in results] == [[[0], [1]], [[10], [11]]]
+    for c in channels:
+        c.close()
 
 
 def test_every_rank_gets_what_each_rank_sent_it_of_any_size_beside_the_rows():

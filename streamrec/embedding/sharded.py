@@ -94,7 +94,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXCHANGE_PARTS = ("ids", "owner_find_or_insert", "rows", "grads", "owner_update")
-AVERAGE_MAX_WORLD = 8  # ranks up to which apply_gradients' all_to_all also averages a dense buffer (a whole copy to each rank)
+# apply_gradients' all_to_all also averages a dense buffer where each rank's whole copy to every
+# other rank, (world - 1) x its bytes, stays this small (a ring all_reduce sends under 2x them)
+AVERAGE_MAX_BYTES = 8 << 20
 _MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
 
 
@@ -518,9 +520,11 @@ class ShardedCollection:
 
     def can_average(self, dense: torch.Tensor) -> bool:
         """Whether ``apply_gradients`` can average ``dense`` over the ranks in its all_to_all:
-        a flat float32 tensor on this rank's device, on at most ``AVERAGE_MAX_WORLD`` ranks
-        (each rank sends its whole copy to every rank: beyond that an all_reduce moves less)."""
-        return self.world <= AVERAGE_MAX_WORLD and dense.dim() == 1 and dense.dtype == torch.float32 and dense.device == self.device
+        a flat float32 tensor on this rank's device, whose copies to the other ranks come to
+        at most ``AVERAGE_MAX_BYTES`` (each rank sends its whole copy to every rank: one
+        collective fewer is worth that while it is small; beyond it an all_reduce of its own)."""
+        return dense.dim() == 1 and dense.dtype == torch.float32 and dense.device == self.device and \
+            (self.world - 1) * dense.numel() * dense.element_size() <= AVERAGE_MAX_BYTES
 
     def apply_gradients(self, rows: ShardedRows, average: torch.Tensor | None = None) -> None:
         """Send the gradient of each key's row (its ids' gradients, summed by backward; zeros
@@ -567,9 +571,9 @@ class ShardedCollection:
         """The gradients' all_to_all with all of ``average`` behind each rank's share: returns
         the gradients received (one row per key, in arrival order); ``average`` becomes the
         mean of every rank's, in place."""
-        if not self.can_average(average):
+        if not self.can_average(average) or sent.dtype != average.dtype:
             raise ValueError(f"cannot average a {average.dtype} tensor of shape {tuple(average.shape)} on {average.device} "
-                             f"over {self.world} ranks in the gradients' all_to_all")
+                             f"over {self.world} ranks in the all_to_all of {sent.dtype} gradients")
         dim, n = self.dim, average.numel()
         out_sizes = [keys * dim + n for keys in route.send_splits]
         in_sizes = [keys * dim + n for keys in route.recv_splits]

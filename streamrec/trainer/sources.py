@@ -83,7 +83,7 @@ class FileSampleSource:
     file and move through its time together, as one rank would. A file of many row groups
     (at least ``GROUPS_PER_RANK`` a rank, as ``pipeline offline`` writes them) is shared by
     whole row groups: rank ``r`` reads groups ``r``, ``r + ranks``, ... and decodes nothing
-    else. Any other file is shared by stripes: every ``ranks``-th stripe of ``STRIPE_ROWS``
+    else (so it runs up to ``r`` groups ahead of rank 0). Any other file is shared by stripes: every ``ranks``-th stripe of ``STRIPE_ROWS``
     rows, starting at the ``rank``-th, with every row decoded by every rank. A rank's
     position in a file is the row after the last one it read."""
 

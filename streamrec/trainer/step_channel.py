@@ -13,7 +13,7 @@ routes to the rendezvous host (``MASTER_ADDR``; loopback without one), the ranks
 other's addresses through a gloo ``all_gather_object``, and each connects to the ranks below
 it. A rank that dies closes its connections, so the others fail at their next agreement
 instead of waiting; one that hangs makes them fail after ``timeout_s``. A rank writes to
-and reads from all its peers at once (``select``), so rows and arrays of any size go
+and reads from all its peers at once (``poll``), so rows and arrays of any size go
 through without two ranks each waiting for the other to read first.
 """
 
@@ -44,7 +44,7 @@ class StepChannel:
 
     def __init__(self, rank: int, world: int, peers: dict[int, socket.socket], timeout_s: float = 600.0) -> None:
         """``peers``: a connected socket to every other rank (made non-blocking here: the
-        channel waits in ``select``, for at most ``timeout_s`` a round)."""
+        channel waits in ``poll``, for at most ``timeout_s`` a round)."""
         self.rank, self.world, self.peers, self.timeout_s = rank, world, peers, timeout_s
         for conn in peers.values():
             conn.setblocking(False)
@@ -96,31 +96,29 @@ class StepChannel:
         for peer in self.peers:
             extra = arrays[peer].tobytes() if arrays is not None else b""
             outgoing[peer] = memoryview(_HEADER.pack(len(payload), len(extra)) + payload + extra)
-        fixed = _HEADER.size + len(payload)  # every rank's header and row: as long as ours
-        received = self._send_and_receive(outgoing, fixed)
+        received = self._send_and_receive(outgoing, len(payload))
         rows: list[list[int]] = []
         extras: list[np.ndarray] = []
+        fixed = _HEADER.size + len(payload)  # every rank's header and row: as long as ours (checked on arrival)
         for r in range(self.world):
             if r == self.rank:
                 rows.append(list(row))
                 extras.append(arrays[r] if arrays is not None else np.empty(0, np.int64))
                 continue
             message = received[r]
-            row_bytes, _ = _HEADER.unpack_from(message)
-            if row_bytes != len(payload):
-                raise ValueError(f"rank {r} sent a row of {row_bytes // 8} integers, this rank "
-                                 f"{len(payload) // 8}: the ranks do not run the same step")
             rows.append(np.frombuffer(message, dtype="<i8", count=len(payload) // 8, offset=_HEADER.size).tolist())
             extras.append(np.frombuffer(message, dtype="<i8", offset=fixed).astype(np.int64, copy=False))
         return rows, extras
 
-    def _send_and_receive(self, outgoing: dict[int, memoryview], fixed: int) -> dict[int, bytearray]:
-        """Write each peer's message and read each peer's (``fixed`` bytes, then the array its
-        header announces), all at once: no peer waits for another to read first. Each pass
-        tries every pending write and read, then waits (``select``) only for what is left."""
+    def _send_and_receive(self, outgoing: dict[int, memoryview], row_bytes: int) -> dict[int, bytearray]:
+        """Write each peer's message and read each peer's (its header and a row of
+        ``row_bytes``, then the array the header announces), all at once: no peer waits for
+        another to read first. Each pass tries every pending write and read, then waits
+        (``poll``: no limit on descriptor numbers) only for what is left."""
+        fixed = _HEADER.size + row_bytes
         sent = dict.fromkeys(outgoing, 0)
         inbox = {peer: bytearray() for peer in self.peers}
-        wanted = dict.fromkeys(self.peers, fixed)
+        wanted = dict.fromkeys(self.peers, fixed)  # until the header says how long the array is
         deadline = None
         while True:
             for peer, message in outgoing.items():
@@ -141,19 +139,28 @@ class StepChannel:
                         raise PeerLost(f"rank {peer} is gone ({exc})") from None
                     if not chunk:
                         raise PeerLost(f"rank {peer} closed its connection (it stopped or died)")
+                    before = len(inbox[peer])
                     inbox[peer] += chunk
-                    if len(inbox[peer]) == fixed == wanted[peer]:  # the header is in: now the array's length
-                        wanted[peer] = fixed + _HEADER.unpack_from(inbox[peer])[1]
-            writers = [self.peers[p] for p, m in outgoing.items() if sent[p] < len(m)]
-            readers = [c for p, c in self.peers.items() if len(inbox[p]) < wanted[p]]
-            if not writers and not readers:
+                    if before < _HEADER.size <= len(inbox[peer]):  # the header is in: check the row, learn the array's length
+                        theirs, extra = _HEADER.unpack_from(inbox[peer])
+                        if theirs != row_bytes:
+                            raise ValueError(f"rank {peer} sent a row of {theirs // 8} integers, this rank "
+                                             f"{row_bytes // 8}: the ranks do not run the same step")
+                        wanted[peer] = fixed + extra
+            pending = {conn.fileno(): (select.POLLOUT if peer in outgoing and sent[peer] < len(outgoing[peer]) else 0)
+                       | (select.POLLIN if len(inbox[peer]) < wanted[peer] else 0) for peer, conn in self.peers.items()}
+            pending = {fd: events for fd, events in pending.items() if events}
+            if not pending:
                 return inbox
             now = time.monotonic()
             deadline = deadline or now + self.timeout_s
             if now >= deadline:
-                late = next(p for p, c in self.peers.items() if c in readers or c in writers)
+                late = next(p for p, c in self.peers.items() if c.fileno() in pending)
                 raise PeerLost(f"rank {late} did not answer within {self.timeout_s:.0f} s")
-            select.select(readers, writers, [], deadline - now)
+            poller = select.poll()
+            for fd, events in pending.items():
+                poller.register(fd, events)
+            poller.poll((deadline - now) * 1000)
 
     def close(self) -> None:
         for conn in self.peers.values():
