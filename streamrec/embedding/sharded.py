@@ -323,6 +323,11 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     return HostPlan(names, [len(w) for w in where], routed, counts.tolist())
 
 
+def _split_counts(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """``array`` cut into consecutive views of ``counts`` elements each."""
+    return np.split(array, np.cumsum(counts[:-1]).tolist())
+
+
 class ShardedCollection:
     """The tables of ``local`` (this rank's shard) as one logical collection over ``group``
     (the default group when None). Every verb is collective: every rank calls it every step."""
@@ -620,8 +625,7 @@ class ShardedCollection:
         if plan is None or plan.host_keys is None:
             return None
         width = len(plan.names)
-        per_owner = [sum(plan.send_counts[r * width:(r + 1) * width]) for r in range(self.world)]
-        return np.split(plan.host_keys, np.cumsum(per_owner[:-1]).tolist())
+        return _split_counts(plan.host_keys, [sum(plan.send_counts[r * width:(r + 1) * width]) for r in range(self.world)])
 
     def _layout(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """``layout_on_host`` on the device: the sharded tables' keys in send order (by owner,
@@ -675,7 +679,7 @@ class ShardedCollection:
         if [len(k) for k in keys_from] != [sum(row) for row in grid]:
             raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
                                f"{[sum(row) for row in grid]}")
-        parts = [np.split(keys, np.cumsum(row[:-1]).tolist()) if len(row) > 1 else [keys] for keys, row in zip(keys_from, grid)]
+        parts = [_split_counts(keys, row) for keys, row in zip(keys_from, grid)]
         received = torch.empty(sum(map(len, keys_from)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         if len(received):
             np.concatenate([parts[r][t] for t in range(len(grid[0])) for r in range(self.world)], out=received.numpy())

@@ -138,12 +138,13 @@ class FileSampleSource:
         groups = np.array([g for g in range(self.rank, len(sizes), self.ranks) if ends[g] > skip], np.int64)
         if not len(groups):
             return iter(()), lambda lo, hi: np.empty(0, np.int64), False
-        firsts, read_ends = ends[groups] - sizes[groups], np.cumsum(sizes[groups])  # each group's first row; where it ends in the batches
+        firsts = ends[groups] - sizes[groups]  # each group's first row in the file
+        read_ends = np.cumsum(sizes[groups])  # where each group ends in the batches
+        shift = firsts - (read_ends - sizes[groups])  # a row's place in the file minus its place in the batches
 
         def file_rows(lo: int, hi: int) -> np.ndarray:
             at = np.arange(lo, hi, dtype=np.int64)
-            group = np.searchsorted(read_ends, at, side="right")
-            return firsts[group] + at - (read_ends[group] - sizes[groups][group])
+            return at + shift[np.searchsorted(read_ends, at, side="right")]
 
         return file.iter_batches(batch_size=self.chunk_rows, row_groups=groups.tolist()), file_rows, False
 
