@@ -223,7 +223,6 @@ class TrainerConfig:
     progress_interval_s: float
     collective_timeout_s: float
     pipeline_exchange: bool
-    cpu_affinity: bool
     lease_s: float
     max_publish_failures: int
     rejected_keep_mb: int

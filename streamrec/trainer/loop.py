@@ -465,7 +465,7 @@ class TrainingLoop:
         out: dict[str, Any] = {"rank": self.ranks.rank, "steps": steps, "samples": self.state["samples"] - self.rank_samples_at_start,
                                "sync_timings": self.opts.sync_timings,
                                "ms_per_step": {p: 1000 * t / max(1, steps) for p, t in self.times.items()},
-                               "gc": self.gc_pauses.as_json(), "cores": self.session.cores}
+                               "gc": self.gc_pauses.as_json()}
         if self.exchange is not None:
             out["exchange"] = self.exchange.stats.per_step()
         if self.dense_gradients is not None:

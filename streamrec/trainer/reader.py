@@ -45,7 +45,6 @@ import torch
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import SampleBatch
 from streamrec.plumbing.processes import python_env
-from streamrec.trainer.affinity import cap_arrow_threads
 from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
 
 log = logging.getLogger(__name__)
@@ -314,7 +313,6 @@ def _child_main(conn: Connection, slots_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(2)
-    cap_arrow_threads()
     size, slots, source_spec, spec, settings = conn.recv()
     source = prefetcher = None
     try:

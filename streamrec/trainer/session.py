@@ -33,7 +33,6 @@ from streamrec.modelstore.lease import LeaseHeld, WriterLease
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import Config
 from streamrec.trainer.checkpoint import Checkpointer
-from streamrec.trainer.affinity import pin_local_rank
 from streamrec.trainer.distributed import gather_to_all, join, rank_device
 from streamrec.trainer.publisher import ChainPosition
 from streamrec.trainer.sources import sample_files
@@ -82,7 +81,6 @@ class TrainingSession:
     def __init__(self, cfg: Config, opts: TrainOptions) -> None:
         self.cfg, self.opts = cfg, opts
         tcfg, mcfg = cfg.trainer, cfg.model
-        self.cores = pin_local_rank() if tcfg.cpu_affinity else None  # before any thread or child starts
         self.device = rank_device(pick_device(tcfg.device, "trainer.device"))
         self.feature_spec = cfg.features
         self.spec = ModelSpec.from_config(mcfg, self.feature_spec)
