@@ -87,9 +87,10 @@ def test_labels_match_the_generator_truth_exactly(tmp_path):
     run = tmp_path / "run"
     assert run_cli("generate", "--out", str(run), "--duration", "30", "--rate", "3000", "--bad-fraction", "0.02",
                    "--start-ms", "1700000000000").returncode == 0
-    result = run_cli("pipeline", "offline", str(run), "--attribution-window-s", "5")
+    result = run_cli("pipeline", "offline", str(run), "--attribution-window-s", "5", "--row-group-rows", "1000")
     assert result.returncode == 0, result.stderr
     samples = pq.read_table(run / "samples.parquet").to_pylist()
+    assert pq.ParquetFile(run / "samples.parquet").metadata.num_row_groups == -(-len(samples) // 1000)
     truth = {r["event_id"]: r for r in pq.read_table(run / "truth.parquet").to_pylist()}
     end_ms = json.loads((run / "manifest.json").read_text())["end_ms"]
     assert sorted(s["event_id"] for s in samples) == sorted(truth)  # exactly one sample per impression

@@ -37,6 +37,12 @@ def _add_offline(actions: argparse._SubParsersAction, defaults: dict) -> None:
                          help=f"click-to-impression window (features.attribution_window_s: {feats['attribution_window_s']:g})")
     offline.add_argument("--history-len", type=int, help=f"clicked items remembered per user (features.history_len: {feats['history_len']})")
     offline.add_argument("--windows-s", metavar="S,S", help=f"counter windows (features.windows_s: {','.join(map(str, feats['windows_s']))})")
+    from streamrec.pipelines.samples import SAMPLE_ROW_GROUP_ROWS
+
+    offline.add_argument("--row-group-rows", type=int, default=SAMPLE_ROW_GROUP_ROWS, metavar="N",
+                         help=f"rows per row group of samples.parquet (default {SAMPLE_ROW_GROUP_ROWS}). The ranks of a sharded "
+                              "trainer read whole groups each; where N divides the batch per rank, R ranks train exactly the "
+                              "steps one rank trains at R times that batch (docs/distributed.md)")
 
 
 def _add_submit(actions: argparse._SubParsersAction, defaults: dict) -> None:
@@ -94,10 +100,13 @@ def offline(args: argparse.Namespace, cfg: Config) -> int:
 
     from streamrec.pipelines.samples import SampleBuilder, read_run, write_samples
 
+    if args.row_group_rows < 1:
+        print(f"streamrec pipeline offline: --row-group-rows must be at least 1, got {args.row_group_rows}", file=sys.stderr)
+        return 2
     spec = cfg.features
     builder = SampleBuilder(spec).add_all(read_run(args.run))
     table = builder.build()
-    samples_path, rejected_path = write_samples(table, builder.rejected, args.out or args.run)
+    samples_path, rejected_path = write_samples(table, builder.rejected, args.out or args.run, args.row_group_rows)
     labels = table.column("label").to_pylist()
     reasons = Counter(r.reason.split(":")[0] for r in builder.rejected)
     print(f"{len(labels):,} samples ({sum(labels):,} positive, {sum(labels) / max(1, len(labels)):.2%}) -> {samples_path}\n"

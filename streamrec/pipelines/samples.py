@@ -29,7 +29,8 @@ from streamrec.contracts.feature_spec import COUNTED_EVENTS, SAMPLE_VERSION, Fea
 
 IMPS, CLICKS = COUNTED_EVENTS
 # rows per row group of a sample file: small enough that each rank of a sharded trainer reads
-# whole groups of its own (trainer/sources.py) and decodes no other rank's rows
+# whole groups of its own (trainer/sources.py) and decodes no other rank's rows; large enough
+# to compress and decode well (smaller groups make the file larger and slower to read)
 SAMPLE_ROW_GROUP_ROWS = 8192
 
 
@@ -185,13 +186,17 @@ def read_run(run_dir: str | Path) -> Iterator[tuple[bytes, int]]:
         raise FileNotFoundError(f"{run} has neither events.parquet nor events.jsonl")
 
 
-def write_samples(table: pa.Table, rejected: list[Rejected], out_dir: str | Path) -> tuple[Path, Path]:
-    """``samples.parquet`` and ``rejected.jsonl`` in ``out_dir``, each via temp + rename."""
+def write_samples(table: pa.Table, rejected: list[Rejected], out_dir: str | Path,
+                  row_group_rows: int = SAMPLE_ROW_GROUP_ROWS) -> tuple[Path, Path]:
+    """``samples.parquet`` (in row groups of ``row_group_rows``) and ``rejected.jsonl`` in
+    ``out_dir``, each via temp + rename."""
+    if row_group_rows < 1:
+        raise ValueError(f"row groups need at least one row, got {row_group_rows}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     samples_path, rejected_path = out / "samples.parquet", out / "rejected.jsonl"
     tmp = samples_path.with_suffix(".parquet.tmp")
-    pq.write_table(table, tmp, compression="zstd", row_group_size=SAMPLE_ROW_GROUP_ROWS)
+    pq.write_table(table, tmp, compression="zstd", row_group_size=row_group_rows)
     tmp.replace(samples_path)
     tmp = rejected_path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(b"".join(orjson.dumps({"reason": r.reason, "raw": r.raw.decode("utf-8", "replace")}) + b"\n" for r in rejected))
