@@ -143,7 +143,32 @@ def _exchange_worker(rank: int, world: int, init: str, out: str, backend: str = 
         averaged.append(average.tolist() if average is not None else None)
     rows = {n: {k: v.tolist() for keys, values in store[n].export_all() for k, v in zip(keys.tolist(), values)} for n in store.tables}
     torch.save({"pulled": pulled_rows, "rows": rows, "stats": asdict(sharded.stats), "averaged": averaged}, out)
+    if how == "laid_out_on_host":
+        _refused_alike(sharded, ranks, device)
     dist.destroy_process_group()
+
+
+def _refused_alike(sharded: ShardedCollection, ranks: Ranks, device: torch.device) -> None:
+    """What the exchange refuses, each rank on its own before any collective (so no rank is
+    left waiting in one): an agreement whose keys disagree with its counts, and a buffer to
+    average whose dtype is not the gradients'."""
+    ids = {n: t.to(device) for n, t in _batches(ranks.rank, steps=1)[0].items()}
+
+    def laid_out() -> list[int]:
+        host = layout_on_host({n: t.cpu() for n, t in ids.items()}, sharded.world, pin=device.type == "cuda",
+                              every_sighting=sharded.every_sighting)
+        return sharded.plan(None, host=host)
+
+    counts, mine = laid_out(), sharded.keys_out()[ranks.rank]
+    with pytest.raises(RuntimeError, match="the agreement brought"):  # a rank's keys one short of its counts
+        sharded.agreed([counts, counts], [mine, mine[:-1]])
+    counts = laid_out()
+    agreed = agree(ranks, 1, ended=False, stop=False, now_ms=99, counts=counts, to_each=sharded.keys_out())
+    sharded.agreed(agreed.counts, agreed.keys_from)
+    pulled = sharded.find_or_insert(ids, now_ms=99)
+    torch.autograd.backward([pulled.embeddings[n] for n in ids], [_grad(ids[n], 99) for n in ids])
+    with pytest.raises(ValueError, match="cannot average a torch.float64 tensor"):
+        sharded.apply_gradients(pulled, average=torch.zeros(5, dtype=torch.float64, device=device))
 
 
 BACKENDS = ["gloo"] + ([pytest.param("nccl", marks=pytest.mark.gpu)] if torch.cuda.device_count() >= 2 else [])
