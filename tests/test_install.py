@@ -83,7 +83,7 @@ def test_the_installed_wheel_runs_the_demo_from_an_empty_directory(tmp_path):
     up = run("kafka", "up")
     assert up.returncode == 0, up.stdout + up.stderr
     try:
-        demo = run("demo", "--duration", "45", "--publish-interval", "5", "--drain", "15", "--warmup-samples", "1000",
+        demo = run("demo", "--duration", "20", "--publish-interval", "4", "--drain", "8", "--warmup-samples", "1000",
                    timeout=600)
     finally:
         down = run("kafka", "down")
