@@ -9,6 +9,11 @@ on the host's monotonic clock (one clock for every process of the host), and eve
 collection's pause. Each rank writes ``trace-<rank>.jsonl`` (``trace-lone.jsonl``) into
 ``--out`` when it exits.
 
+``record --torch-profile N`` also runs torch.profiler (host and, on CUDA, device activity)
+over N steps after ``--skip`` on every rank, and writes each rank's chrome trace
+(``profile-<rank>.json.gz``, for Perfetto or chrome://tracing) and its operators by host time
+(``profile-<rank>.txt``): what a phase's host time is spent in, waits included.
+
 ``analyze`` reads such directories and reports, for the steps after ``--skip`` (the
 warm-up): the mean and median cycle (one step start to the next) and phase times per
 rank; the input tail (mean minus median of ``input``: steps that waited for the sample
@@ -18,7 +23,7 @@ It writes them as JSON (``--json``). Compare two builds by recording each with i
 ``PYTHONPATH``, in turn on one machine.
 
 Usage:
-  python bench/trace_trainer_steps.py record --out DIR [--nproc-per-node N] -- train --samples RUN --loop ...
+  python bench/trace_trainer_steps.py record --out DIR [--nproc-per-node N] [--torch-profile 20 --skip 300] -- train --samples RUN --loop ...
   python bench/trace_trainer_steps.py analyze DIR [DIR ...] [--skip 200] [--json OUT.json]
 """
 
@@ -37,12 +42,16 @@ from typing import Any
 INSTRUMENTED = ("_step", "_next", "_between_steps")  # TrainingLoop methods whose phase times a step's record sums
 
 
-def _instrument(out_dir: Path) -> None:
-    """Patch this process's TrainingLoop so that every step is recorded (written at exit)."""
+def _instrument(out_dir: Path, profile_steps: int = 0, profile_from: int = 0) -> None:
+    """Patch this process's TrainingLoop so that every step is recorded (written at exit);
+    with ``profile_steps``, steps ``profile_from`` on run under torch.profiler."""
     import atexit
     import gc
 
     from streamrec.trainer import loop
+
+    if profile_steps:
+        _profile_steps(loop.TrainingLoop, out_dir, profile_steps, profile_from)
 
     records: list[dict[str, Any]] = []
     gc_started = [0.0]
@@ -74,10 +83,39 @@ def _instrument(out_dir: Path) -> None:
     atexit.register(write)
 
 
+def _profile_steps(training_loop: type, out_dir: Path, steps: int, first: int) -> None:
+    """torch.profiler over ``steps`` steps of ``training_loop`` from step ``first``: each rank's
+    chrome trace and its operators by host time, written when the last of them ends."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    original, running = training_loop._step, []
+
+    def profiled(self, *args, **kwargs):
+        step = self.state["step"]
+        if step == first and not running:
+            running.append(profile(activities=activities))
+            running[0].start()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if running and step == first + steps - 1:
+                prof = running.pop()
+                prof.stop()
+                rank = os.environ.get("RANK", "lone")
+                prof.export_chrome_trace(str(out_dir / f"profile-{rank}.json.gz"))  # gzip: a few MB a step
+                table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=60)
+                (out_dir / f"profile-{rank}.txt").write_text(f"steps {first} to {first + steps - 1}\n{table}\n")
+
+    training_loop._step = profiled
+
+
 def record(args: argparse.Namespace, train_args: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    entry = [str(Path(__file__).resolve()), "rank", "--out", str(out), "--", *train_args]
+    profiling = ["--torch-profile", str(args.torch_profile), "--skip", str(args.skip)] if args.torch_profile else []
+    entry = [str(Path(__file__).resolve()), "rank", "--out", str(out), *profiling, "--", *train_args]
     if args.nproc_per_node > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}", *entry]
         env = {**os.environ, "STREAMREC_TRAIN_WORKER": "1"}  # the ranks run the training themselves
@@ -89,7 +127,7 @@ def record(args: argparse.Namespace, train_args: list[str]) -> int:
 
 
 def run_rank(args: argparse.Namespace, train_args: list[str]) -> None:
-    _instrument(Path(args.out))
+    _instrument(Path(args.out), args.torch_profile, args.skip)
     from streamrec.cli import main
 
     sys.argv = ["streamrec", *train_args]
@@ -180,6 +218,10 @@ def main() -> None:
     rec.add_argument("--nproc-per-node", type=int, default=1)
     rank = sub.add_parser("rank", help="(internal) one traced rank")
     rank.add_argument("--out", required=True)
+    for parser_ in (rec, rank):
+        parser_.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                             help="also run torch.profiler over N steps after --skip, on every rank")
+        parser_.add_argument("--skip", type=int, default=200, help="the warm-up steps before the profiled ones")
     an = sub.add_parser("analyze", help="steady per-phase times, input tail and agreement skew of recorded traces")
     an.add_argument("dirs", nargs="+")
     an.add_argument("--skip", type=int, default=200, help="warm-up steps left out (the trainer's WARM_UP_STEPS)")
