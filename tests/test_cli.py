@@ -49,3 +49,5 @@ def test_bad_flag_values_get_clear_errors(tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     result = run_cli("train", "--nproc-per-node", "0", "--samples", str(tmp_path / "none"))
     assert result.returncode == 2 and "--nproc-per-node must be >= 1, got 0" in result.stderr
+    result = run_cli("pipeline", "offline", str(tmp_path / "none"), "--row-group-rows", "0")
+    assert result.returncode == 2 and "--row-group-rows must be >= 1, got 0" in result.stderr

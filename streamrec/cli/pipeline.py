@@ -26,6 +26,8 @@ def add_parser(commands: Commands) -> None:
 
 
 def _add_offline(actions: argparse._SubParsersAction, defaults: dict) -> None:
+    from streamrec.pipelines.samples import SAMPLE_ROW_GROUP_ROWS
+
     offline = add_action(actions, "offline", "build samples in-process from a `generate --out` run (no Flink)",
                          "Build labelled samples with point-in-time features from a generator run directory, "
                          "exactly (the reference implementation of the sample contract, docs/samples.md). "
@@ -37,8 +39,6 @@ def _add_offline(actions: argparse._SubParsersAction, defaults: dict) -> None:
                          help=f"click-to-impression window (features.attribution_window_s: {feats['attribution_window_s']:g})")
     offline.add_argument("--history-len", type=int, help=f"clicked items remembered per user (features.history_len: {feats['history_len']})")
     offline.add_argument("--windows-s", metavar="S,S", help=f"counter windows (features.windows_s: {','.join(map(str, feats['windows_s']))})")
-    from streamrec.pipelines.samples import SAMPLE_ROW_GROUP_ROWS
-
     offline.add_argument("--row-group-rows", type=int, default=SAMPLE_ROW_GROUP_ROWS, metavar="N",
                          help=f"rows per row group of samples.parquet (default {SAMPLE_ROW_GROUP_ROWS}). The ranks of a sharded "
                               "trainer read whole groups each; where N divides the batch per rank, R ranks train exactly the "
@@ -100,9 +100,8 @@ def offline(args: argparse.Namespace, cfg: Config) -> int:
 
     from streamrec.pipelines.samples import SampleBuilder, read_run, write_samples
 
-    if args.row_group_rows < 1:
-        print(f"streamrec pipeline offline: --row-group-rows must be at least 1, got {args.row_group_rows}", file=sys.stderr)
-        return 2
+    if args.row_group_rows < 1:  # before the build, not after it
+        raise ValueError(f"--row-group-rows must be >= 1, got {args.row_group_rows}")
     spec = cfg.features
     builder = SampleBuilder(spec).add_all(read_run(args.run))
     table = builder.build()

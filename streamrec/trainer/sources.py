@@ -83,9 +83,10 @@ class FileSampleSource:
     file and move through its time together, as one rank would. A file of many row groups
     (at least ``GROUPS_PER_RANK`` a rank, as ``pipeline offline`` writes them) is shared by
     whole row groups: rank ``r`` reads groups ``r``, ``r + ranks``, ... and decodes nothing
-    else (so it runs up to ``r`` groups ahead of rank 0). Any other file is shared by stripes: every ``ranks``-th stripe of ``STRIPE_ROWS``
-    rows, starting at the ``rank``-th, with every row decoded by every rank. A rank's
-    position in a file is the row after the last one it read."""
+    else (so it runs up to ``r`` groups ahead of rank 0). Any other file is shared by
+    stripes: every ``ranks``-th stripe of ``STRIPE_ROWS`` rows, starting at the ``rank``-th,
+    with every row decoded by every rank. A rank's position in a file is the row after the
+    last one it read."""
 
     def __init__(self, paths: list[str], spec: FeatureSpec, start: dict[int, int] | None = None, chunk_rows: int = 16384,
                  loop: bool = False, shard: tuple[int, int] = (0, 1)) -> None:
