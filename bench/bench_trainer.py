@@ -30,7 +30,12 @@ rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per r
 in total, and scaling efficiency = total at N / (N x the lone process's). ``--reps R`` runs
 the configurations in turn R times and reports each one's best run (every run's figure is
 in the JSON). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
-their own (e.g. a trainer option off), in turn with the others, for an A/B in one run. A short warm-up
+their own (e.g. a trainer option off), in turn with the others, for an A/B in one run.
+``--side-by-side`` adds N lone processes at once, each on its own GPU (or its share of the
+cores on CPU) and its own copy of the run, with nothing exchanged: their summed samples/s is
+the ceiling N ranks could reach on this host (the host's cores, memory and clocks shared as
+the ranks share them), so the ranks' shortfall splits into what sharing the host costs and
+what the exchange and the agreement cost. A short warm-up
 run first fills the on-disk kernel caches, so no measured run compiles more than another;
 every run still creates its rows from nothing, as a fresh stream would. samples/s are timed
 by the trainer itself (from its first step), so the launcher's start is not counted; the
@@ -333,6 +338,41 @@ def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, 
             "ids_received_imbalance": imbalance(by_rank)}
 
 
+def run_side_by_side(nproc: int, samples: str, batch: int, steps: int, device: str, work: Path) -> dict:
+    """``nproc`` lone ``streamrec train`` processes at once, each on its own GPU (its share of
+    the cores on CPU), each with its own store: no collectives, no agreement. Their samples/s
+    (each timed by its own trainer) summed, and each one's."""
+    import os
+
+    procs = []
+    for i in range(nproc):
+        name = f"{nproc}-side-by-side-{i}"
+        argv = ["train", "--samples", samples, "--loop", "--max-samples", str(batch * steps), "--batch-size", str(batch),
+                "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
+                "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work")]
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
+               "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
+        if torch.device(device).type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        procs.append(subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    summaries = []
+    for i, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"side-by-side process {i}: exit {proc.returncode}: {err[-3000:]}")
+        summaries.append(json.loads(out))
+    steady = [s["steady_samples_per_s"] for s in summaries]
+    return {"ranks": nproc, "launcher": False, "side_by_side": True, "variant": None, "env": {},
+            "samples": sum(s["samples_this_run"] for s in summaries), "elapsed_s": max(s["elapsed_s"] for s in summaries),
+            "samples_per_s": sum(s["samples_per_s"] for s in summaries),
+            "samples_per_s_per_rank": sum(s["samples_per_s"] for s in summaries) / nproc,
+            "samples_per_s_each": [s["samples_per_s"] for s in summaries],
+            "steady_samples_per_s": sum(steady) if all(steady) else None,
+            "ms_per_step": summaries[0]["ms_per_step"], "auc_online": None,
+            "by_rank": [{**s["step_by_rank"][0], "rank": i} for i, s in enumerate(summaries)], "ids_received_imbalance": None}
+
+
 def imbalance(by_rank: list[dict]) -> float | None:
     """max / mean over the ranks of the ids each owner received per step (None on a lone process)."""
     received = [r["exchange"]["ids_received"] for r in by_rank if "exchange" in r]
@@ -378,26 +418,31 @@ def scaling(args: argparse.Namespace) -> None:
         print("warm-up run (fills the Triton and inductor caches that every later process reads) ...", flush=True)
         run_ranks(1, False, args.samples, args.batch, 20, device, Path(tmp) / "warmup")
         several = [n for n in args.nproc_per_node if n > 1]
-        runs: list[tuple[int, bool, Variant | None]] = [(1, False, None), (1, True, None), *((n, True, None) for n in several),
-                                                       *((n, True, v) for v in args.variant for n in several)]
+        # (ranks, under the launcher, variant, lone processes side by side)
+        runs: list[tuple[int, bool, Variant | None, bool]] = [
+            (1, False, None, False), (1, True, None, False), *((n, True, None, False) for n in several),
+            *((n, True, v, False) for v in args.variant for n in several), *((n, False, None, True) for n in several if args.side_by_side)]
         result["runs"], result["reps"] = [], args.reps
-        tries: dict[tuple[int, bool, Variant | None], list[dict]] = {key: [] for key in runs}
+        tries: dict[tuple[int, bool, Variant | None, bool], list[dict]] = {key: [] for key in runs}
         for rep in range(args.reps):  # configurations in turn, rep after rep: drifts of the host hit all alike
-            for nproc, launcher, variant in runs:
-                print(f"{nproc} rank(s){' under the launcher' if launcher else ', lone process'}{f' [{variant.label}]' if variant else ''}: "
+            for nproc, launcher, variant, side in runs:
+                what = " lone processes side by side" if side else f" rank(s){' under the launcher' if launcher else ', lone process'}"
+                print(f"{nproc}{what}{f' [{variant.label}]' if variant else ''}: "
                       f"{args.steps} steps of {args.batch} per rank{f' (rep {rep + 1} of {args.reps})' if args.reps > 1 else ''} ...",
                       flush=True)
-                run = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), variant=variant)
-                tries[(nproc, launcher, variant)].append(run)
+                run = run_side_by_side(nproc, args.samples, args.batch, args.steps, device, Path(tmp)) if side else \
+                    run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), variant=variant)
+                tries[(nproc, launcher, variant, side)].append(run)
                 steady = run["steady_samples_per_s"]
                 print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank; "
                       f"steady {f'{steady:,.0f}' if steady else 'n/a (no more steps than the warm-up)'}", flush=True)
-        for nproc, launcher, variant in runs:
-            run = max(tries[(nproc, launcher, variant)], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
-            run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[(nproc, launcher, variant)]]
-            run["steady_samples_per_s_every_rep"] = [r["steady_samples_per_s"] for r in tries[(nproc, launcher, variant)]]
+        for nproc, launcher, variant, side in runs:
+            key = (nproc, launcher, variant, side)
+            run = max(tries[key], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
+            run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[key]]
+            run["steady_samples_per_s_every_rep"] = [r["steady_samples_per_s"] for r in tries[key]]
             result["runs"].append(run)
-            if args.split:
+            if args.split and not side:
                 print(f"{nproc} rank(s){' under the launcher' if launcher else ''}{f' [{variant.label}]' if variant else ''}, again "
                       "with the device drained between phases (per-rank split) ...", flush=True)
                 synced = run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), sync_timings=True,
@@ -414,7 +459,8 @@ def scaling(args: argparse.Namespace) -> None:
         run["scaling_efficiency"] = run["samples_per_s"] / (run["ranks"] * lone)
         steady = run["steady_samples_per_s"]
         run["steady_speedup_over_lone"] = steady / lone_steady if steady and lone_steady else None
-    names = [f"{r['ranks']}{'L' if r['launcher'] else ''}" + (f" [{r['variant']}]" if r["variant"] else "") for r in result["runs"]]
+    names = [f"{r['ranks']}{'L' if r['launcher'] else ''}{' side by side' if r.get('side_by_side') else ''}" +
+             (f" [{r['variant']}]" if r["variant"] else "") for r in result["runs"]]
     print("speed-up over the lone process, whole run (steady): " + ", ".join(
         f"{name}: {r['speedup_over_lone']:.2f}x ({f'{x:.2f}x' if (x := r['steady_speedup_over_lone']) else 'n/a'})"
         for name, r in zip(names, result["runs"])), flush=True)
@@ -450,6 +496,8 @@ def main() -> None:
     parser.add_argument("--variant", type=Variant.parse, action="append", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
                         help="scaling: also run the N-rank configurations with these environment settings (e.g. "
                              "pipelined:STREAMREC_TRAINER__PIPELINE_EXCHANGE=true), in turn with the others; repeatable")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="scaling: also run N lone processes at once, one per GPU, nothing exchanged: the ceiling of N ranks here")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="scaling: skip the second run of each configuration with the device drained between phases")
     args = parser.parse_args()
