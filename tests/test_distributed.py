@@ -428,10 +428,12 @@ def test_a_pipelined_exchange_trains_exactly_as_steps_in_turn(tmp_path, backend)
 
 
 def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
-    """Per optimizer, two identical shards over the same ranks and steps: one whose owner side
-    is table-batched (its tables are groupable), one forced table by table. Saves what each
-    rank pulled, every row it owns (weights, optimizer state, clock), the tables' counters,
-    and the host syncs of each step."""
+    """Per optimizer, three identical shards over the same ranks and steps: one whose owner side
+    is table-batched (its tables are groupable), one forced table by table, and one
+    table-batched that agrees on its keys first, as the trainer does (laid out on the host,
+    sent in the agreement, de-duplicated by the owner on the host: ``owner_keys``). Saves what
+    each rank pulled, every row it owns (weights, optimizer state, clock), the tables'
+    counters, and the host syncs of each step (the agreement's own excepted)."""
     import warnings
 
     device = torch.device("cuda", rank)
@@ -441,7 +443,8 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
     result = {}
     for optimizer in ("adagrad", "adam"):
         configs = [TableConfig(n, 4, optimizer=optimizer, lr=0.1, init_std=0.0, gpu_cache_rows=4096) for n in ("a", "b", "c")]
-        stores = {"grouped": EmbeddingCollection(configs, device), "per_table": EmbeddingCollection(configs, device)}
+        stores = {"grouped": EmbeddingCollection(configs, device), "per_table": EmbeddingCollection(configs, device),
+                  "agreed": EmbeddingCollection(configs, device)}
         stores["per_table"].table_batched = False
         sharded = {path: ShardedCollection(store) for path, store in stores.items()}
         pulled_rows, syncs = {path: [] for path in stores}, {path: [] for path in stores}
@@ -449,6 +452,11 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
             ids = {"a": ids["a"], "b": ids["b"], "c": ids["a"][::3] % 17}  # "c": repeats, few keys
             ids = {n: t.to(device) for n, t in ids.items()}
             for path, collection in sharded.items():
+                if path == "agreed":  # the step's agreement: counts and keys through the host, before the step
+                    counts = collection.plan(None, host=layout_on_host({n: t.cpu() for n, t in ids.items()}, world, pin=True))
+                    every: list = [None] * world
+                    dist.all_gather_object(every, (counts, collection.keys_out()))
+                    collection.agreed([c for c, _ in every], [keys[rank] for _, keys in every])
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
                 with warnings.catch_warnings(record=True) as caught:
@@ -460,10 +468,11 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
                     torch.autograd.backward([pulled.embeddings[n] for n in ids], grads)
                     collection.apply_gradients(pulled)
                 torch.cuda.set_sync_debug_mode("default")
-                assert (pulled.grouped is not None) == (path == "grouped"), (path, step)
+                assert (pulled.grouped is not None) == (path != "per_table"), (path, step)
                 syncs[path].append(sum("synchronizing" in str(w.message) for w in caught))
                 pulled_rows[path].append({n: pulled.embeddings[n].detach().cpu() for n in ids})
         torch.cuda.synchronize()
+        assert sharded["agreed"].stats.keys_agreed == 8 and sharded["grouped"].stats.keys_agreed == 0
         result[optimizer] = {path: {"pulled": pulled_rows[path], "syncs": syncs[path],
                                     "stats": {n: dict(t.stats) for n, t in store.tables.items()},
                                     "rows": {n: {k: (w, s, seen) for keys, weights, state, last_seen in t.export_all(with_state=True)
@@ -482,25 +491,34 @@ def test_the_table_batched_owner_path_equals_the_per_table_path_over_two_gpus(tm
     """Two NCCL ranks: the owner's table-batched find_or_insert and apply_gradients (one
     launch each for all tables) give what the table-by-table path gives: the rows each rank
     pulled, every owned row's weights, optimizer state and clock, the tables' counters,
-    with no more host syncs per step (Adagrad and Adam, each over three groupable tables)."""
+    with no more host syncs per step (Adagrad and Adam, each over three groupable tables);
+    and so does the table-batched path whose keys came in the agreement and were
+    de-duplicated on the host, with fewer host syncs a step than on the device."""
     _run_two_ranks(_grouped_owner_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"),), timeout_s=300)
     for r in range(2):
         got = torch.load(tmp_path / f"out{r}", weights_only=False)
         for optimizer, paths in got.items():
-            grouped, per_table = paths["grouped"], paths["per_table"]
-            for step, (g, p) in enumerate(zip(grouped["pulled"], per_table["pulled"])):
-                for n in p:
-                    torch.testing.assert_close(g[n], p[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{optimizer} rank {r} step {step} {n}: {m}")
-            assert grouped["stats"] == per_table["stats"], optimizer
-            for n, rows in per_table["rows"].items():
-                assert grouped["rows"][n].keys() == rows.keys() and len(rows) > 0, (optimizer, n)
-                for k, (w, s, seen) in rows.items():
-                    gw, gs, gseen = grouped["rows"][n][k]
-                    torch.testing.assert_close(gw, w, rtol=1e-6, atol=1e-7)
-                    torch.testing.assert_close(gs, s, rtol=1e-6, atol=1e-7)
-                    assert gseen == seen
-            print(f"rank {r} {optimizer}: host syncs per step, table-batched {grouped['syncs']}, per table {per_table['syncs']}")
-            assert all(g <= p for g, p in zip(grouped["syncs"], per_table["syncs"])), (optimizer, grouped["syncs"], per_table["syncs"])
+            agreed = paths["agreed"]
+            print(f"rank {r} {optimizer}: host syncs per step, keys agreed {agreed['syncs']}, on the device {paths['grouped']['syncs']}")
+            assert all(a < g for a, g in zip(agreed["syncs"], paths["grouped"]["syncs"])), (optimizer, agreed["syncs"])
+            _assert_same_training(optimizer, r, agreed, paths["per_table"])
+            _assert_same_training(optimizer, r, paths["grouped"], paths["per_table"])
+
+
+def _assert_same_training(optimizer: str, r: int, grouped: dict, per_table: dict) -> None:
+    """What one path of ``_grouped_owner_worker`` pulled and left in its rows equals the per-table path's."""
+    for step, (g, p) in enumerate(zip(grouped["pulled"], per_table["pulled"])):
+        for n in p:
+            torch.testing.assert_close(g[n], p[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{optimizer} rank {r} step {step} {n}: {m}")
+    assert grouped["stats"] == per_table["stats"], optimizer
+    for n, rows in per_table["rows"].items():
+        assert grouped["rows"][n].keys() == rows.keys() and len(rows) > 0, (optimizer, n)
+        for k, (w, s, seen) in rows.items():
+            gw, gs, gseen = grouped["rows"][n][k]
+            torch.testing.assert_close(gw, w, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(gs, s, rtol=1e-6, atol=1e-7)
+            assert gseen == seen
+    assert all(g <= p for g, p in zip(grouped["syncs"], per_table["syncs"])), (optimizer, grouped["syncs"], per_table["syncs"])
 
 
 def _write_samples(run: Path, rows: int, spec: FeatureSpec) -> None:
@@ -619,6 +637,34 @@ def test_the_host_layout_sends_each_owner_each_key_once_table_by_table(world, ta
     assert len(torch.unique(counted)) == len(counted)  # every sighting of t1 is sent
     assert plan.send_counts == counts and plan.sizes == [len(k) for k in ids.values()]
     assert n_keys < sum(plan.sizes)  # the ids repeat: fewer keys than ids cross
+
+
+@pytest.mark.parametrize("world, tables", [(1, 2), (2, 4), (3, 5)])
+def test_the_owner_lays_out_the_keys_it_received_as_the_device_would(world, tables):
+    """``owner_keys``: every rank's keys for one owner, regrouped table by table, de-duplicated
+    per table (each table's distinct keys sorted, their counts, each key's place), and those
+    places in arrival order: what ``Route.to_table_order``, ``unique_concat`` and
+    ``Route.to_arrival_order`` make of the same keys on the device; empty shares included."""
+    from streamrec.embedding.sharded import Route, owner_keys
+    from streamrec.embedding.unique import unique_concat
+
+    rng = np.random.default_rng(world * 10 + tables)
+    grid = [[int(rng.integers(0, 40)) if (r + t) % 4 else 0 for t in range(tables)] for r in range(world)]
+    keys_from = []
+    for row in grid:  # each rank's keys of a table distinct, shared with other ranks' often
+        keys_from.append(np.concatenate([rng.choice(60, n, replace=False).astype(np.int64) * (2**40 + t) for t, n in enumerate(row)]))
+    route = Route([f"t{t}" for t in range(tables)], [], torch.empty(0), [], [], grid, [sum(r[t] for r in grid) for t in range(tables)])
+    by_table = route.to_table_order(torch.from_numpy(np.concatenate(keys_from)))
+    keys, inverse, counts, key_counts = unique_concat(list(by_table.split(route.table_sizes)))
+
+    laid = owner_keys(keys_from, grid, unique=True, pin=False)
+    received, unique = laid.parts(laid.packed)
+    assert torch.equal(received, by_table) and laid.key_counts == key_counts
+    distinct, their_counts, places, as_arrived = unique
+    assert torch.equal(distinct, keys) and torch.equal(their_counts, counts) and torch.equal(places, inverse)
+    assert torch.equal(as_arrived, route.to_arrival_order(inverse))
+    plain = owner_keys(keys_from, grid, unique=False, pin=False)
+    assert torch.equal(plain.parts(plain.packed)[0], by_table) and plain.parts(plain.packed)[1] is None
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -254,11 +254,14 @@ class TrainingLoop:
             self.times["lookup"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         keys_out = self.exchange.keys_out() if self.exchange is not None else None
+        t2 = time.perf_counter()
         agreed = agree(self.ranks, len(batch) if batch is not None else 0, ended, stop, newest, publish, checkpoint, counts,
                        keys_out)
+        t3 = time.perf_counter()
         if self.exchange is not None:
             self.exchange.agreed(agreed.counts, agreed.keys_from)
-        self.times["agree"] += time.perf_counter() - t1
+        self.times["agree"] += t3 - t2  # the channel alone: the exchange's own work around it is the lookup's
+        self.times["lookup"] += (t2 - t1) + (time.perf_counter() - t3)
         return Turn(batch, agreed, ended, idle_s)
 
     def _look_ahead(self, reader: SampleReader, ended: bool, agreed: Agreed) -> Turn | None:
@@ -327,9 +330,10 @@ class TrainingLoop:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         logits = self.forward(*inputs.as_args())
-        if self.ranks.distributed:
+        if self.ranks.distributed and n * self.ranks.world != agreed.samples:
             # the mean over the step's samples on all ranks: the dense gradients are averaged
-            # over ranks, so each rank's share is scaled by world / total (empty batches add 0)
+            # over ranks, so each rank's share is scaled by world / total (empty batches add 0);
+            # where every rank's batch is as large, that is this rank's own mean
             summed = F.binary_cross_entropy_with_logits(logits, batch.label, reduction="sum")
             loss = summed * (self.ranks.world / agreed.samples)
             reported = summed.detach() / max(1, n)
