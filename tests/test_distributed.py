@@ -431,7 +431,7 @@ def _grouped_owner_worker(rank: int, world: int, init: str, out: str) -> None:
     """Per optimizer, three identical shards over the same ranks and steps: one whose owner side
     is table-batched (its tables are groupable), one forced table by table, and one
     table-batched that agrees on its keys first, as the trainer does (laid out on the host,
-    sent in the agreement, de-duplicated by the owner on the host: ``owner_keys``). Saves what
+    sent in the agreement: no ids collective). Saves what
     each rank pulled, every row it owns (weights, optimizer state, clock), the tables'
     counters, and the host syncs of each step (the agreement's own excepted)."""
     import warnings
@@ -492,8 +492,8 @@ def test_the_table_batched_owner_path_equals_the_per_table_path_over_two_gpus(tm
     launch each for all tables) give what the table-by-table path gives: the rows each rank
     pulled, every owned row's weights, optimizer state and clock, the tables' counters,
     with no more host syncs per step (Adagrad and Adam, each over three groupable tables);
-    and so does the table-batched path whose keys came in the agreement and were
-    de-duplicated on the host, with fewer host syncs a step than on the device."""
+    and so does the table-batched path whose keys came in the agreement, with fewer host
+    syncs a step (its counts came with them)."""
     _run_two_ranks(_grouped_owner_worker, tmp_path, lambda r: (str(tmp_path / f"out{r}"),), timeout_s=300)
     for r in range(2):
         got = torch.load(tmp_path / f"out{r}", weights_only=False)
@@ -637,34 +637,6 @@ def test_the_host_layout_sends_each_owner_each_key_once_table_by_table(world, ta
     assert len(torch.unique(counted)) == len(counted)  # every sighting of t1 is sent
     assert plan.send_counts == counts and plan.sizes == [len(k) for k in ids.values()]
     assert n_keys < sum(plan.sizes)  # the ids repeat: fewer keys than ids cross
-
-
-@pytest.mark.parametrize("world, tables", [(1, 2), (2, 4), (3, 5)])
-def test_the_owner_lays_out_the_keys_it_received_as_the_device_would(world, tables):
-    """``owner_keys``: every rank's keys for one owner, regrouped table by table, de-duplicated
-    per table (each table's distinct keys sorted, their counts, each key's place), and those
-    places in arrival order: what ``Route.to_table_order``, ``unique_concat`` and
-    ``Route.to_arrival_order`` make of the same keys on the device; empty shares included."""
-    from streamrec.embedding.sharded import Route, owner_keys
-    from streamrec.embedding.unique import unique_concat
-
-    rng = np.random.default_rng(world * 10 + tables)
-    grid = [[int(rng.integers(0, 40)) if (r + t) % 4 else 0 for t in range(tables)] for r in range(world)]
-    keys_from = []
-    for row in grid:  # each rank's keys of a table distinct, shared with other ranks' often
-        keys_from.append(np.concatenate([rng.choice(60, n, replace=False).astype(np.int64) * (2**40 + t) for t, n in enumerate(row)]))
-    route = Route([f"t{t}" for t in range(tables)], [], torch.empty(0), [], [], grid, [sum(r[t] for r in grid) for t in range(tables)])
-    by_table = route.to_table_order(torch.from_numpy(np.concatenate(keys_from)))
-    keys, inverse, counts, key_counts = unique_concat(list(by_table.split(route.table_sizes)))
-
-    laid = owner_keys(keys_from, grid, unique=True, pin=False)
-    received, unique = laid.parts(laid.packed)
-    assert torch.equal(received, by_table) and laid.key_counts == key_counts
-    distinct, their_counts, places, as_arrived = unique
-    assert torch.equal(distinct, keys) and torch.equal(their_counts, counts) and torch.equal(places, inverse)
-    assert torch.equal(as_arrived, route.to_arrival_order(inverse))
-    plain = owner_keys(keys_from, grid, unique=False, pin=False)
-    assert torch.equal(plain.parts(plain.packed)[0], by_table) and plain.parts(plain.packed)[1] is None
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

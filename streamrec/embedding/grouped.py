@@ -60,27 +60,7 @@ def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, 
     id_counts = [len(f) for f in flat]
     if not groupable(group, id_counts):
         return None
-    return find_or_insert_unique(tables, names, UniqueIds(*unique_concat(flat), id_counts), now_ms)
-
-
-@dataclass
-class UniqueIds:
-    """A step's ids of several tables de-duplicated table by table (``unique_concat``'s
-    answer, or the same made on the host): every tensor in HBM, the counts on the host."""
-
-    keys: torch.Tensor  # int64 [unique keys of all tables]: each table's sorted, one table after another
-    inverse: torch.Tensor  # int64 [ids of all tables, one table after another]: each id's place in ``keys``
-    counts: torch.Tensor  # int64 [unique keys]: how many of the ids each key stands for
-    key_counts: list[int]  # unique keys per table
-    id_counts: list[int]  # ids per table
-
-
-def find_or_insert_unique(tables: dict[str, EmbeddingTable], names: list[str], unique: UniqueIds, now_ms: int) -> GroupedRows:
-    """``find_or_insert_grouped`` of ids de-duplicated already (``unique``, of the tables
-    ``names``, which must be ``groupable``): one find-or-insert launch, one host sync for what
-    it created."""
-    group = [tables[n] for n in names]
-    keys, inverse, counts, key_counts, id_counts = unique.keys, unique.inverse, unique.counts, unique.key_counts, unique.id_counts
+    keys, inverse, counts, key_counts = unique_concat(flat)
     fresh, seeds = zip(*(t.find_or_insert_prepare(n) for t, n in zip(group, key_counts)))
     counters = torch.zeros(len(group), 2, dtype=torch.int32, device=keys.device)
     _, _, _, init_std, state_fill = group[0].creation_settings

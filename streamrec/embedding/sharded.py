@@ -30,10 +30,7 @@ agreement (trainer/distributed.py), and so do the keys where every rank laid the
 the host: the agreement is a round of messages between the ranks' hosts anyway, and the
 keys are a few thousand integers, so the ids need no collective (and the owner no
 regrouping of them on the device). Two collectives (rows, gradients) and two host syncs
-per step (the owner's find_or_insert: its de-duplication, its created rows), whatever the
-number of tables; one sync where the keys came in the agreement and the owner's tables take
-one table-batched find_or_insert, for the owner then de-duplicates them on the host
-(``owner_keys``), where they already are, and the device runs no de-duplication; a third collective
+per step (the owner's find_or_insert), whatever the number of tables; a third collective
 sends the keys where they were laid out on the device. A caller that does not agree first
 (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent in an all_gather of
 their own, then to the host: one more.
@@ -86,7 +83,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from streamrec.embedding.grouped import GroupedRows, UniqueIds, apply_gradients_grouped, find_or_insert_grouped, find_or_insert_unique, groupable
+from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
 from streamrec.embedding.table import BatchRows
 from streamrec.embedding.unique import unique_per_group, unique_tagged
 
@@ -196,74 +193,12 @@ class Plan:
     asked: list[str] = field(default_factory=list)  # every table asked for, replicated ones included, in order
     replicated: "ReplicatedPlan | None" = None  # the ids of the replicated tables
     host_keys: np.ndarray | None = None  # ``keys`` on the host (laid out there, or none at all): they can ride in the agreement
-    received: "OwnerKeys | None" = None  # owner: every rank's keys for it, on the host; once agreed with them
+    received: torch.Tensor | None = None  # owner: every rank's keys for it, table by table (each rank by rank), on the host; once agreed with them
 
     def counts(self) -> list[int]:
         """What the agreement carries for this rank: the sharded tables' counts per (owner,
         table), then the replicated tables' unique ids per table."""
         return self.send_counts + (self.replicated.sizes if self.replicated is not None else [])
-
-
-@dataclass
-class OwnerKeys:
-    """Every rank's keys for this owner, as the agreement brought them, laid out on the host
-    for one copy to the device (``owner_keys``): ``packed`` holds the keys received, table by
-    table (each table's rank by rank), then, where ``unique`` (the owner's tables take one
-    table-batched find_or_insert), their de-duplication as ``unique_concat`` would make it on
-    the device (the distinct keys, each one's count, each key received's place among them) and
-    those places again in the order the keys arrived (rank by rank, each rank's table by table),
-    which the rows go back in."""
-
-    packed: torch.Tensor  # int64, host (page-locked on CUDA): [received | distinct | counts | places by table | places as arrived]
-    received: int  # keys received
-    key_counts: list[int] | None  # distinct keys per table, where de-duplicated here
-
-    def parts(self, on_device: torch.Tensor) -> tuple[torch.Tensor, "tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None"]:
-        """``packed`` once on the device, cut: (the keys received; (distinct, counts, places by
-        table, places as arrived), or None where not de-duplicated here)."""
-        n = self.received
-        if self.key_counts is None:
-            return on_device[:n], None
-        k = sum(self.key_counts)
-        return on_device[:n], (on_device[n:n + k], on_device[n + k:n + 2 * k], on_device[n + 2 * k:2 * n + 2 * k], on_device[2 * n + 2 * k:])
-
-
-def owner_keys(keys_from: list[np.ndarray], grid: list[list[int]], unique: bool, pin: bool) -> OwnerKeys:
-    """Every rank's keys for this owner (``keys_from[r]``: rank r's, table by table; ``grid[r][t]``:
-    how many of table t), regrouped table by table, and with ``unique`` de-duplicated per
-    table (sorted, as ``unique_concat``): what the owner's find_or_insert needs, made on the
-    host where the keys already are, so that the owner's step runs no de-duplication on the
-    device and waits for none (see ``OwnerKeys``)."""
-    world, tables = len(grid), len(grid[0]) if grid else 0
-    parts = [_split_counts(keys, row) for keys, row in zip(keys_from, grid)]
-    by_table = [parts[r][t] for t in range(tables) for r in range(world)]
-    n = sum(map(len, keys_from))
-    if not unique:
-        packed = torch.empty(n, dtype=torch.int64, pin_memory=pin)
-        if n:
-            np.concatenate(by_table, out=packed.numpy())
-        return OwnerKeys(packed, n, None)
-    distinct, counts, places, key_counts, first = [], [], [], [], 0
-    for t in range(tables):
-        keys, where, count = np.unique(np.concatenate(by_table[t * world:(t + 1) * world]), return_inverse=True, return_counts=True)
-        distinct.append(keys)
-        counts.append(count)
-        places.append(where + first)
-        key_counts.append(len(keys))
-        first += len(keys)
-    k = first
-    packed = torch.empty(3 * n + 2 * k, dtype=torch.int64, pin_memory=pin)
-    out = packed.numpy()
-    np.concatenate(by_table, out=out[:n])
-    np.concatenate(distinct, out=out[n:n + k])
-    np.concatenate(counts, out=out[n + k:n + 2 * k])
-    by_table_places = out[n + 2 * k:2 * n + 2 * k]
-    np.concatenate(places, out=by_table_places)
-    # the same places in arrival order: rank by rank, each rank's tables in order
-    chunks = _split_counts(by_table_places, [grid[r][t] for t in range(tables) for r in range(world)])
-    if n:
-        np.concatenate([chunks[t * world + r] for r in range(world) for t in range(tables)], out=out[2 * n + 2 * k:])
-    return OwnerKeys(packed, n, key_counts)
 
 
 @dataclass
@@ -421,7 +356,6 @@ class ShardedCollection:
         self._pending: ShardedRows | None = None  # the rows handed out whose gradients have not come back
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._sent: torch.cuda.Event | None = None  # on CUDA: the last step's rows have gone out
-        self._owner_unique: tuple[UniqueIds, torch.Tensor] | None = None  # _send_ids: the keys received, de-duplicated on the host
         if self.replicated:
             self._start_replicas_equal()
 
@@ -459,18 +393,14 @@ class ShardedCollection:
         After a ``prefetch``, ``ids`` must be the ids prefetched: their exchange is finished."""
         ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
-        replicated, served = None, None
+        replicated = None
         if ahead is None:
             plan = self._take_plan(ids)
             route, wanted = self._send_ids(plan)
             union, positions = self._replicated_union(plan.replicated) if plan.replicated is not None else ({}, [])
             t0 = self._lap("ids", t0)
-            if self._owner_unique is not None and groupable([self.local[n] for n in route.names], route.table_sizes):
-                unique, served = self._owner_unique  # de-duplicated on the host: no de-duplication on the device
-                grouped = find_or_insert_unique(self.local.tables, route.names, unique, now_ms)
-                owned = grouped.by_table
-            else:  # one find_or_insert for the sharded tables' received ids and the replicated tables' union
-                owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms)
+            # one find_or_insert for the sharded tables' received ids and the replicated tables' union
+            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms)
             if plan.replicated is not None:
                 replicated = self._replicated_rows(plan.replicated, union, positions, owned, grouped, sum(route.table_sizes))
                 owned = {n: owned[n] for n in route.names}
@@ -481,11 +411,11 @@ class ShardedCollection:
             else:
                 owned, grouped = ahead.owned, ahead.grouped
                 self._read_again(owned, grouped)
+        served = None
         if grouped is not None:
             # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
             # rank), so the rows go out and the gradients come back without a regrouping by table
-            if served is None:
-                served = route.to_arrival_order(grouped.inverse[:sum(route.table_sizes)])  # the sharded tables' ids come first
+            served = route.to_arrival_order(grouped.inverse[:sum(route.table_sizes)])  # the sharded tables' ids come first
             outgoing = grouped.rows.index_select(0, served)
         else:
             outgoing = route.to_arrival_order(torch.cat([owned[n].embeddings() for n in route.names]))
@@ -749,18 +679,21 @@ class ShardedCollection:
         if plan.replicated is not None:
             plan.replicated.by_rank = [list(counts[self.world * width:]) for counts in counts_by_rank]
         if keys_from is not None:
-            grid = [counts[lo:lo + width] for counts in counts_by_rank]
-            if [len(k) for k in keys_from] != [sum(row) for row in grid]:
-                raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
-                                   f"{[sum(row) for row in grid]}")
-            plan.received = owner_keys(keys_from, grid, self._unique_on_host(plan, grid), self.device.type == "cuda")
+            plan.received = self._by_table(keys_from, [counts[lo:lo + width] for counts in counts_by_rank])
         self._lap("ids", t0)
 
-    def _unique_on_host(self, plan: Plan, grid: list[list[int]]) -> bool:
-        """Whether the owner de-duplicates the keys it received on the host (``owner_keys``):
-        where its find_or_insert of them is one table-batched launch of the sharded tables alone."""
-        received = [sum(row[t] for row in grid) for t in range(len(plan.names))]
-        return self.local.table_batched and plan.replicated is None and groupable([self.local[n] for n in plan.names], received)
+    def _by_table(self, keys_from: list[np.ndarray], grid: list[list[int]]) -> torch.Tensor:
+        """Every rank's keys for this owner (``grid``: how many of each table each rank sent),
+        table by table, each table's rank by rank, as the exchange regroups what arrives: one
+        host tensor (page-locked on CUDA, for one asynchronous copy to the device)."""
+        if [len(k) for k in keys_from] != [sum(row) for row in grid]:
+            raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
+                               f"{[sum(row) for row in grid]}")
+        parts = [_split_counts(keys, row) for keys, row in zip(keys_from, grid)]
+        received = torch.empty(sum(map(len, keys_from)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        if len(received):
+            np.concatenate([parts[r][t] for t in range(len(grid[0])) for r in range(self.world)], out=received.numpy())
+        return received
 
     def _take_plan(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The agreed plan of ``ids`` (checked by their tables and sizes: a check of their
@@ -787,8 +720,7 @@ class ShardedCollection:
     def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor]]:
         """The sharded tables' keys to their owners, one all_to_all with the agreed split
         sizes, or none where the agreement brought them: (the route, what this rank owns of
-        every rank's keys, by table). Where the agreement's keys were de-duplicated on the host
-        (``owner_keys``), that comes to the device in the same copy (``self._owner_unique``)."""
+        every rank's keys, by table)."""
         world, device = self.world, self.device
         names, n_tables = plan.names, len(plan.names)
         recv_grid = [plan.recv_counts[r * n_tables:(r + 1) * n_tables] for r in range(world)]
@@ -796,12 +728,8 @@ class ShardedCollection:
         recv_splits = [sum(row) for row in recv_grid]
         route = Route(names, plan.sizes, plan.inverse, send_splits, recv_splits, recv_grid,
                       [sum(row[t] for row in recv_grid) for t in range(n_tables)])
-        self._owner_unique = None
         if plan.received is not None:  # the agreement brought them, already by table
-            by_table, unique = plan.received.parts(plan.received.packed.to(device, non_blocking=True))
-            if unique is not None:
-                keys, counts, places, as_arrived = unique
-                self._owner_unique = (UniqueIds(keys, places, counts, plan.received.key_counts, route.table_sizes), as_arrived)
+            by_table = plan.received.to(device, non_blocking=True)
             self.stats.keys_agreed += 1
         else:
             received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
