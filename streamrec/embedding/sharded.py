@@ -291,19 +291,20 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     counts every sighting) keep every id, sorted. ``pin``: the result in page-locked memory,
     for one asynchronous copy to the device."""
     names = list(ids)
-    distinct, where = [], []  # per table: its keys sorted (distinct unless every sighting counts); each id's place
+    # per table: its keys sorted (distinct unless every sighting counts), the order that sorts
+    # them, and each input id's key (None: each id its own key, in input order)
+    distinct, sorts, of_ids = [], [], []
     for name in names:
         flat = ids[name].reshape(-1).to(torch.int64).numpy()
         if name in every_sighting:  # each id its own key
-            values, of_id = flat, np.arange(len(flat))
+            values, of_id = flat, None
         else:
             encoded = pa.array(flat, pa.int64()).dictionary_encode()  # hashed: no sort of every id
             values, of_id = encoded.dictionary.to_numpy(), encoded.indices.to_numpy(zero_copy_only=False)
         by_key = np.argsort(values, kind="stable")
-        rank = np.empty(len(values), np.int64)
-        rank[by_key] = np.arange(len(values))
         distinct.append(values[by_key])
-        where.append(rank[of_id])
+        sorts.append(by_key)
+        of_ids.append(of_id)
     counts_by_table = [len(k) for k in distinct]
     keys = np.concatenate(distinct) if distinct else np.empty(0, np.int64)
     groups = world * len(names)
@@ -312,15 +313,21 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     send = np.argsort(code, kind="stable")
     sent_at = np.empty(len(keys), np.int64)  # each distinct key's place in send order
     sent_at[send] = np.arange(len(keys))
-    firsts = np.cumsum([0, *counts_by_table[:-1]])
-    n_ids = sum(len(w) for w in where)
-    routed = torch.empty(len(keys) + n_ids, dtype=torch.int64, pin_memory=pin)
+    sizes = [len(f) if f is not None else len(k) for f, k in zip(of_ids, distinct)]
+    routed = torch.empty(len(keys) + sum(sizes), dtype=torch.int64, pin_memory=pin)
     out = routed.numpy()
-    np.take(keys, send, out=out[:len(keys)])
-    if n_ids:
-        np.take(sent_at, np.concatenate([w + first for w, first in zip(where, firsts)]), out=out[len(keys):])
+    np.take(keys, send, out=out[:len(keys)], mode="clip")  # mode="clip": no buffered copy of the output
+    first_key, at = 0, len(keys)
+    for by_key, of_id, n_keys, n_ids in zip(sorts, of_ids, counts_by_table, sizes):
+        placed = np.empty(n_keys, np.int64)  # each of the table's values (before sorting): its key's place in send order
+        placed[by_key] = sent_at[first_key:first_key + n_keys]
+        if of_id is None:
+            out[at:at + n_ids] = placed
+        else:
+            np.take(placed, of_id, out=out[at:at + n_ids], mode="clip")  # each input id's key's place: one gather
+        first_key, at = first_key + n_keys, at + n_ids
     counts = np.bincount(code, minlength=groups)
-    return HostPlan(names, [len(w) for w in where], routed, counts.tolist())
+    return HostPlan(names, sizes, routed, counts.tolist())
 
 
 def _split_counts(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
