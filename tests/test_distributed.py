@@ -639,30 +639,6 @@ def test_the_host_layout_sends_each_owner_each_key_once_table_by_table(world, ta
     assert n_keys < sum(plan.sizes)  # the ids repeat: fewer keys than ids cross
 
 
-@pytest.mark.parametrize("world, tables", [(1, 2), (2, 4), (3, 5)])
-def test_the_keys_an_owner_got_in_the_agreement_come_laid_out_as_the_device_would(world, tables):
-    """``agreed_keys_by_table``: every rank's keys for one owner regrouped table by table, each
-    key's table, and each arrival's place among them; what ``Route.to_table_order``,
-    ``unique_concat``'s tags and ``Route.to_arrival_order`` make on the device, empty shares
-    included; the de-duplication of the tagged keys is ``unique_concat``'s of the tables."""
-    from streamrec.embedding.sharded import Route, agreed_keys_by_table
-    from streamrec.embedding.unique import unique_concat, unique_tagged
-
-    rng = np.random.default_rng(world * 10 + tables)
-    grid = [[int(rng.integers(0, 40)) if (r + t) % 4 else 0 for t in range(tables)] for r in range(world)]
-    keys_from = [np.concatenate([rng.choice(60, n, replace=False).astype(np.int64) * (2**40 + t) for t, n in enumerate(row)])
-                 for row in grid]  # each rank's keys of a table distinct, often shared with other ranks'
-    route = Route([f"t{t}" for t in range(tables)], [], torch.empty(0), [], [], grid, [sum(r[t] for r in grid) for t in range(tables)])
-    by_table = route.to_table_order(torch.from_numpy(np.concatenate(keys_from)))
-    received, tags, arrived_at = agreed_keys_by_table(keys_from, grid).view(3, -1).unbind(0)
-    assert torch.equal(received, by_table)
-    assert torch.equal(tags, torch.cat([torch.full((n,), t) for t, n in enumerate(route.table_sizes)]))
-    places = torch.randperm(len(received))  # any per-key values in table order come back in arrival order
-    assert torch.equal(places[arrived_at], route.to_arrival_order(places))
-    for got, want in zip(unique_tagged(received, tags, tables), unique_concat(list(by_table.split(route.table_sizes)))):
-        assert got == want if isinstance(want, list) else torch.equal(got, want)
-
-
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_shards_are_balanced_within_ten_percent_on_zipf_ids(world):
     rng = np.random.default_rng(3)

@@ -25,7 +25,7 @@ import torch
 from streamrec.embedding import kernels
 from streamrec.embedding.optimizer_kernels import OptimizerGroups
 from streamrec.embedding.table import BatchRows, EmbeddingTable, PendingInsert, finish_inserts
-from streamrec.embedding.unique import unique_concat, unique_tagged
+from streamrec.embedding.unique import unique_concat
 
 
 @dataclass
@@ -50,22 +50,17 @@ def groupable(tables: list[EmbeddingTable], id_counts: list[int]) -> bool:
         all(t.inserts_on_device(n) for t, n in zip(tables, id_counts))
 
 
-def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, torch.Tensor], now_ms: int,
-                           tagged: tuple[torch.Tensor, torch.Tensor] | None = None) -> GroupedRows | None:
+def find_or_insert_grouped(tables: dict[str, EmbeddingTable], ids: Mapping[str, torch.Tensor], now_ms: int) -> GroupedRows | None:
     """The training find_or_insert of every table in ``ids``: one unique over all of them (one
     host sync), one find-or-insert launch, one host sync for what it created. None where
-    ``groupable`` says no. ``tagged``: the same ids as one tensor already (int64 [n] in HBM,
-    one table after another) and each one's table (its index in ``ids``), so that neither is
-    assembled here."""
+    ``groupable`` says no."""
     names = list(ids)
     group = [tables[n] for n in names]
-    id_counts = [ids[n].numel() for n in names]
+    flat = [ids[n].to(group[0].device, torch.int64).reshape(-1) for n in names]
+    id_counts = [len(f) for f in flat]
     if not groupable(group, id_counts):
         return None
-    if tagged is not None:
-        keys, inverse, counts, key_counts = unique_tagged(*tagged, len(names))
-    else:
-        keys, inverse, counts, key_counts = unique_concat([ids[n].to(group[0].device, torch.int64).reshape(-1) for n in names])
+    keys, inverse, counts, key_counts = unique_concat(flat)
     fresh, seeds = zip(*(t.find_or_insert_prepare(n) for t, n in zip(group, key_counts)))
     counters = torch.zeros(len(group), 2, dtype=torch.int32, device=keys.device)
     _, _, _, init_std, state_fill = group[0].creation_settings

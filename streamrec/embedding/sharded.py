@@ -28,9 +28,8 @@ the counts cost a device sync; laid out on the device (``plan`` without ``host``
 counts cost one. The split sizes need every rank's counts; they ride in the per-step
 agreement (trainer/distributed.py), and so do the keys where every rank laid them out on
 the host: the agreement is a round of messages between the ranks' hosts anyway, and the
-keys are a few thousand integers, so the ids need no collective, and the owner gets them
-by table, each one's table and the order they arrived in from the host, so its device
-assembles none of that (``agreed_keys_by_table``). Two collectives (rows, gradients) and two host syncs
+keys are a few thousand integers, so the ids need no collective (and the owner no
+regrouping of them on the device). Two collectives (rows, gradients) and two host syncs
 per step (the owner's find_or_insert), whatever the number of tables; a third collective
 sends the keys where they were laid out on the device. A caller that does not agree first
 (``find_or_insert`` without ``plan``/``agreed``) gets the counts sent in an all_gather of
@@ -331,30 +330,6 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     return HostPlan(names, sizes, routed, counts.tolist())
 
 
-def agreed_keys_by_table(keys_from: list[np.ndarray], grid: list[list[int]], pin: bool = False) -> torch.Tensor:
-    """Every rank's keys for one owner, as the agreement brought them (``keys_from[r]``: rank
-    r's, table by table; ``grid[r][t]``: how many of table t), table by table, each table's
-    rank by rank, as the exchange regroups what arrives; then each one's table; then, for each
-    key in the order it arrived (rank by rank, each rank's table by table), its place among
-    them: one host tensor, int64 [3 x keys] (``pin``: page-locked, for one asynchronous copy
-    to the device), so that the device assembles neither the tags of the owner's
-    de-duplication nor the rows' order back."""
-    if [len(k) for k in keys_from] != [sum(row) for row in grid]:
-        raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
-                           f"{[sum(row) for row in grid]}")
-    world, tables, n = len(grid), len(grid[0]) if grid else 0, sum(map(len, keys_from))
-    parts = [_split_counts(keys, row) for keys, row in zip(keys_from, grid)]
-    packed = torch.empty(3 * n, dtype=torch.int64, pin_memory=pin)
-    if n:
-        out = packed.numpy()
-        np.concatenate([parts[r][t] for t in range(tables) for r in range(world)], out=out[:n])
-        out[n:2 * n] = np.repeat(np.arange(tables), [sum(row[t] for row in grid) for t in range(tables)])
-        starts = np.cumsum([0] + [grid[r][t] for t in range(tables) for r in range(world)])[:-1].reshape(tables, world)
-        np.concatenate([np.arange(starts[t][r], starts[t][r] + grid[r][t]) for r in range(world) for t in range(tables)],
-                       out=out[2 * n:])
-    return packed
-
-
 def _split_counts(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     """``array`` cut into consecutive views of ``counts`` elements each."""
     return np.split(array, np.cumsum(counts[:-1]).tolist())
@@ -425,15 +400,14 @@ class ShardedCollection:
         After a ``prefetch``, ``ids`` must be the ids prefetched: their exchange is finished."""
         ahead, self._ahead = self._ahead, None
         t0 = time.perf_counter()
-        replicated, tagged = None, None
+        replicated = None
         if ahead is None:
             plan = self._take_plan(ids)
-            route, wanted, tagged = self._send_ids(plan)
+            route, wanted = self._send_ids(plan)
             union, positions = self._replicated_union(plan.replicated) if plan.replicated is not None else ({}, [])
             t0 = self._lap("ids", t0)
-            tagged = tagged if plan.replicated is None else None
             # one find_or_insert for the sharded tables' received ids and the replicated tables' union
-            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms, tagged[:2] if tagged else None)
+            owned, grouped = self._owner_find_or_insert({**wanted, **union}, now_ms)
             if plan.replicated is not None:
                 replicated = self._replicated_rows(plan.replicated, union, positions, owned, grouped, sum(route.table_sizes))
                 owned = {n: owned[n] for n in route.names}
@@ -448,10 +422,7 @@ class ShardedCollection:
         if grouped is not None:
             # grouped.inverse follows the ids by table; served follows them as they arrived (rank by
             # rank), so the rows go out and the gradients come back without a regrouping by table
-            if tagged is not None:  # each arrival's place among the ids by table came with the keys
-                served = grouped.inverse.index_select(0, tagged[2])
-            else:
-                served = route.to_arrival_order(grouped.inverse[:sum(route.table_sizes)])  # the sharded tables' ids come first
+            served = route.to_arrival_order(grouped.inverse[:sum(route.table_sizes)])  # the sharded tables' ids come first
             outgoing = grouped.rows.index_select(0, served)
         else:
             outgoing = route.to_arrival_order(torch.cat([owned[n].embeddings() for n in route.names]))
@@ -496,7 +467,7 @@ class ShardedCollection:
         if self.replicated:
             raise RuntimeError("a prefetch needs every table sharded: replicated tables train in their step's turn")
         t0 = time.perf_counter()
-        route, wanted, _ = self._send_ids(self._take_plan(ids))
+        route, wanted = self._send_ids(self._take_plan(ids))
         t1 = self._lap("ids", t0)
         self.stats.ahead += 1
         self._ahead = Ahead(route, wanted, now_ms)
@@ -515,12 +486,10 @@ class ShardedCollection:
                     pending.owned[name].generation = self._ahead.owned[name].generation
         self._lap("owner_find_or_insert", t1)
 
-    def _owner_find_or_insert(self, wanted: dict[str, torch.Tensor], now_ms: int,
-                              tagged: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[dict[str, BatchRows], GroupedRows | None]:
+    def _owner_find_or_insert(self, wanted: dict[str, torch.Tensor], now_ms: int) -> tuple[dict[str, BatchRows], GroupedRows | None]:
         """The owner's find_or_insert of what it received: table-batched where it can be (the
-        owner's unique counts and created rows: the step's other two host syncs on CUDA).
-        ``tagged``: ``wanted`` as one tensor and each key's table, where they came so."""
-        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms, tagged) if self.local.table_batched else None
+        owner's unique counts and created rows: the step's other two host syncs on CUDA)."""
+        grouped = find_or_insert_grouped(self.local.tables, wanted, now_ms) if self.local.table_batched else None
         if grouped is not None:
             return grouped.by_table, grouped
         return self.local.find_or_insert_each(wanted, now_ms), None
@@ -717,9 +686,21 @@ class ShardedCollection:
         if plan.replicated is not None:
             plan.replicated.by_rank = [list(counts[self.world * width:]) for counts in counts_by_rank]
         if keys_from is not None:
-            plan.received = agreed_keys_by_table(keys_from, [counts[lo:lo + width] for counts in counts_by_rank],
-                                                 self.device.type == "cuda")
+            plan.received = self._by_table(keys_from, [counts[lo:lo + width] for counts in counts_by_rank])
         self._lap("ids", t0)
+
+    def _by_table(self, keys_from: list[np.ndarray], grid: list[list[int]]) -> torch.Tensor:
+        """Every rank's keys for this owner (``grid``: how many of each table each rank sent),
+        table by table, each table's rank by rank, as the exchange regroups what arrives: one
+        host tensor (page-locked on CUDA, for one asynchronous copy to the device)."""
+        if [len(k) for k in keys_from] != [sum(row) for row in grid]:
+            raise RuntimeError(f"the agreement brought {[len(k) for k in keys_from]} keys from the ranks, their counts say "
+                               f"{[sum(row) for row in grid]}")
+        parts = [_split_counts(keys, row) for keys, row in zip(keys_from, grid)]
+        received = torch.empty(sum(map(len, keys_from)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        if len(received):
+            np.concatenate([parts[r][t] for t in range(len(grid[0])) for r in range(self.world)], out=received.numpy())
+        return received
 
     def _take_plan(self, ids: Mapping[str, torch.Tensor]) -> Plan:
         """The agreed plan of ``ids`` (checked by their tables and sizes: a check of their
@@ -743,11 +724,10 @@ class ShardedCollection:
             raise RuntimeError("find_or_insert after an agreed plan must be of the planned ids")
         return plan
 
-    def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor], tuple[torch.Tensor, ...] | None]:
+    def _send_ids(self, plan: Plan) -> tuple[Route, dict[str, torch.Tensor]]:
         """The sharded tables' keys to their owners, one all_to_all with the agreed split
         sizes, or none where the agreement brought them: (the route, what this rank owns of
-        every rank's keys, by table; where the agreement brought them, those keys as one
-        tensor, each one's table, and each arrival's place among them: ``agreed_keys_by_table``)."""
+        every rank's keys, by table)."""
         world, device = self.world, self.device
         names, n_tables = plan.names, len(plan.names)
         recv_grid = [plan.recv_counts[r * n_tables:(r + 1) * n_tables] for r in range(world)]
@@ -755,10 +735,8 @@ class ShardedCollection:
         recv_splits = [sum(row) for row in recv_grid]
         route = Route(names, plan.sizes, plan.inverse, send_splits, recv_splits, recv_grid,
                       [sum(row[t] for row in recv_grid) for t in range(n_tables)])
-        tagged = None
         if plan.received is not None:  # the agreement brought them, already by table
-            tagged = plan.received.to(device, non_blocking=True).view(3, -1).unbind(0)
-            by_table = tagged[0]
+            by_table = plan.received.to(device, non_blocking=True)
             self.stats.keys_agreed += 1
         else:
             received = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
@@ -772,7 +750,7 @@ class ShardedCollection:
         stats.ids_sent += sum(send_splits)
         stats.ids_received += sum(recv_splits)
         stats.ids_bytes_out += self._off_rank(send_splits) * plan.keys.element_size()
-        return route, wanted, tagged
+        return route, wanted
 
     def _replicated_union(self, plan: ReplicatedPlan) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Every rank's unique ids of the replicated tables (and how often each came), on
