@@ -50,6 +50,10 @@ from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
 log = logging.getLogger(__name__)
 ALIGN = 64  # bytes: each tensor's place in a slot
 START_TIMEOUT_S = 120.0  # the child's imports; the source's connection timeout comes on top
+# The child's torch work is a batch's few small host operations (concatenations of ids): a
+# parallel region costs them more than it saves, waking threads that then spin on the cores
+# the training threads need (bench/RESULTS.md, "The sample reader's torch threads").
+CHILD_TORCH_THREADS = 1
 
 
 @dataclass
@@ -312,7 +316,7 @@ def _child_main(conn: Connection, slots_fd: int) -> None:
     stops this process, which exits by itself if the trainer is gone (its socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(2)
+    torch.set_num_threads(CHILD_TORCH_THREADS)
     size, slots, source_spec, spec, settings = conn.recv()
     source = prefetcher = None
     try:
