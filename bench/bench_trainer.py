@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -307,20 +308,28 @@ class Variant:
         return Variant(label, tuple((name, value) for name, _, value in pairs))
 
 
+def train_argv(samples: str, max_samples: int, batch: int, device: str, run_dir: Path) -> list[str]:
+    """``streamrec train``'s arguments for one measured process: the sample file in a loop
+    until ``max_samples``, into a store and work directory of its own under ``run_dir``."""
+    return ["train", "--samples", samples, "--loop", "--max-samples", str(max_samples), "--batch-size", str(batch),
+            "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
+            "--model-store", str(run_dir / "models"), "--work-dir", str(run_dir / "work")]
+
+
+def train_env(nproc: int) -> dict[str, str]:
+    """The environment of each of ``nproc`` processes that share the host: its share of the cores."""
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
+            "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
+
+
 def run_ranks(nproc: int, launcher: bool, samples: str, batch: int, steps: int, device: str, work: Path,
               sync_timings: bool = False, variant: "Variant | None" = None) -> dict:
     """``streamrec train`` on ``nproc`` ranks (``launcher``: under torch's elastic launcher;
     ``variant``: with its settings in the environment); its summary's throughput and every
     rank's step figures (``sync_timings``: the device drained between phases)."""
-    import os
-
     name = f"{nproc}-{'launched' if launcher else 'lone'}{'-synced' if sync_timings else ''}{f'-{variant.label}' if variant else ''}"
-    argv = ["train", "--samples", samples, "--loop", "--max-samples", str(nproc * batch * steps), "--batch-size", str(batch),
-            "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
-            "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work"),
-            *(["--sync-timings"] if sync_timings else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)), "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600",
-           **(variant.env if variant else {})}
+    argv = [*train_argv(samples, nproc * batch * steps, batch, device, work / name), *(["--sync-timings"] if sync_timings else [])]
+    env = {**train_env(nproc), **(variant.env if variant else {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "streamrec.cli", *argv] \
         if launcher else [sys.executable, "-m", "streamrec.cli", *argv]
     if launcher:
@@ -342,16 +351,10 @@ def run_side_by_side(nproc: int, samples: str, batch: int, steps: int, device: s
     """``nproc`` lone ``streamrec train`` processes at once, each on its own GPU (its share of
     the cores on CPU), each with its own store: no collectives, no agreement. Their samples/s
     (each timed by its own trainer) summed, and each one's."""
-    import os
-
     procs = []
     for i in range(nproc):
-        name = f"{nproc}-side-by-side-{i}"
-        argv = ["train", "--samples", samples, "--loop", "--max-samples", str(batch * steps), "--batch-size", str(batch),
-                "--device", device, "--no-frozen", "--no-announce", "--json", "--fresh", "--publish-interval", "5",
-                "--model-store", str(work / name / "models"), "--work-dir", str(work / name / "work")]
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-               "STREAMREC_TRAINER__PROGRESS_INTERVAL_S": "3600"}
+        argv = train_argv(samples, batch * steps, batch, device, work / f"{nproc}-side-by-side-{i}")
+        env = train_env(nproc)
         if torch.device(device).type == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         procs.append(subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], env=env, stdout=subprocess.PIPE,
