@@ -29,7 +29,10 @@ process does: what the launcher itself costs), and at N ranks under the launcher
 rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per rank and
 in total, and scaling efficiency = total at N / (N x the lone process's). ``--reps R`` runs
 the configurations in turn R times and reports each one's best run (every run's figure is
-in the JSON). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
+in the JSON), and each rep's speed-up over the lone process of the same rep with their
+median: the host's speed drifts over minutes on some machines, and runs of one rep are
+minutes apart. Every run records the host's busy and stolen CPU shares over it (Linux's
+/proc/stat: a virtual machine's stolen time is time its cores ran for other guests). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
 their own (e.g. a trainer option off), in turn with the others, for an A/B in one run.
 ``--side-by-side`` adds N lone processes at once, each on its own GPU (or its share of the
 cores on CPU) and its own copy of the run, with nothing exchanged: their summed samples/s is
@@ -68,6 +71,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -376,6 +380,37 @@ def run_side_by_side(nproc: int, samples: str, batch: int, steps: int, device: s
             "by_rank": [{**s["step_by_rank"][0], "rank": i} for i, s in enumerate(summaries)], "ids_received_imbalance": None}
 
 
+def host_cpu_ticks() -> list[int] | None:
+    """The host's CPU time so far, in ticks by kind (/proc/stat's first line: user, nice,
+    system, idle, iowait, irq, softirq, steal), or None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(x) for x in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def host_cpu_shares(before: list[int] | None, after: list[int] | None) -> dict | None:
+    """Of the host's CPU time between two ``host_cpu_ticks``: the busy share and the stolen
+    share (a virtual machine's cores run by its hypervisor for others: a run that lost some
+    is slower for reasons outside this trainer)."""
+    if not before or not after:
+        return None
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent) or 1
+    return {"busy": (total - spent[3] - spent[4] - spent[7]) / total, "steal": spent[7] / total}
+
+
+def describe_cpu(shares: dict) -> str:
+    return f"host cores busy {shares['busy']:.0%}, stolen {shares['steal']:.1%}"
+
+
+def paired_speedups(tries: list[dict], lone_tries: list[dict]) -> list[float]:
+    """Each rep's samples/s over the lone process's of the same rep: the two ran minutes apart,
+    so a host whose speed drifts over a session changes both alike."""
+    return [run["samples_per_s"] / lone["samples_per_s"] for run, lone in zip(tries, lone_tries)]
+
+
 def imbalance(by_rank: list[dict]) -> float | None:
     """max / mean over the ranks of the ids each owner received per step (None on a lone process)."""
     received = [r["exchange"]["ids_received"] for r in by_rank if "exchange" in r]
@@ -433,17 +468,23 @@ def scaling(args: argparse.Namespace) -> None:
                 print(f"{nproc}{what}{f' [{variant.label}]' if variant else ''}: "
                       f"{args.steps} steps of {args.batch} per rank{f' (rep {rep + 1} of {args.reps})' if args.reps > 1 else ''} ...",
                       flush=True)
+                ticks = host_cpu_ticks()
                 run = run_side_by_side(nproc, args.samples, args.batch, args.steps, device, Path(tmp)) if side else \
                     run_ranks(nproc, launcher, args.samples, args.batch, args.steps, device, Path(tmp), variant=variant)
+                run["host_cpu"] = cpu = host_cpu_shares(ticks, host_cpu_ticks())
                 tries[(nproc, launcher, variant, side)].append(run)
                 steady = run["steady_samples_per_s"]
                 print(f"  {run['samples_per_s']:,.0f} samples/s in total, {run['samples_per_s_per_rank']:,.0f} per rank; "
-                      f"steady {f'{steady:,.0f}' if steady else 'n/a (no more steps than the warm-up)'}", flush=True)
+                      f"steady {f'{steady:,.0f}' if steady else 'n/a (no more steps than the warm-up)'}"
+                      f"{'; ' + describe_cpu(cpu) if cpu else ''}",
+                      flush=True)
         for nproc, launcher, variant, side in runs:
             key = (nproc, launcher, variant, side)
             run = max(tries[key], key=lambda r: r["samples_per_s"])  # the best rep, and every rep's figure
             run["samples_per_s_every_rep"] = [r["samples_per_s"] for r in tries[key]]
             run["steady_samples_per_s_every_rep"] = [r["steady_samples_per_s"] for r in tries[key]]
+            run["host_cpu_every_rep"] = [r["host_cpu"] for r in tries[key]]
+            run["speedup_over_lone_every_rep"] = paired_speedups(tries[key], tries[runs[0]])
             result["runs"].append(run)
             if args.split and not side:
                 print(f"{nproc} rank(s){' under the launcher' if launcher else ''}{f' [{variant.label}]' if variant else ''}, again "
@@ -467,6 +508,10 @@ def scaling(args: argparse.Namespace) -> None:
     print("speed-up over the lone process, whole run (steady): " + ", ".join(
         f"{name}: {r['speedup_over_lone']:.2f}x ({f'{x:.2f}x' if (x := r['steady_speedup_over_lone']) else 'n/a'})"
         for name, r in zip(names, result["runs"])), flush=True)
+    if args.reps > 1:
+        print("the same, each rep over the lone process of its rep (median; every rep): " + ", ".join(
+            f"{name}: {statistics.median(r['speedup_over_lone_every_rep']):.2f}x "
+            f"({' '.join(f'{x:.2f}' for x in r['speedup_over_lone_every_rep'])})" for name, r in zip(names, result["runs"])), flush=True)
     write_result(args.out, f"trainer-scaling-{torch.device(device).type}", result)
 
 
