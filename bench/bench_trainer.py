@@ -30,9 +30,10 @@ rank with ``--batch`` samples per step (weak scaling). Reported: samples/s per r
 in total, and scaling efficiency = total at N / (N x the lone process's). ``--reps R`` runs
 the configurations in turn R times and reports each one's best run (every run's figure is
 in the JSON), and each rep's speed-up over the lone process of the same rep with their
-median: the host's speed drifts over minutes on some machines, and runs of one rep are
-minutes apart. Every run records the host's busy and stolen CPU shares over it (Linux's
-/proc/stat: a virtual machine's stolen time is time its cores ran for other guests). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
+median: on some hosts the speed drifts over minutes, and a rep's runs are back to back
+while its best runs may be minutes apart. Every run records the host's busy and stolen CPU
+shares over it (Linux's /proc/stat: a virtual machine's stolen time is time its cores ran
+for other guests). ``--variant LABEL:NAME=VALUE`` adds the N-rank runs again with settings of
 their own (e.g. a trainer option off), in turn with the others, for an A/B in one run.
 ``--side-by-side`` adds N lone processes at once, each on its own GPU (or its share of the
 cores on CPU) and its own copy of the run, with nothing exchanged: their summed samples/s is
@@ -402,12 +403,13 @@ def host_cpu_shares(before: list[int] | None, after: list[int] | None) -> dict |
 
 
 def describe_cpu(shares: dict) -> str:
+    """``host_cpu_shares`` as the progress line prints it."""
     return f"host cores busy {shares['busy']:.0%}, stolen {shares['steal']:.1%}"
 
 
 def paired_speedups(tries: list[dict], lone_tries: list[dict]) -> list[float]:
-    """Each rep's samples/s over the lone process's of the same rep: the two ran minutes apart,
-    so a host whose speed drifts over a session changes both alike."""
+    """Each rep's samples/s over the lone process's of the same rep: the two ran back to back,
+    so a host whose speed drifts over minutes changes both alike."""
     return [run["samples_per_s"] / lone["samples_per_s"] for run, lone in zip(tries, lone_tries)]
 
 
