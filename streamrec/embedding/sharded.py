@@ -313,7 +313,7 @@ def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = Fals
     send = np.argsort(code, kind="stable")
     sent_at = np.empty(len(keys), np.int64)  # each distinct key's place in send order
     sent_at[send] = np.arange(len(keys))
-    sizes = [len(f) if f is not None else len(k) for f, k in zip(of_ids, distinct)]
+    sizes = [ids[name].numel() for name in names]  # each table's input ids
     routed = torch.empty(len(keys) + sum(sizes), dtype=torch.int64, pin_memory=pin)
     out = routed.numpy()
     np.take(keys, send, out=out[:len(keys)], mode="clip")  # mode="clip": no buffered copy of the output
