@@ -371,11 +371,10 @@ def run_side_by_side(nproc: int, samples: str, batch: int, steps: int, device: s
             raise RuntimeError(f"side-by-side process {i}: exit {proc.returncode}: {err[-3000:]}")
         summaries.append(json.loads(out))
     steady = [s["steady_samples_per_s"] for s in summaries]
+    each = [s["samples_per_s"] for s in summaries]
     return {"ranks": nproc, "launcher": False, "side_by_side": True, "variant": None, "env": {},
             "samples": sum(s["samples_this_run"] for s in summaries), "elapsed_s": max(s["elapsed_s"] for s in summaries),
-            "samples_per_s": sum(s["samples_per_s"] for s in summaries),
-            "samples_per_s_per_rank": sum(s["samples_per_s"] for s in summaries) / nproc,
-            "samples_per_s_each": [s["samples_per_s"] for s in summaries],
+            "samples_per_s": sum(each), "samples_per_s_per_rank": sum(each) / nproc, "samples_per_s_each": each,
             "steady_samples_per_s": sum(steady) if all(steady) else None,
             "ms_per_step": summaries[0]["ms_per_step"], "auc_online": None,
             "by_rank": [{**s["step_by_rank"][0], "rank": i} for i, s in enumerate(summaries)], "ids_received_imbalance": None}
