@@ -7,13 +7,15 @@ STAMP  := $(VENV)/.streamrec-installed
 
 .PHONY: setup demo test test-fast test-gpu bench clean distclean
 
+# torch first, pinned (PyPI's build is the CUDA one, several GB): pip's cache keeps the wheel,
+# so a second virtualenv on this machine does not download it again. `setup all` resolves
+# Apache Kafka's jars and builds the Flink job with Maven, into the user cache.
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned: an open range would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	$(VENV)/bin/streamrec setup flink-jars
+	$(VENV)/bin/streamrec setup all
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -51,7 +51,7 @@ from streamrec.pipelines.job import LATE_EVENT  # noqa: E402
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
 from streamrec.pipelines.samples import SampleBuilder  # noqa: E402
 from streamrec.plumbing.bus.broker import free_port  # noqa: E402
-from streamrec.plumbing.bus.clients import make_admin, make_consumer, poll_records  # noqa: E402
+from streamrec.plumbing.bus.clients import make_admin, make_consumer  # noqa: E402
 from streamrec.plumbing.bus.topics import delete_topics, list_topics, truncate_topics  # noqa: E402
 from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
@@ -239,7 +239,7 @@ def python_baseline(args, topic: str) -> dict:
     while any(consumer.position(tp) < end[tp] for tp in parts):  # to the end offsets, however slow the first fetch
         if time.monotonic() > deadline:
             raise SystemExit(f"the baseline consumer could not read {topic} to its end within 600 s")
-        for records in poll_records(consumer, 500).values():
+        for records in consumer.poll(500).values():
             for record in records:
                 builder.add(record.value, record.timestamp)
             n += len(records)
@@ -261,7 +261,7 @@ def live_latency(args, tmp: Path) -> dict:
         consumer = make_consumer(args.bootstrap, f"{name}.samples", group_id=None, auto_offset_reset="earliest",
                                  isolation_level="read_committed")
         while not stop.is_set():
-            for records in poll_records(consumer, 200).values():
+            for records in consumer.poll(200).values():
                 now_ms = time.time() * 1000
                 for r in records:
                     sample = orjson.loads(r.value)

@@ -10,7 +10,6 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ from kafka import TopicPartition
 
 from streamrec.generator.world import WorldConfig
 from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
-from streamrec.plumbing.bus.clients import make_consumer, poll_records
-from streamrec.plumbing.bus.topics import delete_topics, list_topics
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +65,7 @@ def read_topic(broker: str, topic: str, committed: bool = True, timeout_s: float
         out, deadline = [], time.monotonic() + timeout_s
         while any(consumer.position(tp) < end[tp] for tp in parts):
             assert time.monotonic() < deadline, f"could not read {topic} to its end in {timeout_s} s"
-            for records in poll_records(consumer, 500).values():
+            for records in consumer.poll(500).values():
                 out.extend(records)
         return out
     finally:
@@ -97,40 +95,12 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory) -> str:
-    """One embedded noida-db broker for the whole session; yields its bootstrap address."""
+    """One embedded Apache Kafka node for the whole session; yields its bootstrap address."""
     embedded = EmbeddedBroker(tmp_path_factory.mktemp("kafka"), port=free_port())
-    state, started = embedded.up(timeout_s=30)
+    state, started = embedded.up(timeout_s=60)
     assert started
     yield state.bootstrap
     embedded.down()
-
-
-@contextmanager
-def _deleting_new_topics(request, items):
-    """Topics created inside the block are deleted after it, when ``items`` use the broker:
-    the embedded broker re-saves everything it holds on every change, so a suite that kept
-    every test's data made the broker, and every test after, slower (docs/kafka.md)."""
-    if not any("broker" in getattr(item, "fixturenames", ()) for item in items):
-        yield
-        return
-    bootstrap = request.getfixturevalue("broker")
-    before = set(list_topics(bootstrap))
-    yield
-    delete_topics(bootstrap, sorted(set(list_topics(bootstrap)) - before))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _delete_module_topics(request):
-    """A module's topics (its module fixtures' too) go after the module."""
-    with _deleting_new_topics(request, [i for i in request.session.items if i.module is request.module]):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _delete_test_topics(request):
-    """A test's own topics go after the test."""
-    with _deleting_new_topics(request, [request.node]):
-        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The embedded broker's lifecycle through the real CLI: up, status, down, errors, persistence."""
+"""The embedded Kafka's lifecycle through the real CLI: up, status, down, errors, persistence."""
 
 import json
 import socket
@@ -19,10 +19,10 @@ def test_up_status_down_cycle(tmp_path):
     port, data = free_port(), tmp_path / "kafka"
     up = run_cli("kafka", "up", "--partitions", "3", *_flags(port, data))
     assert up.returncode == 0, up.stderr
-    assert f"embedded broker started: 127.0.0.1:{port}" in up.stdout
+    assert f"embedded Kafka started: 127.0.0.1:{port} (one node" in up.stdout
     assert "topic streamrec.events: created" in up.stdout
     try:
-        pid = json.loads((data / "broker.pid").read_text())["pid"]
+        pid = json.loads((data / "node-1" / "broker.pid").read_text())["pid"]
         assert _alive(pid)
         again = run_cli("kafka", "up", *_flags(port, data))
         assert again.returncode == 0 and "already running" in again.stdout and "exists" in again.stdout
@@ -40,7 +40,7 @@ def test_up_status_down_cycle(tmp_path):
         down = run_cli("kafka", "down", *_flags(port, data))
     assert down.returncode == 0 and "stopped" in down.stdout
     assert not _alive(pid)
-    assert not (data / "broker.pid").exists()
+    assert not (data / "node-1" / "broker.pid").exists()
     with socket.socket() as sock:  # the port is free again
         sock.bind(("127.0.0.1", port))
     assert "not running" in run_cli("kafka", "down", *_flags(port, data)).stdout
@@ -60,10 +60,14 @@ def test_port_taken_gives_clear_error(tmp_path):
     assert not (tmp_path / "broker.pid").exists()
 
 
-def test_missing_binary_gives_clear_error(tmp_path):
-    result = run_cli("kafka", "up", *_flags(free_port(), tmp_path), env={"STREAMREC_NOIDA_BIN": str(tmp_path / "nope")})
-    assert result.returncode == 2
-    assert "noida-db broker binary not found" in result.stderr and "pip install noida-db==0.2.3" in result.stderr
+def test_missing_jars_or_java_give_clear_errors(tmp_path):
+    """Without the resolved jars `up` names the set-up step; without a JVM, what to install."""
+    result = run_cli("kafka", "up", *_flags(free_port(), tmp_path / "a"), env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is missing: run `streamrec setup kafka`" in result.stderr
+    result = run_cli("kafka", "up", *_flags(free_port(), tmp_path / "b"), env={"PATH": str(tmp_path), "JAVA_HOME": ""})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "`java` not found" in result.stderr
 
 
 def test_unreachable_external_broker_gives_clear_error():
@@ -113,7 +117,18 @@ def test_data_survives_a_restart(tmp_path):
 
 def test_stale_pid_file_is_ignored(tmp_path):
     broker = EmbeddedBroker(tmp_path, port=free_port())
-    (tmp_path / "broker.pid").write_text(json.dumps(
-        {"pid": 2 ** 22 + 12345, "host": "127.0.0.1", "port": 1, "data_dir": str(tmp_path), "started_at": 0}))
+    (tmp_path / "cluster.json").write_text(json.dumps(
+        {"cluster_id": "x", "host": "127.0.0.1", "kafka_version": "4", "nodes": [{"node_id": 1, "port": broker.port, "controller_port": 1}]}))
+    (tmp_path / "node-1").mkdir()
+    (tmp_path / "node-1" / "broker.pid").write_text(json.dumps({"pid": 2 ** 22 + 12345, "started_at": 0}))
     assert broker.status() is None
-    assert not (tmp_path / "broker.pid").exists()
+    assert not (tmp_path / "node-1" / "broker.pid").exists()
+
+
+def test_a_data_dir_of_another_layout_is_refused(tmp_path):
+    """A data dir holds one cluster: asking it for another node count says so, and starts nothing."""
+    one = EmbeddedBroker(tmp_path, port=free_port())
+    (tmp_path / "cluster.json").write_text(json.dumps(
+        {"cluster_id": "x", "host": "127.0.0.1", "kafka_version": "4", "nodes": [{"node_id": 1, "port": one.port, "controller_port": 1}]}))
+    result = run_cli("kafka", "up", "--brokers", "3", *_flags(one.port, tmp_path))
+    assert result.returncode == 2 and "holds a 1-node cluster" in result.stderr and "Traceback" not in result.stderr

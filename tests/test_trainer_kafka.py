@@ -18,7 +18,7 @@ import pause_points
 from conftest import REPO
 from streamrec.contracts.sample_wire import encode_samples
 from streamrec.modelstore.store import ModelStore
-from streamrec.plumbing.bus.clients import make_consumer, make_producer, poll_records
+from streamrec.plumbing.bus.clients import make_consumer, make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     announced = []
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (not announced or announced[-1] != versions[-1]):
-        for records in poll_records(reader, 500).values():
+        for records in reader.poll(500).values():
             announced += [orjson.loads(r.value)["version"] for r in records]
     reader.close()
     # (older ones may be garbage-collected by now: keep_fulls)

@@ -11,7 +11,7 @@ from streamrec.cli.common import Commands
 from streamrec.plumbing.config import Config
 
 PARTS = ("generator", "pipeline", "ps", "trainer", "serving", "serving_swap", "serving_runtime", "serving_decode", "serving_overload", "serving_by_ids",
-         "consumer_idle", "features", "feature_state")
+         "features", "feature_state")
 
 
 def add_parser(commands: Commands) -> None:

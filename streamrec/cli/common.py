@@ -50,6 +50,7 @@ def config_from(args: argparse.Namespace) -> Config:
         "kafka.partitions": getattr(args, "partitions", None),
         "kafka.embedded_port": getattr(args, "port", None) if getattr(args, "command", None) != "serve" else None,
         "kafka.data_dir": getattr(args, "data_dir", None),
+        "kafka.embedded_brokers": getattr(args, "brokers", None),
         "flink.jars_dir": getattr(args, "jars_dir", None),
         "flink.jobmanager": getattr(args, "jobmanager", None),
         "flink.parallelism": getattr(args, "parallelism", None),

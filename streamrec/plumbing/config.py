@@ -33,6 +33,8 @@ class KafkaConfig:
     bootstrap: str
     embedded_host: str
     embedded_port: int
+    embedded_brokers: int
+    embedded_heap_mb: int
     data_dir: str
     partitions: int
     replication_factor: int
@@ -47,7 +49,7 @@ class KafkaConfig:
     def bootstrap_servers(self) -> str:
         """The address every client connects to, embedded or external."""
         if self.embedded:
-            return f"{self.embedded_host}:{self.embedded_port}"
+            return ",".join(f"{self.embedded_host}:{self.embedded_port + i}" for i in range(self.embedded_brokers))
         return self.bootstrap.strip()
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.predictions import decode_predictions
 from streamrec.contracts.sample_wire import decode_samples
-from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.serving.grading import Labels, PredictionRows, pair_keys
 
 
@@ -97,7 +97,7 @@ def _read_to_end(bootstrap: str, topic: str, start_ms: int | None, on_values: Ca
         while any(consumer.position(tp) < end[tp] for tp in parts):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not read {topic} to its end within {read_timeout_s:g} s")
-            for tp, records in poll_records(consumer, 500).items():
+            for tp, records in consumer.poll(500).items():
                 values = [r.value for r in records if r.offset < end[tp]]  # what came after the read started waits for the next report
                 if values:
                     on_values(values)

@@ -33,7 +33,7 @@ from streamrec.model.columns import FeatureColumns, device_hashes
 from streamrec.contracts.feature_spec import INT_COLUMNS, FeatureSpec
 from streamrec.contracts.feature_state import (ENTITIES, CorruptFeatureMessage, CounterBucket, History, StageWatermark, Watermarks,
                                                decode_message)
-from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.counter_cache import CounterCache
 from streamrec.serving.device_counts import DeviceCounts
@@ -287,7 +287,7 @@ class OnlineFeatures:
         return consumer
 
     def _poll(self, consumer) -> None:
-        batches = poll_records(consumer, 200)
+        batches = consumer.poll(200)
         for tp, records in batches.items():
             self._apply_records(records)
             with self._lock:  # a snapshot takes the positions under it

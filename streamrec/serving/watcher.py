@@ -47,15 +47,13 @@ class UpdateListener:
 
     def wait(self, timeout_s: float) -> bool:
         """True when an announcement for our model arrived within ``timeout_s``."""
-        from streamrec.plumbing.bus.clients import poll_records  # without spinning on an idle topic
-
         deadline = time.monotonic() + timeout_s
         while True:
             consumer = self._consumer
             if consumer is None:
                 return False
             try:
-                records = poll_records(consumer, max(0, int((deadline - time.monotonic()) * 1000)))
+                records = consumer.poll(max(0, int((deadline - time.monotonic()) * 1000)))
             except Exception as exc:  # broker gone: fall back to polling, reconnect later
                 log.warning("model-updates topic %s: %s; polling LATEST only until it is back", self.topic, exc)
                 self._drop()

@@ -116,11 +116,9 @@ class TruthLookup:
     def _follow(self) -> None:
         import orjson
 
-        from streamrec.plumbing.bus.clients import poll_records
-
         while not self._stop.is_set():
             try:
-                polled = poll_records(self._consumer, 200)
+                polled = self._consumer.poll(200)
             except Exception as exc:  # the truth is optional: report and keep training
                 log.warning("truth topic: %s", exc)
                 self._stop.wait(1.0)

@@ -208,12 +208,10 @@ class KafkaSampleSource:
         self._to_commit: dict[int, int] | None = None
 
     def chunks(self) -> Iterator[SampleChunk]:
-        from streamrec.plumbing.bus.clients import poll_records
-
         while True:
             self._commit_pending()
             self._measure_lag()
-            polled = poll_records(self.consumer, self.poll_ms, self.max_records)
+            polled = self.consumer.poll(self.poll_ms, self.max_records)
             records = [r for recs in polled.values() for r in recs]
             if not records:
                 yield SampleChunk(self.spec.schema().empty_table(), np.empty(0, np.int64), np.empty(0, np.int64))

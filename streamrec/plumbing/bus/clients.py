@@ -9,8 +9,6 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
 from kafka.net.compat import KafkaNetClient
 
-MAX_FRAME_BYTES = 2**31 - 1  # the protocol's limit: a frame's size is an int32
-
 
 class BusUnavailable(RuntimeError):
     """No Kafka broker answered at the configured bootstrap address."""
@@ -74,19 +72,11 @@ def make_producer(bootstrap: str, timeout_s: float = 20.0, **overrides: Any) -> 
 
 
 def make_consumer(bootstrap: str, *topics: str, group_id: str | None, timeout_s: float = 20.0, **overrides: Any) -> KafkaConsumer:
-    """A consumer with manual commits (callers commit after their work is durable).
-
-    No cap on a response's size: the embedded broker answers a fetch with a partition's
-    whole unread tail (it ignores max_partition_fetch_bytes and fetch_max_bytes), and
-    kafka-python drops any frame over its default 100 MB and retries the same fetch
-    forever, so a consumer behind a big backlog never moved. A real cluster keeps each
-    response within fetch_max_bytes (50 MB) whatever this says.
-    """
+    """A consumer with manual commits (callers commit after their work is durable)."""
     settings: dict[str, Any] = dict(
         group_id=group_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        receive_message_max_bytes=MAX_FRAME_BYTES,
     )
     settings.update(overrides)
     return _connect(lambda **kw: KafkaConsumer(*topics, **kw), settings, bootstrap, timeout_s)

@@ -21,10 +21,10 @@ class TopicInfo:
 COMPACTED = {"cleanup.policy": "compact"}  # a topic whose latest value per key is the state (streamrec.features)
 
 
-def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1, timeout_s: float = 20.0,
+def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 0, timeout_s: float = 20.0,
                   configs: dict[str, dict[str, str]] | None = None) -> list[str]:
     """Create the topics that do not exist yet (``configs``: topic settings by name); return
-    the names created.
+    the names created. ``replication_factor`` 0 takes the cluster's default.replication.factor.
 
     Existing topics are left as they are (even with another partition count: changing
     it would reshuffle keys, which is an operator's decision, not a side effect).
@@ -38,7 +38,7 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication
         created = []
         for name in missing:
             try:
-                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor,
+                admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=replication_factor or -1,
                                               topic_configs=(configs or {}).get(name, {}))])
                 created.append(name)
             except TopicAlreadyExistsError:
@@ -49,12 +49,7 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication
 
 
 def delete_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> list[str]:
-    """Delete the topics that exist among ``names``; return the names deleted.
-
-    Why it matters here: the embedded broker keeps everything in memory and re-saves all of
-    it on every change, so its CPU grows with what it holds (docs/kafka.md); finished runs
-    delete their topics.
-    """
+    """Delete the topics that exist among ``names``; return the names deleted."""
     admin = make_admin(bootstrap, timeout_s)
     try:
         doomed = sorted(set(names) & set(admin.list_topics()))
