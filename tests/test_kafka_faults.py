@@ -1,0 +1,232 @@
+"""Apache Kafka killed under the whole loop: a single node ten times with kill -9, and the node
+leading the samples topic in a three-node cluster. Nothing acknowledged may be lost, the
+samples stay exactly the reference's (read_committed: none missing, none twice), and every
+process recovers by itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pytest
+from kafka import TopicPartition
+
+from conftest import REPO, free_port, read_topic, run_cli
+from streamrec.modelstore.store import ModelStore
+from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable
+from streamrec.plumbing.bus.broker import EmbeddedBroker, port_in_use
+from streamrec.plumbing.bus.clients import make_admin, make_consumer
+from test_pipeline_job import _assert_same, _env, _flush_then_oracle, _samples, _submit_in_background, _wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _free_ports(n: int) -> int:
+    """A first port with the n - 1 after it free too (a local cluster's nodes take consecutive ports)."""
+    while True:
+        base = free_port()
+        if base + n < 65536 and not any(port_in_use("127.0.0.1", base + i) for i in range(1, n)):
+            return base
+
+
+def _start(env: dict, log: Path, *argv: str) -> subprocess.Popen:
+    """`streamrec <argv>` in its own process group, output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "streamrec.cli", *argv], cwd=REPO, env={**os.environ, **env},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def _wait_job_running(env: dict, job: subprocess.Popen, name: str) -> None:
+    """Until every task of the submitted job runs; the submit's own output if it exits first."""
+    rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}")
+
+    def running() -> bool:
+        assert job.poll() is None, f"pipeline submit exited {job.returncode}:\n{job.stdout.read()[-3000:]}"
+        try:
+            return any(j.name == name and j.state == "RUNNING" and j.tasks_running for j in rest.jobs())
+        except FlinkUnreachable:  # the mini-cluster is still starting
+            return False
+
+    _wait_for(running, 180, f"job {name} running")
+
+
+def _committed_samples(bootstrap: str, topic: str) -> int:
+    """The samples a read_committed reader sees now: the sum of the partitions' last stable offsets."""
+    consumer = make_consumer(bootstrap, group_id=None, isolation_level="read_committed", timeout_s=10)
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        return sum(consumer.end_offsets(parts).values()) if parts else 0
+    finally:
+        consumer.close()
+
+
+def _distinct_events(bootstrap: str, topic: str) -> int:
+    return len({orjson.loads(r.value)["event_id"] for r in read_topic(bootstrap, topic, committed=False)})
+
+
+def _generated(log: Path) -> int:
+    """The events `streamrec generate` counted acknowledged, from its summary line."""
+    text = log.read_text()
+    line = next((ln for ln in text.splitlines() if " events in " in ln and ln.startswith("run ")), None)
+    assert line, text[-3000:]
+    return int(line.split(": ", 1)[1].split(" events in")[0].replace(",", ""))
+
+
+def _assert_exact_samples(bootstrap: str, name: str) -> int:
+    """The job's samples are the reference's over every event in the topic: none missing, none twice."""
+    want, _ = _flush_then_oracle(bootstrap, name)
+
+    def got() -> pa.Table:
+        table = _samples(bootstrap, f"{name}.samples")
+        ids = table.column("event_id").to_pylist()
+        assert len(ids) == len(set(ids)), "an impression yielded two samples"
+        return table.filter(pa.compute.is_in(table.column("event_id"), want.column("event_id")))
+
+    _wait_for(lambda: got().num_rows >= want.num_rows, 240, "the samples of every event")
+    _assert_same(got(), want)
+    return want.num_rows
+
+
+def _loop_env(bootstrap: str, tmp_path: Path, name: str, serve_port: int) -> dict:
+    """One isolated loop: the job's topics and checkpoints, a trainer publishing every 2 s and a
+    serving node over the same store."""
+    store = str(tmp_path / "models")
+    return {**_env(bootstrap, tmp_path, name), "FLINK_LOG_DIR": str(tmp_path / "flink-log"),
+            "STREAMREC_TOPICS__MODEL_UPDATES": f"{name}.model-updates",
+            "STREAMREC_TRAINER__MODEL_STORE": store, "STREAMREC_TRAINER__WORK_DIR": str(tmp_path / "trainer"),
+            "STREAMREC_TRAINER__GROUP": name, "STREAMREC_TRAINER__PUBLISH_INTERVAL_S": "2",
+            "STREAMREC_TRAINER__WARMUP_SAMPLES": "500", "STREAMREC_TRAINER__BATCH_SIZE": "256",
+            "STREAMREC_SERVING__MODEL_STORE": store, "STREAMREC_SERVING__PORT": str(serve_port),
+            "STREAMREC_SERVING__POLL_INTERVAL_S": "0.5",
+            "STREAMREC_SERVING__FEATURE_STORE_DIR": str(tmp_path / "serving-features"),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _http(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {}
+    except OSError:
+        return 0, {}
+
+
+def test_ten_kill_9s_of_the_broker_lose_nothing_and_every_process_recovers(tmp_path):
+    kafka = EmbeddedBroker(tmp_path / "kafka", port=free_port())
+    bootstrap = kafka.up(timeout_s=60)[0].bootstrap
+    name, serve_port = f"k9-{uuid.uuid4().hex[:8]}", free_port()
+    env = _loop_env(bootstrap, tmp_path, name, serve_port)
+    with ExitStack() as stack:
+        stack.callback(kafka.down)
+        job = _submit_in_background(env, "--fresh")
+        stack.callback(_stop, job)
+        _wait_job_running(env, job, name)
+        processes = {"trainer": _start(env, tmp_path / "trainer.log", "train"),
+                     "serving": _start(env, tmp_path / "serving.log", "serve", "--host", "127.0.0.1")}
+        for proc in processes.values():
+            stack.callback(_stop, proc)
+        gen_log = tmp_path / "generate.log"
+        gen = _start(env, gen_log, "generate", "--duration", "100", "--rate", "300", "--seed", "3")
+        stack.callback(_stop, gen)
+        _wait_for(lambda: _committed_samples(bootstrap, f"{name}.samples") > 300, 120, "the job's first samples")
+
+        for kill in range(10):
+            events_before = _distinct_events(bootstrap, f"{name}.events")
+            kafka.kill_node(1)
+            time.sleep(2)
+            kafka.up(timeout_s=60)
+            # the generator writes again before the next kill
+            _wait_for(lambda: _distinct_events(bootstrap, f"{name}.events") > events_before + 300, 60,
+                      f"events flowing again after kill {kill + 1}")
+        last_up = time.time()
+        assert gen.wait(timeout=180) == 0, gen_log.read_text()[-3000:]
+        acknowledged = _generated(gen_log)
+        assert _distinct_events(bootstrap, f"{name}.events") == acknowledged
+
+        assert _assert_exact_samples(bootstrap, name) > 5000
+        store = ModelStore(env["STREAMREC_TRAINER__MODEL_STORE"], "ctr")
+        _wait_for(lambda: any(store.manifest(v)["created_at"] > last_up for v in store.versions()), 120,
+                  "a version published after the last restart", lambda: (tmp_path / "trainer.log").read_text()[-2000:])
+        base = f"http://127.0.0.1:{serve_port}"
+        _wait_for(lambda: _http(f"{base}/v1/models/ctr")[1].get("model_version") == store.versions()[-1], 60,
+                  "the node serving the newest version", lambda: (tmp_path / "serving.log").read_text()[-2000:])
+        assert _http(f"{base}/readyz")[0] == 200
+        status = run_cli("pipeline", "status", "--json", env=env)
+        assert status.returncode == 0 and [j["state"] for j in json.loads(status.stdout)] == ["RUNNING"], status.stdout
+        assert all(p.poll() is None for p in (job, *processes.values())), {n: p.poll() for n, p in processes.items()}
+
+
+def _leader_of_most(bootstrap: str, topic: str) -> tuple[int, dict[int, int]]:
+    """The node leading most of ``topic``'s partitions, and each partition's in-sync replica count."""
+    admin = make_admin(bootstrap)
+    try:
+        (described,) = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    leaders = [p["leader_id"] for p in described["partitions"]]
+    return max(set(leaders), key=leaders.count), {p["partition_index"]: len(p["isr_nodes"]) for p in described["partitions"]}
+
+
+def test_a_three_node_cluster_rides_out_the_samples_leader_s_kill_9(tmp_path):
+    port, data = _free_ports(3), tmp_path / "kafka"
+    flags = ["--brokers", "3", "--port", str(port), "--data-dir", str(data)]
+    up = run_cli("kafka", "up", *flags, timeout=180)
+    kafka = EmbeddedBroker(data, port=port, brokers=3)
+    with ExitStack() as stack:
+        stack.callback(kafka.down)
+        assert up.returncode == 0 and "(3 nodes" in up.stdout, up.stdout + up.stderr
+        bootstrap = kafka.status().bootstrap
+        admin = make_admin(bootstrap)
+        try:
+            (events,) = admin.describe_topics(["streamrec.events"])
+            assert {len(p["replica_nodes"]) for p in events["partitions"]} == {3}
+        finally:
+            admin.close()
+
+        name = f"ha-{uuid.uuid4().hex[:8]}"
+        env = _env(bootstrap, tmp_path, name)
+        job = _submit_in_background(env, "--fresh")
+        stack.callback(_stop, job)
+        _wait_job_running(env, job, name)
+        gen_log = tmp_path / "generate.log"
+        gen = _start(env, gen_log, "generate", "--duration", "60", "--rate", "300", "--seed", "4")
+        stack.callback(_stop, gen)
+        samples = f"{name}.samples"
+        _wait_for(lambda: _committed_samples(bootstrap, samples) > 300, 120, "the job's first samples")
+
+        leader, _ = _leader_of_most(bootstrap, samples)
+        kafka.kill_node(leader)
+        killed_at, last_growth, count, stalls = time.monotonic(), time.monotonic(), 0, []
+        while gen.poll() is None:  # the committed samples keep growing: no stall over 30 s
+            now_count = _committed_samples(bootstrap, samples)
+            if now_count > count:
+                stalls.append(time.monotonic() - last_growth)
+                count, last_growth = now_count, time.monotonic()
+            assert time.monotonic() - last_growth < 30, f"no sample committed for 30 s after node {leader}'s kill"
+            time.sleep(0.5)
+        assert gen.returncode == 0, gen_log.read_text()[-3000:]
+        assert count > 0 and time.monotonic() - killed_at > 20
+        assert _distinct_events(bootstrap, f"{name}.events") == _generated(gen_log)
+        assert _assert_exact_samples(bootstrap, name) > 3000
+
+        assert run_cli("kafka", "up", *flags, timeout=180).returncode == 0  # the killed node rejoins ...
+        _wait_for(lambda: set(_leader_of_most(bootstrap, samples)[1].values()) == {3}, 120,
+                  "every samples partition back to 3 in-sync replicas")  # ... and catches up
+        print(f"longest wait between committed samples after the kill: {max(stalls):.1f} s")
