@@ -39,7 +39,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_pipeline import _cli, _embedded_broker, _env, _medians, _wait_broker_idle, flink_backlog  # noqa: E402
+from bench_pipeline import _cli, _embedded_broker, _env, _medians, flink_backlog  # noqa: E402
 from output import write_result  # noqa: E402
 
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
@@ -165,12 +165,9 @@ def throughput(args, tmp: Path) -> dict:
     events = orjson.loads(gen.stdout)["events"]
     runs = []
     for i, feature_state in enumerate(v for _ in range(args.repeat) for v in ("true", "false")):
-        waited = _wait_broker_idle(args.broker_pids)
         run = flink_backlog(args, {**env, "STREAMREC_FLINK__FEATURE_STATE": feature_state}, "rocksdb", tmp, events, i)
         run.pop("progress", None)
         run["backend"] = "with features" if feature_state == "true" else "without features"
-        run["waited_for_broker_s"] = waited
-        delete_topics(args.bootstrap, [f"{name}.samples", f"{name}.dlq", f"{name}.features"])
         runs.append(run)
         print(f"  job {run['backend']}: {run['events_per_s']:,} events/s, {run['events_per_flink_cpu_s'] or 0:,} per Flink CPU-s",
               flush=True)
@@ -254,7 +251,7 @@ def main() -> None:
     print(f"memory: {m['mb_per_million_users']:,} MB per million users held by the online features ({m['users']:,} users: "
           f"{m['live_mb']} MB live, {m['rss_growth_mb']} MB resident growth)", flush=True)
     broker = _embedded_broker()
-    args.broker_pids = [broker.status().pid] if broker else []
+    args.broker_pids = broker.status().pids if broker else []
     try:
         if args.repeat:
             result["throughput"] = t = throughput(args, tmp)

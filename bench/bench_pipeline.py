@@ -11,15 +11,13 @@
    events / the CPU time the Flink process (JVM: tasks, JIT, GC) used in the window,
    because on a small machine the job shares its cores with the broker (whose CPU time is
    reported too); and the same without the JIT compiler threads' CPU, a one-off cost that a
-   backlog of a few hundred thousand events (what the embedded broker holds comfortably)
-   cannot amortise but a long-running job does. ``--repeat``: round-robin runs and medians
-   (this box is noisy); the broker is left to go idle before each run.
+   backlog of a few hundred thousand events cannot amortise but a long-running job does.
+   ``--repeat``: round-robin runs and medians (this box is noisy).
    Baseline, same run, same events: a kafka-python consumer feeding the exact reference
    builder (pipelines/samples.py: the same validation, join and point-in-time features).
    Backends: rocksdb (with the stages' state cache, the default), rocksdb-nocache, hashmap.
-2. Sustained (``--rounds N``): N backlogs of the same size through one long-running job, the
-   broker holding one at a time (each written as one transaction, then deleted), so that
-   millions of events pass and the JIT's warm-up is paid in the first ``--warmup-rounds``
+2. Sustained (``--rounds N``): N backlogs of the same size through one long-running job (each
+   written as one transaction), so that millions of events pass and the JIT's warm-up is paid in the first ``--warmup-rounds``
    as in production. Per CPU-second within the rounds, and counting the pauses between them.
 3. Live latency: the generator paced at ``--live-rate`` events/s while the job runs; a
    read_committed consumer notes when each positive sample becomes visible. Latency =
@@ -52,7 +50,7 @@ from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
 from streamrec.pipelines.samples import SampleBuilder  # noqa: E402
 from streamrec.plumbing.bus.broker import free_port  # noqa: E402
 from streamrec.plumbing.bus.clients import make_admin, make_consumer  # noqa: E402
-from streamrec.plumbing.bus.topics import delete_topics, list_topics, truncate_topics  # noqa: E402
+from streamrec.plumbing.bus.topics import delete_topics, list_topics  # noqa: E402
 from streamrec.demo.resources import cpu_seconds, process_tree, threads_cpu_seconds  # noqa: E402
 
 
@@ -85,7 +83,7 @@ def _embedded_broker():
     from streamrec.plumbing.bus.broker import EmbeddedBroker
 
     k = load_config().kafka
-    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port) if k.embedded else None
+    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port, k.embedded_brokers) if k.embedded else None
     return broker if broker and broker.status() else None
 
 
@@ -205,19 +203,6 @@ def _thread_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: round(v, 2) for k, v in sorted(deltas.items(), key=lambda kv: -kv[1])[:14] if v >= 0.05}
 
 
-def _wait_broker_idle(pids: list[int], limit_s: float = 120.0) -> float:
-    """Wait until the embedded broker has finished saving what the last step wrote (under
-    10% of a core over a second), so that a run does not pay for the one before it; the
-    seconds waited."""
-    started = time.monotonic()
-    while pids and time.monotonic() - started < limit_s:
-        before = cpu_seconds(pids)
-        time.sleep(1.0)
-        if cpu_seconds(pids) - before < 0.1:
-            break
-    return round(time.monotonic() - started, 1)
-
-
 def _jit_cpu(threads: dict[str, float]) -> float:
     """CPU of the JVM's JIT compiler threads: a one-off cost that a run of a few hundred
     thousand events cannot amortise (a long-running job pays it once)."""
@@ -292,10 +277,9 @@ def live_latency(args, tmp: Path) -> dict:
 def flink_sustained(args, tmp: Path) -> dict:
     """``--rounds`` backlogs of ``--seconds`` x ``--rate`` events through one long-running
     job, the way a job that never stops sees its input: the JIT compiler's warm-up is paid
-    in the first rounds and amortised over the rest, as in production. The embedded broker
-    holds one round at a time (it re-saves all it holds on every change): a round is
-    written in one transaction (``generate --atomic``; the job reads read_committed, so it
-    waits), processed, then deleted from the topics (DeleteRecords).
+    in the first rounds and amortised over the rest, as in production. A round is written in
+    one transaction (``generate --atomic``; the job reads read_committed, so it waits),
+    then processed.
     Each round's window runs from its first sample to its last, with every CPU-second of
     the Flink JVM in it (JIT, GC, checkpoints every ``flink.checkpoint_interval_s``
     included); the job's idle time between rounds (writing the next one) is not counted."""
@@ -344,8 +328,6 @@ def flink_sustained(args, tmp: Path) -> dict:
             if dlq.get(LATE_EVENT):
                 print(f"warning: round {r + 1} sent {dlq[LATE_EVENT]:,} events to the DLQ as late: its figures do not "
                       "describe the whole round", flush=True)
-            truncate_topics(args.bootstrap, [events_topic, samples_topic, env["STREAMREC_TOPICS__DLQ"]])
-            _wait_broker_idle(args.broker_pids)
     finally:
         stop.set()
         if job.poll() is None:
@@ -459,11 +441,7 @@ def main() -> None:
     tmp = REPO / "var" / "bench-pipeline"
     name = args.name = f"bench-{uuid.uuid4().hex[:6]}"
     broker = _embedded_broker()
-    args.broker_pids = [broker.status().pid] if broker else []
-    store_mb = round(broker.store_bytes() / 1e6, 1) if broker else None
-    if store_mb and store_mb > 50:
-        print(f"warning: the embedded broker holds {store_mb:,} MB before the run; it re-saves all of it on every "
-              "change, which slows the job's runs (`streamrec kafka prune` deletes old runs' topics)", flush=True)
+    args.broker_pids = broker.status().pids if broker else []
     env = _env(args, name, tmp, "rocksdb")
     gen = subprocess.run([sys.executable, "-m", "streamrec.cli", "generate", "--duration", str(args.seconds), "--rate",
                           str(args.rate), "--fast", "--no-truth", "--json"], cwd=REPO, env=env, capture_output=True, text=True)
@@ -472,15 +450,10 @@ def main() -> None:
     events = orjson.loads(gen.stdout)["events"]
     cores = os.cpu_count() or 1
     try:
-        result = {"machine": f"{cores} cores", "events": events, "broker_store_mb_before": store_mb, "flink": [], "python": python_baseline(args, f"{name}.events")}
+        result = {"machine": f"{cores} cores", "events": events, "flink": [], "python": python_baseline(args, f"{name}.events")}
         print(f"python baseline: {result['python']['events_per_s']:,} events/s", flush=True)
         for i, backend in enumerate(b for _ in range(args.repeat) for b in args.backends.split(",")):
-            waited = _wait_broker_idle(args.broker_pids)
             run = flink_backlog(args, env, backend, tmp, events, i)
-            run["waited_for_broker_s"] = waited
-            # every run must meet the same broker: the embedded one re-saves all it holds on each
-            # change, so the samples of the runs before (~200 MB each) would slow the runs after
-            delete_topics(args.bootstrap, [f"{name}.samples", f"{name}.dlq"])
             run["events_per_s_per_core"] = round(run["events_per_s"] / cores)
             run["vs_python"] = round(run["events_per_s"] / result["python"]["events_per_s"], 2)
             result["flink"].append(run)
@@ -498,7 +471,6 @@ def main() -> None:
                   f"per Flink CPU-second; steady {m['steady_events_per_s']:,} events/s, "
                   f"{m['steady_events_per_flink_cpu_s']:,} per Flink CPU-second", flush=True)
         if args.rounds > 0:
-            delete_topics(args.bootstrap, [f"{name}.events"])  # the broker holds one round at a time
             result["sustained"] = sustained = flink_sustained(args, tmp)
             total = sustained["after_warmup"]
             print(f"sustained {args.backend}, {total['rounds']} rounds after {args.warmup_rounds} warm-up rounds: "
@@ -508,7 +480,7 @@ def main() -> None:
                   f"rounds ({total['span_flink_cpu_s']} CPU-s in {total['span_s']} s)", flush=True)
         result["live"] = live_latency(args, tmp) if args.live_seconds > 0 else {}
     finally:
-        # the embedded broker re-saves all it holds on every change: leave nothing behind
+        # the bench's topics are its own: none is left behind
         deleted = delete_topics(args.bootstrap, [t for t in list_topics(args.bootstrap) if t.startswith(name)])
         print(f"deleted the bench's {len(deleted)} topics", flush=True)
     print(f"live at {args.live_rate:g} events/s: {result['live']}", flush=True)

@@ -60,30 +60,6 @@ def delete_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> 
         admin.close()
 
 
-def truncate_topics(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> int:
-    """Delete every record the topics hold now (Kafka's DeleteRecords up to each partition's
-    end offset), keeping the topics and their offsets; return the records deleted.
-
-    For long runs against the embedded broker, which re-saves all it holds on every change:
-    a consumer that has read a topic's records lets them go, and the broker's work stays
-    small. Records written after the end offsets were read are kept.
-    """
-    consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, timeout_s=timeout_s)
-    admin = make_admin(bootstrap, timeout_s)
-    try:
-        available = consumer.topics()
-        parts = [TopicPartition(n, p) for n in names if n in available for p in sorted(consumer.partitions_for_topic(n) or [])]
-        end = consumer.end_offsets(parts)
-        begin = consumer.beginning_offsets(parts)
-        doomed = {tp: end[tp] for tp in parts if end[tp] > begin[tp]}
-        if doomed:
-            admin.delete_records(doomed)
-        return sum(end[tp] - begin[tp] for tp in doomed)
-    finally:
-        admin.close()
-        consumer.close()
-
-
 def list_topics(bootstrap: str, timeout_s: float = 20.0) -> list[str]:
     admin = make_admin(bootstrap, timeout_s)
     try:
