@@ -415,7 +415,7 @@ class PrivateBroker:
     def up(self) -> None:
         done = self.cli("up", "--partitions", "1")
         try:  # the pid first: a broker that started but whose topics failed is still stopped in down()
-            self.pid = json.loads((self.data_dir / "broker.pid").read_text())["pid"]
+            self.pid = json.loads((self.data_dir / "node-1" / "broker.pid").read_text())["pid"]
         except (OSError, ValueError):
             pass
         if done.returncode != 0:
