@@ -75,3 +75,22 @@ def test_independent_group_reads_everything(broker):
         consumer = make_consumer(broker, topic, group_id=group, consumer_timeout_ms=3000)
         assert sorted(int(r.value) for r in consumer) == list(range(100))
         consumer.close()
+
+
+def test_a_transaction_is_seen_whole_when_committed_and_never_when_aborted(broker):
+    """The transactional producer (the Flink job's sinks and `generate --atomic` rely on it)."""
+    topic = "rt.txn"
+    ensure_topics(broker, [topic], partitions=2)
+    producer = make_producer(broker, transactional_id="rt-txn")
+    producer.init_transactions()
+    for outcome in ("commit", "abort"):
+        producer.begin_transaction()
+        for i in range(50):
+            producer.send(topic, key=f"k{i}".encode(), value=f"{outcome}-{i}".encode())
+        producer.flush()  # on the broker, inside the open transaction, before it ends
+        producer.commit_transaction() if outcome == "commit" else producer.abort_transaction()
+    producer.close()
+    committed = sorted(r.value.decode() for r in read_topic(broker, topic))
+    assert committed == sorted(f"commit-{i}" for i in range(50))
+    everything = {r.value.decode().split("-")[0] for r in read_topic(broker, topic, committed=False)}
+    assert everything == {"commit", "abort"}
