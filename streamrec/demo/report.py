@@ -135,6 +135,7 @@ the same model <b>frozen</b> after warm-up (the first version trained on the war
 <p>Dark: p50, light: p99. <i>sample_to_trained</i> includes waiting for the next publish tick.</p>
 <h2>Training/serving skew: features by ids against the job's samples</h2>
 {_skew(r.get('feature_skew') or {})}
+{_ad_server(r.get('ad_server_probe'))}
 <h2>Throughput</h2>
 {_table([(k, _value(val)) for k, val in t.items()], ('what', 'value'))}
 <h2>Resources</h2>
@@ -190,6 +191,20 @@ def _skew(k: dict) -> str:
             + (f"AUC of the scores by ids {a['by_ids']} vs {a['sample_features']} with the samples' features "
                f"({a['impressions']:,} impressions; mean |score difference| {a['mean_abs_score_diff']})." if a else "")
             + "</p>" + _table(rows, ("feature", "% identical at request time", "% identical replayed")))
+
+
+def _ad_server(p: dict | None) -> str:
+    """How long after the impressions the ad-server probe asked, and what it skipped (runs before it had none)."""
+    if not p:
+        return ""
+    lag = p.get("lag_ms")
+    skipped = p["skipped_impressions"]
+    return (f"<p>The ad-server probe asked {p['requests']:,} ad requests by ids"
+            + (f", p50 {lag['p50'] / 1000:.1f} s, p99 {lag['p99'] / 1000:.1f} s, max {lag['max'] / 1000:.1f} s after "
+               "the impression's time" if lag else "")
+            + f". An impression it could only ask about more than {p['max_behind_ms'] / 1000:g} s late, a replay older than "
+              "the node keeps features for, and a request the node refused for that reason are skipped, not failed: "
+            + (", ".join(f"{n:,} {html.escape(why)}" for why, n in skipped.items()) or "none was") + ".</p>")
 
 
 def _value(val) -> str:

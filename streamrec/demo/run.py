@@ -35,7 +35,7 @@ from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
 from streamrec.demo.resources import ResourceMonitor
-from streamrec.demo.skew import AdServerProbe, feature_skew, skew_line
+from streamrec.demo.skew import CONNECTIONS as AD_SERVER_CONNECTIONS, AdServerProbe, feature_skew, probe_line, skew_line
 
 def _healthy(address: str) -> bool:
     try:
@@ -122,8 +122,8 @@ class Observers:
 
 
 def run_demo(args: argparse.Namespace, cfg: Config) -> int:
-    """Run the loop, write the report; 0 when versions were applied, every request answered
-    and every process stopped, 1 otherwise."""
+    """Run the loop, write the report; 1 when the system misbehaved (:func:`_failures`, each
+    reason printed), else 0."""
     check_config(cfg)
     k = cfg.kafka
     broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
@@ -153,7 +153,10 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
         result = _result(args, cfg, run, watch, start_ms, rollback, stopped, logged)
         paths = write_report(run.report_dir, result)
         _print_summary(result, paths)
-        return 0 if _succeeded(result) else 1
+        failures = _failures(result)
+        for why in failures:
+            print(f"FAILED: {why}", flush=True)
+        return 1 if failures else 0
     finally:
         for observer in started:
             observer.stop()
@@ -224,7 +227,8 @@ def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker
                          args.warmup_samples, live).start()
     started.append(probe)
     ad_server = AdServerProbe(k.bootstrap_servers, run.topics["events"], run.topics["samples"],
-                              ServingClient(run.serve_address, cfg.model.name), run.feature_spec()).start()
+                              [ServingClient(run.serve_address, cfg.model.name) for _ in range(AD_SERVER_CONNECTIONS)],
+                              run.feature_spec()).start()
     started.append(ad_server)
     timeline = VersionTimeline(ServingClient(run.serve_address, cfg.model.name), store).start()
     started.append(timeline)
@@ -248,6 +252,7 @@ def _result(args: argparse.Namespace, cfg: Config, run: DemoRun, watch: Observer
                      "timeline": {str(v): {**m, "applied_at": timeline.applied.get(v)} for v, m in sorted(timeline.manifests.items())}},
         "rollback": rollback,
         "feature_skew": feature_skew(watch.ad_server.snapshot(), run.feature_spec(), watch.probe.scores_by_event()),
+        "ad_server_probe": watch.ad_server.report(),
         "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
                     "failed_requests_by_ids": watch.ad_server.failed_requests,
                     "failed_requests_experiment": snapshot["experiment"]["failed_requests"]},
@@ -268,18 +273,33 @@ def _experiment(cfg: Config, run: DemoRun, probe: ServingProbe, snapshot: dict, 
     try:
         out["graded"] = grade_experiment(cfg.kafka.bootstrap_servers, run.topics["samples"], run.topics["predictions"],
                                          run.feature_spec(), cfg.kafka.connect_timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_succeeded)
+    except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_failures)
         out["error"] = f"the experiment could not be graded: {type(exc).__name__}: {exc}"
     return out
 
 
-def _succeeded(result: dict) -> bool:
-    """Versions were applied, every request answered (the experiment's too, and graded), and no
-    process left anything running."""
+def _failures(result: dict) -> list[str]:
+    """Why the run shows the system misbehaving, one line each (none: it succeeded): no version
+    applied, a request failed (a 5xx, a 4xx other than a ts older than the node keeps, a 503
+    once the node had answered), a failed rollback, an ungraded experiment, processes left
+    behind. What the demo's own probes skipped because they fell behind is reported, not failed."""
+    out = []
+    if not result["versions"]["applied"]:
+        out.append("the serving node applied no version")
     serving = result["serving"]
-    return (result["versions"]["applied"] >= 1 and not serving["failed_requests"] and not serving["failed_requests_by_ids"]
-            and not serving["failed_requests_experiment"] and "error" not in result["quality"]["experiment"]
-            and all(s["left"] == 0 for s in result["processes"].values()))
+    for key, what in (("failed_requests", "predict requests (instances)"), ("failed_requests_by_ids", "predict requests by ids"),
+                      ("failed_requests_experiment", "experiment requests")):
+        if serving[key]:
+            out.append(f"{serving[key]:,} {what} failed (each logged with its status)")
+    rollback = result["rollback"]
+    if rollback.get("done") and not rollback.get("ok"):
+        out.append(f"the rollback v{rollback['from_version']} -> v{rollback['to_version']} failed (pinned held: "
+                   f"{rollback['pinned_held']}, released: {rollback['released']}): {rollback['response']}")
+    experiment = result["quality"]["experiment"]
+    if "error" in experiment:
+        out.append(experiment["error"])
+    out.extend(f"{name} left {p['left']} processes running" for name, p in result["processes"].items() if p["left"])
+    return out
 
 
 def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
@@ -424,6 +444,7 @@ def _print_summary(result: dict, paths: dict) -> None:
         for stage, s in f["stages_ms"].items():
             print(f"    {stage:22s} p50 {s['p50'] / 1000:6.1f} s  p99 {s['p99'] / 1000:6.1f} s")
     print(f"  {skew_line(result['feature_skew'])}")
+    print(f"  {probe_line(result['ad_server_probe'])}")
     print(f"  {result['quality']['left_out_trained_on']:,} scored samples left out of the AUCs: the answering version "
           "had already trained on them")
     print(f"  report: {paths['html']}  (data: {paths['data']}; `streamrec report {paths['dir']}` re-renders it)")

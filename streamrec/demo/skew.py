@@ -10,14 +10,24 @@ compared value by value. Each compared impression is also **replayed** by ids at
 state when the ad server asked: the watermark's out-of-orderness bound, the watermark
 interval and the checkpoint that makes the state visible).
 
+An ad server asks when the impression happens: the probe sends the newest requests first,
+over several connections, and skips a request it could only send more than MAX_BEHIND_MS
+after its ``ts`` (the generator stamps events with the wall clock), and a replay the node
+may no longer keep features for; both are counted by reason, as is a request the node
+refuses for that reason. They are the probe's lateness on a busy machine, not the system's
+failures.
+
 :func:`feature_skew` turns the records into the figures of the demo's summary and report.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import orjson
@@ -27,42 +37,97 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import differing_features
 from streamrec.model.metrics import auc
 from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.serving.online_features import REPLAY_HORIZON_MS
 from streamrec.demo.probe import BackgroundProbe, ServingClient
 
 log = logging.getLogger("streamrec.demo")
 CANDIDATE_FIELDS = ("item_id", "category_id", "advertiser_id", "position")
 REPLAY_DELAY_S = 2.0
 SAMPLE_WAIT_S = 30.0
+CONNECTIONS = 4  # concurrent requests: one at a time, the probe fell minutes behind the topic on 2 cores
+MAX_BEHIND_MS = 10_000
+# the node keeps features REPLAY_HORIZON_MS before its state, which trails the clock; the
+# margin covers the request's way to the node
+REPLAY_MAX_BEHIND_MS = REPLAY_HORIZON_MS - 10_000
+HORIZON_REFUSAL = "features are kept for requests at most"  # in the node's 400 for a ts older than it keeps
+# why impressions were not asked (the keys of ``AdServerProbe.skipped``)
+BEHIND = f"probe behind by more than {MAX_BEHIND_MS // 1000} s"
+REPLAY_TOO_OLD = f"replay more than {REPLAY_MAX_BEHIND_MS // 1000} s old"
+REFUSED = "refused by the node: ts older than it keeps"
+NOT_READY = "before the node first answered"
+
+Job = Callable[[ServingClient], None]
 
 
 class AdServerProbe(BackgroundProbe):
-    def __init__(self, bootstrap: str, events_topic: str, samples_topic: str, client: ServingClient, spec: FeatureSpec,
+    def __init__(self, bootstrap: str, events_topic: str, samples_topic: str, clients: list[ServingClient], spec: FeatureSpec,
                  replay_every: int = 2) -> None:
+        super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples),
+                         *((f"adserver-request-{i}", partial(self._send, c)) for i, c in enumerate(clients)))
         self.bootstrap, self.events_topic, self.samples_topic = bootstrap, events_topic, samples_topic
-        self.client, self.spec, self.replay_every = client, spec, replay_every
+        self.spec, self.replay_every = spec, replay_every
         self.served: dict[str, dict] = {}  # impression event_id -> {features, score, as_of, ts, version}
-        # samples that arrived before their impression was scored (the probe lags behind the
-        # events topic on a busy machine): compared when it is, dropped after SAMPLE_WAIT_S
+        # samples that arrived before their impression was scored: compared when it is,
+        # dropped after SAMPLE_WAIT_S
         self.early: dict[str, tuple[float, dict]] = {}
         self.compared: list[dict] = []  # one per impression with both forms
         self._due: deque = deque()  # (monotonic time, entry, sample) of replays
+        self._requests: deque[list[dict]] = deque()  # ad requests' impressions not asked yet, in arrival order
+        self._replays: deque[tuple[dict, dict]] = deque()  # (entry, sample) of replays due
+        self._work = threading.Condition(self._lock)  # for the sending threads, one per client
         self.failed_requests = 0
+        self.lag_ms: list[int] = []  # per request asked: how long after its impression's ts
+        self.skipped: Counter[str] = Counter()  # impressions not asked (or refused), by reason
         self.answered = False  # the node has answered a predict by ids
-        super().__init__(("adserver-events", self._follow_events), ("adserver-samples", self._follow_samples))
 
-    def _predict(self, body: dict) -> dict | None:
-        status, answer = self.client.call("POST", f"/v1/models/{self.client.model}:predict", orjson.dumps(body))
+    def _send(self, client: ServingClient) -> None:
+        while not self._stop.is_set():
+            with self._work:
+                job = self._next()
+                if job is None:
+                    self._work.wait(0.2)
+                    continue
+            job(client)
+
+    def _next(self) -> Job | None:
+        """The next request to send (with the lock held): a due replay (one per ``replay_every``
+        compared impressions at most), else the newest ad request. An ad server asks when the
+        impression happens: a busy probe skips ahead, and drops the requests it left behind once
+        they are MAX_BEHIND_MS old."""
+        now_ms = time.time() * 1000
+        while self._requests and now_ms - self._requests[0][0]["ts"] > MAX_BEHIND_MS:
+            self.skipped[BEHIND] += len(self._requests.popleft())
+        if self._replays:
+            entry, sample = self._replays.popleft()
+            return partial(self._replay, entry=entry, sample=sample)
+        if self._requests:
+            return partial(self._score_request, imps=self._requests.pop())
+        return None
+
+    def _skip(self, reason: str, impressions: int) -> None:
+        with self._lock:
+            self.skipped[reason] += impressions
+
+    def _predict(self, client: ServingClient, body: dict, impressions: int) -> dict | None:
+        """The node's answer; None, counted, when it has none: skipped (no model yet at the
+        start; a ts older than the node keeps) or failed (anything else)."""
+        status, answer = client.call("POST", f"/v1/models/{client.model}:predict", orjson.dumps(body))
+        if status == 200:
+            self.answered = True
+            return answer
+        message = str(answer.get("error", {}).get("message", "")) if isinstance(answer, dict) else ""
         if status == 503 and not self.answered:
-            return None  # no model yet: expected at the start only
-        if status != 200:  # a 503 once the node has answered counts as a failure
-            self.failed_requests += 1
+            self._skip(NOT_READY, impressions)
+        elif status == 400 and HORIZON_REFUSAL in message:
+            self._skip(REFUSED, impressions)
+        else:  # a 503 once the node has answered counts as a failure
+            with self._lock:
+                self.failed_requests += 1
             log.warning("predict by ids failed (%d): %s", status, answer)
-            return None
-        self.answered = True
-        return answer
+        return None
 
     def _follow_events(self) -> None:
-        """Each request's impressions, scored by ids when they appear (at their ts)."""
+        """Each request's impressions, to be scored by ids when they appear (at their ts)."""
         consumer = make_consumer(self.bootstrap, self.events_topic, group_id=None, auto_offset_reset="latest")
         try:
             while not self._stop.is_set():
@@ -75,18 +140,25 @@ class AdServerProbe(BackgroundProbe):
                             continue  # an ad server never sends what the job rejects: the DLQ's business
                         if e["type"] == "impression":
                             requests[e["request_id"]].append(e)
-                for imps in requests.values():
-                    self._score_request(imps)
+                with self._work:
+                    self._requests.extend(requests.values())
+                    self._work.notify(len(requests))
         finally:
             consumer.close()
 
-    def _score_request(self, imps: list[dict]) -> None:
+    def _score_request(self, client: ServingClient, imps: list[dict]) -> None:
         first = imps[0]
+        behind_ms = int(time.time() * 1000) - first["ts"]
+        if behind_ms > MAX_BEHIND_MS:
+            self._skip(BEHIND, len(imps))
+            return
+        with self._lock:
+            self.lag_ms.append(behind_ms)
         body = {"user_id": first["user_id"], "ts": first["ts"], "return_features": True,
                 "context": {"device": first["context"]["device"], "local_hour": first["context"]["local_hour"]},
                 "candidates": [{"item_id": e["item_id"], "category_id": e["item"]["category_id"],
                                 "advertiser_id": e["item"]["advertiser_id"], "position": e["position"]} for e in imps]}
-        answer = self._predict(body)
+        answer = self._predict(client, body, len(imps))
         if answer is None:
             return
         pairs = []
@@ -116,7 +188,7 @@ class AdServerProbe(BackgroundProbe):
 
     def _follow_samples(self) -> None:
         """Samples of scored impressions: compare (a sample ahead of its impression's
-        scoring waits for it); run the replays that are due."""
+        scoring waits for it); queue the replays that are due."""
         consumer = make_consumer(self.bootstrap, self.samples_topic, group_id=None, isolation_level="read_committed",
                                  auto_offset_reset="latest")
         try:
@@ -131,28 +203,53 @@ class AdServerProbe(BackgroundProbe):
                                 self.early[sample["event_id"]] = (now, sample)
                         if served is not None:
                             self._compare(served, sample)
-                with self._lock:  # samples of impressions the probe never scored (before it started, a failed call)
+                with self._lock:  # samples of impressions the probe never scored (before it started, skipped, failed)
                     for event_id in [k for k, (t, _) in self.early.items() if now - t > SAMPLE_WAIT_S]:
                         del self.early[event_id]
-                while self._due and self._due[0][0] <= time.monotonic() and not self._stop.is_set():
+                while self._due and self._due[0][0] <= time.monotonic():
                     _, entry, sample = self._due.popleft()
-                    entry["replayed"] = self._replay(sample)
+                    with self._work:
+                        self._replays.append((entry, sample))
+                        self._work.notify()
         finally:
             consumer.close()
 
-    def _replay(self, sample: dict) -> dict | None:
+    def _replay(self, client: ServingClient, entry: dict, sample: dict) -> None:
+        if int(time.time() * 1000) - sample["ts"] > REPLAY_MAX_BEHIND_MS:
+            self._skip(REPLAY_TOO_OLD, 1)
+            return
         body = {"user_id": sample["user_id"], "ts": sample["ts"], "return_features": True,
                 "context": {"device": sample["device"], "local_hour": sample["local_hour"]},
                 "candidates": [{k: sample[k] for k in CANDIDATE_FIELDS}]}
-        answer = self._predict(body)
-        if answer is None:
-            return None
-        return {"differing": differing_features(self.spec, answer["features"][0], sample), "as_of": answer["features_as_of"],
-                "ts": sample["ts"]}
+        answer = self._predict(client, body, 1)
+        if answer is not None:
+            entry["replayed"] = {"differing": differing_features(self.spec, answer["features"][0], sample),
+                                 "as_of": answer["features_as_of"], "ts": sample["ts"]}
 
     def snapshot(self) -> list[dict]:
         with self._lock:
             return list(self.compared)
+
+    def report(self) -> dict:
+        """How long after the impressions the probe asked, and what it did not ask, by reason (run.json)."""
+        with self._lock:
+            lag = np.array(self.lag_ms, dtype=np.float64)
+            out: dict = {"requests": len(lag), "max_behind_ms": MAX_BEHIND_MS,
+                         "skipped_impressions": dict(self.skipped.most_common())}
+        if len(lag):
+            out["lag_ms"] = {"p50": float(np.percentile(lag, 50)), "p99": float(np.percentile(lag, 99)), "max": float(lag.max())}
+        return out
+
+
+def probe_line(report: dict) -> str:
+    """The summary's line on the ad-server probe: its lag and what it skipped."""
+    lag = report.get("lag_ms")
+    line = f"ad-server probe: {report['requests']:,} ad requests asked by ids"
+    if lag:
+        line += (f", p50 {lag['p50'] / 1000:.1f} s / p99 {lag['p99'] / 1000:.1f} s / max {lag['max'] / 1000:.1f} s "
+                 "after the impression")
+    skipped = report["skipped_impressions"]
+    return line + "; skipped impressions: " + (", ".join(f"{n:,} {why}" for why, n in skipped.items()) or "none")
 
 
 def feature_skew(compared: list[dict], spec: FeatureSpec, instance_scores: dict[str, float]) -> dict:
