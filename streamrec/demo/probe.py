@@ -34,7 +34,7 @@ from streamrec.generator.sinks import decode_truth_message
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.modelstore.store import ModelStore
 from streamrec.demo.experiment import LiveExperiment, publish_copy
-from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.serving.errors import NOT_LOADED
 
 log = logging.getLogger("streamrec.demo")
@@ -186,7 +186,7 @@ class ServingProbe(BackgroundProbe):
                                  auto_offset_reset="earliest", max_poll_records=2000)
         try:
             while not self._stop.is_set():
-                for records in poll_records(consumer, 200).values():
+                for records in consumer.poll(200).values():
                     seen = time.time() * 1000
                     for i in range(0, len(records), CHUNK):
                         self._score(records[i:i + CHUNK], seen)
@@ -200,7 +200,7 @@ class ServingProbe(BackgroundProbe):
         try:
             rec = self.records
             while not self._stop.is_set():
-                for records in poll_records(consumer, 100).values():
+                for records in consumer.poll(100).values():
                     seen = time.time() * 1000
                     for r in records:
                         sample = orjson.loads(r.value)
@@ -217,7 +217,7 @@ class ServingProbe(BackgroundProbe):
         consumer = make_consumer(self.bootstrap, self.truth_topic, group_id=None, auto_offset_reset="earliest")
         try:
             while not self._stop.is_set():
-                for records in poll_records(consumer, 500).values():
+                for records in consumer.poll(500).values():
                     rows = [row for r in records for row in decode_truth_message(r.value) if row["kind"] == "impression"]
                     with self._lock:
                         self.bayes.update((row["event_id"], row["p"]) for row in rows)

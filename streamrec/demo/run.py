@@ -126,17 +126,17 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
     reason printed), else 0."""
     check_config(cfg)
     k = cfg.kafka
-    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port)
+    broker = EmbeddedBroker(k.data_dir, k.embedded_host, k.embedded_port, k.embedded_brokers, k.embedded_heap_mb)
     started_broker, run = False, None
     processes: dict[str, ManagedProcess] = {}
     started: list = []  # what watches the run, stopped in the order started
     try:
-        broker_pid, started_broker = _start_broker(broker, cfg)
+        broker_pids, started_broker = _start_broker(broker, cfg)
         run = DemoRun(cfg, args)
         _create_topics(cfg, run)
         start = _starter(run, processes)
         _start_services(run, start, processes)
-        watch = _start_observers(cfg, args, run, broker_pid, processes, started)
+        watch = _start_observers(cfg, args, run, broker_pids, processes, started)
         start_ms = int(time.time() * 1000)
         start("generator", "generate", "--duration", str(args.duration), "--rate", str(args.rate),
               "--bad-fraction", str(args.bad_fraction), "--start-ms", str(start_ms))
@@ -168,16 +168,16 @@ def run_demo(args: argparse.Namespace, cfg: Config) -> int:
             print("embedded broker stopped (use --keep-broker to leave it running)", flush=True)
 
 
-def _start_broker(broker: EmbeddedBroker, cfg: Config) -> tuple[int | None, bool]:
-    """[1/6]: the embedded broker up (unless the run uses an external cluster); its pid and
-    whether this run started it."""
+def _start_broker(broker: EmbeddedBroker, cfg: Config) -> tuple[list[int], bool]:
+    """[1/6]: the embedded Kafka up (unless the run uses an external cluster); its nodes' pids
+    and whether this run started it."""
     k = cfg.kafka
     if not k.embedded:
         print(f"[1/6] using external Kafka at {k.bootstrap_servers}", flush=True)
-        return None, False
-    state, started_broker = broker.up(k.connect_timeout_s)
-    print(f"[1/6] embedded Kafka broker {'started' if started_broker else 'already running'} at {state.bootstrap}", flush=True)
-    return state.pid, started_broker
+        return [], False
+    state, started_broker = broker.up(max(k.connect_timeout_s, 60.0))
+    print(f"[1/6] embedded Apache Kafka {'started' if started_broker else 'already running'} at {state.bootstrap}", flush=True)
+    return state.pids, started_broker
 
 
 def _create_topics(cfg: Config, run: DemoRun) -> None:
@@ -211,11 +211,11 @@ def _start_services(run: DemoRun, start: Callable[..., ManagedProcess], processe
     FlinkRest(f"127.0.0.1:{run.rest_port}").wait_running(run.prefix, 180, all_tasks=True)
 
 
-def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker_pid: int | None,
+def _start_observers(cfg: Config, args: argparse.Namespace, run: DemoRun, broker_pids: list[int],
                      processes: dict[str, ManagedProcess], started: list) -> Observers:
     """Start what watches the run; each is added to ``started`` as soon as it runs."""
     k = cfg.kafka
-    monitor = ResourceMonitor(lambda: {**({"broker": broker_pid} if broker_pid else {}),
+    monitor = ResourceMonitor(lambda: {**({"broker": broker_pids} if broker_pids else {}),
                                        **{name: p.pid for name, p in processes.items() if p.alive()},
                                        "demo (probe)": [os.getpid()]}).start()
     started.append(monitor)
@@ -303,8 +303,7 @@ def _failures(result: dict) -> list[str]:
 
 
 def _delete_run_topics(bootstrap: str, run: DemoRun) -> None:
-    """The embedded broker re-saves all it holds on every change (docs/kafka.md): a run's
-    topics left behind would slow every later run."""
+    """A run's topics are its own: none is left behind unless asked (``--keep-topics``)."""
     try:
         deleted = delete_topics(bootstrap, list(run.topics.values()))
         print(f"deleted the run's {len(deleted)} topics (use --keep-topics to keep them)", flush=True)

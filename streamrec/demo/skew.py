@@ -36,7 +36,7 @@ from streamrec.contracts.events import InvalidEvent, validate_event
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import differing_features
 from streamrec.model.metrics import auc
-from streamrec.plumbing.bus.clients import make_consumer, poll_records
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.serving.online_features import REPLAY_HORIZON_MS
 from streamrec.demo.probe import BackgroundProbe, ServingClient
 
@@ -132,7 +132,7 @@ class AdServerProbe(BackgroundProbe):
         try:
             while not self._stop.is_set():
                 requests: dict[str, list[dict]] = defaultdict(list)
-                for records in poll_records(consumer, 100).values():
+                for records in consumer.poll(100).values():
                     for r in records:
                         try:
                             e = validate_event(r.value)
@@ -194,7 +194,7 @@ class AdServerProbe(BackgroundProbe):
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                for records in poll_records(consumer, 200).values():
+                for records in consumer.poll(200).values():
                     for r in records:
                         sample = orjson.loads(r.value)
                         with self._lock:

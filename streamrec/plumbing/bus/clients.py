@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -84,25 +83,3 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None, timeout_s:
 
 def make_admin(bootstrap: str, timeout_s: float = 20.0) -> KafkaAdminClient:
     return _connect(KafkaAdminClient, {"request_timeout_ms": int(max(timeout_s, 5) * 1000)}, bootstrap, timeout_s)
-
-
-# How long poll_records sleeps between non-blocking polls when nothing is buffered.
-IDLE_POLL_S = 0.05
-
-
-def poll_records(consumer: KafkaConsumer, timeout_ms: int, max_records: int | None = None) -> dict:
-    """``consumer.poll(timeout_ms, max_records)`` without spinning while there is nothing to read.
-
-    Why: kafka-python 3's blocking poll re-sends a fetch as soon as one comes back empty,
-    and the embedded broker (noida) answers empty fetches at once instead of waiting
-    ``fetch_max_wait_ms``: every idle consumer would burn a full core (``streamrec bench consumer_idle``).
-    Non-blocking polls with
-    short sleeps cost at most IDLE_POLL_S of latency. Against a real cluster it is the same.
-    """
-    deadline = time.monotonic() + timeout_ms / 1000
-    while True:
-        polled = consumer.poll(timeout_ms=0, max_records=max_records)
-        remaining = deadline - time.monotonic()
-        if polled or remaining <= 0:
-            return polled
-        time.sleep(min(IDLE_POLL_S, remaining))
