@@ -207,8 +207,8 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
     job = _submit_in_background(env, "--fresh")
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
-        # while the input is empty the source's fetcher sleeps between polls: the embedded
-        # broker answers an empty fetch at once, and a plain Kafka consumer then spun a core
+        # while the input is empty the source's fetchers wait on the broker (fetch.max.wait.ms);
+        # a fetcher that spun (a broker or client answering empty fetches at once) burns ~1 core
         fetcher_cpu = lambda: sum(cpu for thread, cpu in threads_cpu_seconds(process_tree(job.pid)).items()  # noqa: E731
                                   if thread.startswith("Source Data Fet"))
         before = fetcher_cpu()

@@ -36,8 +36,6 @@ class JobSpec:
     transactional_prefix: str
     # RocksDB only: recently used key states kept in memory per stage (StateCache.java); 0 = off
     state_cache_keys: int
-    # sleep after an empty poll of a caught-up source reader (IdleBackoffSource.java); 0 = off
-    source_idle_backoff_ms: int
     # the stages' per-entity state to features_topic after each watermark (FeatureState.java); its
     # event times in buckets of feature_bucket_ms; features_partitions: that topic's partitions
     features_topic: str
@@ -62,7 +60,7 @@ class JobSpec:
             transactional_prefix=f.job_name,
             # the heap backend holds the objects already (and must not see them change under its snapshots)
             state_cache_keys=f.state_cache_keys if f.state_backend == "rocksdb" else 0,
-            source_idle_backoff_ms=f.source_idle_backoff_ms, bounded=bounded, source_parallelism=source_parallelism,
+            bounded=bounded, source_parallelism=source_parallelism,
             features_topic=t.features, feature_state=f.feature_state, feature_bucket_ms=f.feature_bucket_s * 1000,
             features_partitions=features_partitions or k.partitions,
         )
@@ -86,8 +84,6 @@ class JobSpec:
         if self.feature_bucket_ms < 1000 or self.features_partitions < 1:
             raise ValueError(f"feature_bucket_ms must be >= 1000 and features_partitions >= 1, got "
                              f"{self.feature_bucket_ms} and {self.features_partitions}")
-        if not 0 <= self.source_idle_backoff_ms <= 1000:
-            raise ValueError(f"source_idle_backoff_ms must be within 0..1000 (0 = off), got {self.source_idle_backoff_ms}")
         values = {
             "bootstrap": self.bootstrap, "events_topic": self.events_topic, "samples_topic": self.samples_topic,
             "dlq_topic": self.dlq_topic, "group_id": self.group_id, "bounded": str(self.bounded).lower(),
@@ -96,7 +92,7 @@ class JobSpec:
             "idle_timeout_ms": str(self.idle_timeout_for(restored)), "max_future_skew_ms": str(ev.MAX_FUTURE_SKEW_MS),
             "validation_spec": validation_spec(), "late_reason": LATE_EVENT, "orphan_reason": ORPHAN_REASON,
             **self.feature_spec.job_properties(),
-            "state_cache_keys": str(self.state_cache_keys), "source_idle_backoff_ms": str(self.source_idle_backoff_ms),
+            "state_cache_keys": str(self.state_cache_keys),
             "features_topic": self.features_topic, "feature_state": str(self.feature_state).lower(),
             "feature_bucket_ms": str(self.feature_bucket_ms), "features_partitions": str(self.features_partitions),
         }

@@ -86,7 +86,6 @@ class FlinkConfig:
     buffer_timeout_ms: int
     restart_max_backoff_s: float
     idle_timeout_s: float
-    source_idle_backoff_ms: int
     feature_state: bool
     feature_bucket_s: int
 

@@ -8,7 +8,6 @@ import java.util.Properties;
 
 import org.apache.flink.api.common.eventtime.WatermarkStrategy;
 import org.apache.flink.api.common.typeinfo.Types;
-import org.apache.flink.api.connector.source.Source;
 import org.apache.flink.api.java.functions.KeySelector;
 import org.apache.flink.api.java.tuple.Tuple2;
 import org.apache.flink.connector.base.DeliveryGuarantee;
@@ -69,9 +68,7 @@ public final class SampleJob {
                 Duration.ofMillis(Long.parseLong(p.getProperty("out_of_orderness_ms"))),
                 Duration.ofMillis(Long.parseLong(p.getProperty("idle_timeout_ms"))));
 
-        long idleBackoffMs = Long.parseLong(p.getProperty("source_idle_backoff_ms"));
-        Source<Event, ?, ?> events = idleBackoffMs > 0 ? new IdleBackoffSource<>(source.build(), idleBackoffMs) : source.build();
-        SingleOutputStreamOperator<Event> valid = env.fromSource(events, watermarks, "events topic")
+        SingleOutputStreamOperator<Event> valid = env.fromSource(source.build(), watermarks, "events topic")
                 .setParallelism(sourceParallelism).uid("events-source")
                 .process(new RouteRejected()).returns(EventTypeInfoFactory.INFO)
                 .setParallelism(sourceParallelism).name("route rejected events").uid("route");
