@@ -1,109 +1,66 @@
-"""The Flink Kafka connector jars: pinned checksums, tamper detection, and a real PyFlink
-mini-cluster reading the embedded broker through them."""
+"""The Flink job's jar, built by Maven (pipelines/job_jar.py): what goes in it, built once per
+source version, a new jar for a changed source, and clear errors without Maven or a jar."""
 
 import shutil
+import zipfile
 
 import pytest
 
-from streamrec.pipelines import flink_jars
-from streamrec.pipelines.flink_jars import JAR_SHA256, ChecksumMismatch, ensure_jars, jar_urls, sha256_of, verify_jars
-from streamrec.plumbing.bus.clients import make_producer
-from streamrec.plumbing.bus.topics import ensure_topics
+from streamrec.pipelines import job_jar
+from streamrec.pipelines.job_jar import JobJarError, ensure_job_jar, verify_job_jar
 from tests.conftest import run_cli
 
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    """The pinned wheel, downloaded once for this module with pip (as `setup flink-jars` does)."""
-    return flink_jars._download_wheel(tmp_path_factory.mktemp("wheel"))
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def jars_dir(tmp_path_factory, wheel):
+def jars_dir(tmp_path_factory):
+    """A cache holding the jar of the current sources, built once for this module."""
     path = tmp_path_factory.mktemp("jars")
-    ensure_jars(path, wheel)
+    ensure_job_jar(path)
     return path
 
 
-def test_downloaded_wheel_matches_the_pinned_checksum(wheel):
-    assert sha256_of(wheel) == flink_jars.WHEEL_SHA256
+def test_the_jar_holds_the_job_and_the_connector_but_not_flink(jars_dir):
+    jar = verify_job_jar(jars_dir)
+    names = set(zipfile.ZipFile(jar).namelist())
+    assert {"streamrec/flink/SampleJob.class", "org/apache/flink/connector/kafka/source/KafkaSource.class",
+            "org/apache/kafka/clients/producer/KafkaProducer.class"} <= names
+    assert "org/apache/flink/streaming/api/environment/StreamExecutionEnvironment.class" not in names  # provided
+    assert sorted(p.name for p in jars_dir.iterdir()) == [jar.name]  # no build directory left behind
+    assert not (job_jar.SOURCE_DIR / "target").exists()
 
 
-def test_extracts_exactly_the_two_jars(jars_dir):
-    assert sorted(p.name for p in jars_dir.iterdir()) == sorted(JAR_SHA256)
-    verify_jars(jars_dir)
-    for path in flink_jars.jar_paths(jars_dir):
-        assert sha256_of(path) == JAR_SHA256[path.name]
+def test_an_unchanged_source_is_never_rebuilt(jars_dir, monkeypatch, tmp_path):
+    jar = job_jar.job_jar_path(jars_dir)
+    before = jar.stat().st_mtime_ns
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Maven: a rebuild would fail
+    assert ensure_job_jar(jars_dir) == jar and jar.stat().st_mtime_ns == before
 
 
-def test_is_idempotent(jars_dir):
-    before = {p.name: p.stat().st_mtime_ns for p in jars_dir.iterdir()}
-    ensure_jars(jars_dir, wheel=jars_dir / "does-not-exist.whl")  # never opened: cache verifies
-    assert {p.name: p.stat().st_mtime_ns for p in jars_dir.iterdir()} == before
+def test_a_changed_source_gives_a_new_jar(jars_dir, monkeypatch, tmp_path):
+    sources = tmp_path / "java"
+    shutil.copytree(job_jar.SOURCE_DIR, sources)
+    old = job_jar.job_jar_path(jars_dir)
+    with open(sources / "streamrec" / "flink" / "SampleJob.java", "a") as fh:
+        fh.write("// changed\n")
+    monkeypatch.setattr(job_jar, "SOURCE_DIR", sources)
+    new = ensure_job_jar(jars_dir)
+    assert new != old and new.name.startswith("streamrec-job-") and old.is_file()  # the old one is kept
+    assert not (sources / "target").exists()
 
 
-def test_tampered_wheel_is_refused_and_cache_untouched(tmp_path, wheel):
-    bad = tmp_path / wheel.name
-    shutil.copy(wheel, bad)
-    with open(bad, "ab") as fh:
-        fh.write(b"\0")
-    target = tmp_path / "jars"
-    with pytest.raises(ChecksumMismatch, match="does not match the pinned"):
-        ensure_jars(target, bad)
-    assert [p.name for p in target.iterdir()] == []
+def test_without_maven_the_error_says_what_to_install(tmp_path):
+    python_only = tmp_path / "bin"
+    python_only.mkdir()
+    result = run_cli("setup", "flink-job", "--jars-dir", str(tmp_path / "jars"), env={"PATH": str(python_only)})
+    assert result.returncode == 3 and "`mvn` not found" in result.stderr and "apt install maven" in result.stderr
+    assert not (tmp_path / "jars").exists()
 
 
-def test_tampered_cached_jar_is_detected_and_repaired(tmp_path, wheel, jars_dir):
-    target = tmp_path / "jars"
-    shutil.copytree(jars_dir, target)
-    jar = target / "kafka-clients.jar"
-    data = bytearray(jar.read_bytes())
-    data[1000] ^= 0xFF
-    jar.write_bytes(bytes(data))
-    with pytest.raises(ChecksumMismatch, match="kafka-clients.jar"):
-        verify_jars(target)
-    result = run_cli("setup", "flink-jars", "--verify", "--jars-dir", str(target))
-    assert result.returncode == 2 and "does not match the pinned" in result.stderr
-    ensure_jars(target, wheel)
-    verify_jars(target)
-
-
-def test_cli_setup_uses_a_given_wheel(tmp_path, wheel):
-    result = run_cli("setup", "flink-jars", "--jars-dir", str(tmp_path / "j"), "--wheel", str(wheel))
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("sha256 verified") == 2
-
-
-def test_missing_jars_are_reported(tmp_path):
-    with pytest.raises(FileNotFoundError, match="streamrec setup flink-jars"):
-        verify_jars(tmp_path)
-
-
-@pytest.mark.slow
-def test_pyflink_reads_the_embedded_broker_through_the_jars(broker, jars_dir):
-    """The verified jars alone make PyFlink's KafkaSource work against our broker."""
-    from pyflink.common import WatermarkStrategy
-    from pyflink.common.serialization import SimpleStringSchema
-    from pyflink.datastream import StreamExecutionEnvironment
-    from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSource
-
-    topic = "flink.smoke"
-    ensure_topics(broker, [topic], partitions=3)
-    producer = make_producer(broker)
-    sent = [f'{{"n": {i}}}' for i in range(500)]
-    for i, value in enumerate(sent):
-        producer.send(topic, key=str(i % 11).encode(), value=value.encode())
-    producer.flush()
-    producer.close()
-
-    verify_jars(jars_dir)
-    env = StreamExecutionEnvironment.get_execution_environment()
-    env.add_jars(*jar_urls(jars_dir))
-    env.set_parallelism(1)
-    source = (KafkaSource.builder().set_bootstrap_servers(broker).set_topics(topic).set_group_id("flink-smoke")
-              .set_starting_offsets(KafkaOffsetsInitializer.earliest()).set_bounded(KafkaOffsetsInitializer.latest())
-              .set_value_only_deserializer(SimpleStringSchema()).build())
-    stream = env.from_source(source, WatermarkStrategy.no_watermarks(), "kafka-smoke")
-    with stream.execute_and_collect() as results:
-        received = list(results)
-    assert sorted(received) == sorted(sent)
+def test_verify_refuses_a_missing_or_damaged_jar(tmp_path):
+    result = run_cli("setup", "flink-job", "--verify", "--jars-dir", str(tmp_path))
+    assert result.returncode == 3 and "streamrec setup flink-job" in result.stderr
+    job_jar.job_jar_path(tmp_path).write_bytes(b"not a jar")
+    with pytest.raises(JobJarError, match="is not the job's jar"):
+        verify_job_jar(tmp_path)

@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     # kafka-python logs every connection retry at ERROR; our own errors say what matters.
     logging.getLogger("kafka").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.CRITICAL)
-    from streamrec.pipelines.flink_jars import ChecksumMismatch
     from streamrec.modelstore.store import CorruptVersion
     from streamrec.plumbing.bus.broker import BrokerError
     from streamrec.plumbing.bus.clients import BusUnavailable
+    from streamrec.plumbing.bus.kafka_dist import KafkaJarsError
 
     try:
         return args.handler(args, config_from(args))
-    except (ConfigError, BrokerError, BusUnavailable, ChecksumMismatch, FileExistsError, FileNotFoundError, ValueError,
+    except (ConfigError, BrokerError, BusUnavailable, KafkaJarsError, FileExistsError, FileNotFoundError, ValueError,
             ConnectionError, TimeoutError, CorruptVersion) as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return 2

