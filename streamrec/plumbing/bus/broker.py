@@ -207,6 +207,9 @@ class EmbeddedBroker:
             "group.initial.rebalance.delay.ms": 0,
             # the producers' max_request_size (plumbing/bus/clients.py)
             "message.max.bytes": 8 * 2**20,
+            # the job's exactly-once sinks take a new transactional id every checkpoint: kept an
+            # hour, not Kafka's 7 days, an always-on local job's ids stay a few thousand
+            "transactional.id.expiration.ms": 3_600_000,
         }
         return "".join(f"{k}={v}\n" for k, v in settings.items())
 
