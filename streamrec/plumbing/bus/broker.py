@@ -205,6 +205,9 @@ class EmbeddedBroker:
             "offsets.topic.num.partitions": 8,
             "transaction.state.log.num.partitions": 8,
             "group.initial.rebalance.delay.ms": 0,
+            # a node back from a kill -9 waits for its old registration's session to end: 2 s, not 9
+            "broker.session.timeout.ms": 2000,
+            "broker.heartbeat.interval.ms": 500,
             # the producers' max_request_size (plumbing/bus/clients.py)
             "message.max.bytes": 8 * 2**20,
             # the job's exactly-once sinks take a new transactional id every checkpoint: kept an
