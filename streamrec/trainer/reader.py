@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots-fd", type=int, required=True, help="the shared file of the batch slots")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # every reconnect at INFO/ERROR: the trainer says what matters
     _child_main(Connection(args.fd), args.slots_fd)
 
 

@@ -41,6 +41,10 @@ def _connect(factory, settings: dict[str, Any], bootstrap: str, timeout_s: float
         raise _unreachable(bootstrap, timeout_s, exc) from None
 
 
+# Back on a restarted broker within a second (the Java client's default), not kafka-python's
+# 30 s, which could outlast a short delivery timeout or a consumer's patience.
+RECONNECT_BACKOFF_MAX_MS = 1000
+
 # A producer gives up on a record this many connect timeouts after send(): 120 s (kafka-python's
 # default) at the default kafka.connect_timeout_s, so a broker restart is ridden out.
 DELIVERY_TIMEOUTS = 6
@@ -62,9 +66,7 @@ def make_producer(bootstrap: str, timeout_s: float = 20.0, **overrides: Any) -> 
         max_request_size=8 * 1024 * 1024,
         request_timeout_ms=request_timeout_ms,
         delivery_timeout_ms=max(int(DELIVERY_TIMEOUTS * timeout_s * 1000), request_timeout_ms + linger_ms),
-        # Back on a restarted broker within a second (the Java client's default), not
-        # kafka-python's 30 s, which could outlast a short delivery timeout.
-        reconnect_backoff_max_ms=1000,
+        reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
     )
     settings.update(overrides)
     return _connect(KafkaProducer, settings, bootstrap, timeout_s)
@@ -76,6 +78,7 @@ def make_consumer(bootstrap: str, *topics: str, group_id: str | None, timeout_s:
         group_id=group_id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
+        reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
     )
     settings.update(overrides)
     return _connect(lambda **kw: KafkaConsumer(*topics, **kw), settings, bootstrap, timeout_s)
