@@ -57,7 +57,7 @@ def test_port_taken_gives_clear_error(tmp_path):
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "broker.pid").exists()
+    assert not (tmp_path / "node-1" / "broker.pid").exists()
 
 
 def test_missing_jars_or_java_give_clear_errors(tmp_path):

@@ -34,7 +34,7 @@ def test_a_frozen_broker_never_holds_an_answer_and_the_log_recovers(published_mo
     port, data = free_port(), tmp_path / "kafka"
     up = run_cli("kafka", "up", "--partitions", "1", "--port", str(port), "--data-dir", str(data))
     assert up.returncode == 0, up.stderr
-    broker_group = os.getpgid(json.loads((data / "broker.pid").read_text())["pid"])
+    broker_group = os.getpgid(json.loads((data / "node-1" / "broker.pid").read_text())["pid"])
     http_port = free_port()
     node = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(published_model[0]), "--port", str(http_port),
