@@ -316,6 +316,9 @@ class EmbeddedBroker:
                 if proc.poll() is not None:
                     raise BrokerError(f"Kafka node {node_id} exited with code {proc.returncode} during start-up; "
                                       f"last log lines:\n{self.log_tail(node_id)}")
+            if not all(port_in_use(self.host, self.port + i) for i in range(self.brokers)):
+                time.sleep(0.1)  # not listening yet: a client now would back off for seconds
+                continue
             try:
                 admin = make_admin(bootstrap, timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
                 try:
