@@ -20,6 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from streamrec.plumbing.processes import find_tool
+
 SOURCE_DIR = Path(__file__).parent / "java"
 SETUP_HINT = "run `streamrec setup flink-job` (`make setup` does)"
 # Jars of other source versions kept beside the current one: a job being submitted from an
@@ -62,11 +64,8 @@ def verify_job_jar(jars_dir: Path) -> Path:
 
 
 def _tool(name: str) -> str:
-    """``name`` from PATH, else from JAVA_HOME/bin for the JDK's tools."""
-    found = shutil.which(name)
-    if not found and name == "javac" and os.environ.get("JAVA_HOME"):
-        candidate = Path(os.environ["JAVA_HOME"]) / "bin" / name
-        found = str(candidate) if candidate.is_file() else None
+    """``name`` (mvn, javac) from PATH or JAVA_HOME/bin."""
+    found = find_tool(name)
     if not found:
         raise JobJarError(f"`{name}` not found: the Flink job is built with Maven 3 and a JDK 17+; install them "
                           "(Debian: apt install maven openjdk-17-jdk-headless) or put them on PATH / set JAVA_HOME")

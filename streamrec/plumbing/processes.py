@@ -1,9 +1,11 @@
-"""The environment of a child process that runs ``python -m streamrec...`` (front-ends, the
-prediction log's sender): from a source checkout, its package must be importable there too."""
+"""Child processes: the environment of one that runs ``python -m streamrec...`` (front-ends,
+the prediction log's sender: from a source checkout, its package must be importable there
+too), and where the JVM tools the project starts (java, javac, mvn) are found."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -15,3 +17,12 @@ def python_env() -> dict[str, str]:
     if (checkout / "pyproject.toml").is_file():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)
     return env
+
+
+def find_tool(name: str) -> str | None:
+    """``name`` from PATH, else from ``$JAVA_HOME/bin`` (the JDK's tools); None when neither has it."""
+    found = shutil.which(name)
+    if not found and os.environ.get("JAVA_HOME"):
+        candidate = Path(os.environ["JAVA_HOME"]) / "bin" / name
+        found = str(candidate) if candidate.is_file() else None
+    return found

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamrec.plumbing.bus.clients import BusUnavailable, make_admin
+from streamrec.plumbing.bus.clients import make_admin
 from streamrec.plumbing.bus.kafka_dist import KAFKA_VERSION, KafkaJarsError, default_jars_dir, java_binary, verify_kafka_jars
 
 
@@ -326,7 +326,7 @@ class EmbeddedBroker:
                         return
                 finally:
                     admin.close()
-            except (BusUnavailable, Exception):  # noqa: BLE001 - not up yet: any answer short of the full cluster
+            except Exception:  # noqa: BLE001 - not up yet (BusUnavailable, a Kafka error): ask again
                 pass
             time.sleep(0.2)
         raise BrokerError(f"Kafka did not answer with all {self.brokers} broker(s) at {bootstrap} within {timeout_s:g}s; "

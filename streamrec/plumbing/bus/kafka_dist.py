@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from streamrec.plumbing.processes import find_tool
 
 SPEC_DIR = Path(__file__).parent / "kafka_server"
 POM = SPEC_DIR / "pom.xml"
@@ -68,10 +69,7 @@ def verify_kafka_jars(jars_dir: Path) -> list[Path]:
 
 
 def _tool(name: str, why: str) -> str:
-    found = shutil.which(name)
-    if not found and os.environ.get("JAVA_HOME") and name == "java":
-        candidate = Path(os.environ["JAVA_HOME"]) / "bin" / name
-        found = str(candidate) if candidate.is_file() else None
+    found = find_tool(name)
     if not found:
         raise KafkaJarsError(f"`{name}` not found: {why}")
     return found
