@@ -37,6 +37,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import differing_features
 from streamrec.model.metrics import auc
 from streamrec.plumbing.bus.clients import make_consumer
+from streamrec.serving.errors import BEYOND_HORIZON
 from streamrec.serving.online_features import REPLAY_HORIZON_MS
 from streamrec.demo.probe import BackgroundProbe, ServingClient
 
@@ -49,7 +50,6 @@ MAX_BEHIND_MS = 10_000
 # the node keeps features REPLAY_HORIZON_MS before its state, which trails the clock; the
 # margin covers the request's way to the node
 REPLAY_MAX_BEHIND_MS = REPLAY_HORIZON_MS - 10_000
-HORIZON_REFUSAL = "features are kept for requests at most"  # in the node's 400 for a ts older than it keeps
 # why impressions were not asked (the keys of ``AdServerProbe.skipped``)
 BEHIND = f"probe behind by more than {MAX_BEHIND_MS // 1000} s"
 REPLAY_TOO_OLD = f"replay more than {REPLAY_MAX_BEHIND_MS // 1000} s old"
@@ -118,7 +118,7 @@ class AdServerProbe(BackgroundProbe):
         message = str(answer.get("error", {}).get("message", "")) if isinstance(answer, dict) else ""
         if status == 503 and not self.answered:
             self._skip(NOT_READY, impressions)
-        elif status == 400 and HORIZON_REFUSAL in message:
+        elif status == 400 and BEYOND_HORIZON in message:
             self._skip(REFUSED, impressions)
         else:  # a 503 once the node has answered counts as a failure
             with self._lock:

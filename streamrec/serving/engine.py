@@ -27,7 +27,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.batcher import BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
 from streamrec.serving.device_counts import DeviceCounts
-from streamrec.serving.errors import ApiError, SpecChanged, no_feature_store, not_loaded
+from streamrec.serving.errors import BEYOND_HORIZON, ApiError, SpecChanged, no_feature_store, not_loaded
 from streamrec.serving.ipc import Outbox, failed
 from streamrec.serving.messages import Call, Scored
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
@@ -148,7 +148,7 @@ class ServingEngine:
         as_of = self.check_features().as_of()
         if as_of is not None and query.ts < as_of - REPLAY_HORIZON_MS:
             raise ApiError(400, f"'ts' {query.ts} is {as_of - query.ts:,} ms before the feature store's state ({as_of}); "
-                                f"features are kept for requests at most {REPLAY_HORIZON_MS:,} ms in the past")
+                                f"{BEYOND_HORIZON} {REPLAY_HORIZON_MS:,} ms in the past")
 
     def readiness(self) -> dict[str, str | None]:
         """Per request form ("instances", "by_ids"): why this model does not serve it now (None:

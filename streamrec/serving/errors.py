@@ -41,6 +41,8 @@ def no_feature_store() -> ApiError:
                          'send {"instances": [...]} with every feature')
 
 
+# how the 400 for a by-ids ``ts`` older than the online features keep goes on (clients may tell it apart)
+BEYOND_HORIZON = "features are kept for requests at most"
 NOT_LOADED = "no model version is loaded yet"  # how a 503 of a model without a version begins (clients may tell it apart)
 
 
