@@ -97,7 +97,9 @@ def test_down_refuses_external_cluster():
     assert result.returncode == 2 and "not managed by streamrec" in result.stderr
 
 
-def test_data_survives_a_restart(tmp_path):
+def test_data_survives_a_restart(tmp_path, monkeypatch):
+    """Also: a cluster id that starts with "-" (one in 64 of the random ones) formats fine."""
+    monkeypatch.setattr("streamrec.plumbing.bus.broker._new_cluster_id", lambda: "-Yx2kQh0Tj6s8E3nN1oWbA")
     broker = EmbeddedBroker(tmp_path, port=free_port())
     state, _ = broker.up()
     try:

@@ -242,7 +242,9 @@ class EmbeddedBroker:
                 "-cp", str(self.jars_dir / "*"), *args]
 
     def _format(self, cluster_id: str, node_dir: Path) -> None:
-        cmd = self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(node_dir / "server.properties"))
+        # one argument each: a cluster id may start with "-" (URL-safe base64)
+        cmd = self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                         f"--config={node_dir / 'server.properties'}")
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise BrokerError(f"formatting Kafka's storage in {node_dir} failed:\n{(result.stdout + result.stderr).strip()[-2000:]}")
