@@ -89,9 +89,11 @@ def _sink(args: argparse.Namespace, cfg: Config, traffic) -> tuple:
     ensure_topics(k.bootstrap_servers, [cfg.topics.events, cfg.topics.truth], k.partitions, k.replication_factor, k.connect_timeout_s)
     # At least once outside a transaction (consumers drop duplicate event ids): kafka-python's
     # idempotent producer, when the broker stays away, cannot be closed and prints the error
-    # at exit (docs/kafka.md)
+    # at exit (docs/kafka.md). One request in flight per broker keeps a partition's retried
+    # batch ahead of the ones after it: reordered by a leader change, its events would fall
+    # behind the job's watermark and go to the DLQ as late.
     delivery = ({"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}"} if args.atomic
-                else {"enable_idempotence": False})
+                else {"enable_idempotence": False, "max_in_flight_requests_per_connection": 1})
     producer = make_producer(k.bootstrap_servers, k.connect_timeout_s, **delivery)
     sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth, atomic=args.atomic)
     return sink, not args.fast, f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
