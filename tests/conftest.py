@@ -17,7 +17,7 @@ from kafka import TopicPartition
 
 from streamrec.generator.world import WorldConfig
 from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port  # noqa: F401 - tests import it from here
-from streamrec.plumbing.bus.clients import make_consumer
+from streamrec.plumbing.bus.clients import make_consumer, make_producer
 from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +44,33 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
         [sys.executable, "-m", "streamrec.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO,
     )
+
+
+class CheckedProducer:
+    """A producer whose ``flush``/``close`` fail the test when Kafka refused or never
+    acknowledged a record sent through it: a test that then counts records counts real ones."""
+
+    def __init__(self, broker: str, **settings) -> None:
+        self._producer = make_producer(broker, **settings)
+        self._pending: list = []
+
+    def send(self, topic: str, **kwargs):
+        future = self._producer.send(topic, **kwargs)
+        self._pending.append(future)
+        return future
+
+    def flush(self, timeout: float = 60) -> None:
+        self._producer.flush(timeout=timeout)
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.get(timeout=timeout)  # raises the send's own error
+
+    def close(self) -> None:
+        self.flush()
+        self._producer.close()
+
+    def __getattr__(self, name: str):  # transactions and the rest: the producer's own
+        return getattr(self._producer, name)
 
 
 def read_topic(broker: str, topic: str, committed: bool = True, timeout_s: float = 60) -> list:

@@ -7,7 +7,9 @@ wraps ``ModelStore._write``: once the test *arms* a point (:func:`arm` writes it
 the arm file), the child's next file write at that point stops there, writes a marker
 (JSON: point, path, bytes) and sleeps until the test kills it (:func:`wait_paused` returns
 the marker). The marker's path lets the test check afterwards that the partial state of
-the window is on disk, so a kill that missed its window fails the test.
+the window is on disk, so a kill that missed its window fails the test. A test that wants
+the process to go on instead (after freezing it, say) calls :func:`release`: the write then
+completes and the process carries on from inside its window.
 
 Points, all inside ``ModelStore.publish`` / ``commit`` on a store that renames (a local path):
 
@@ -62,9 +64,18 @@ def install() -> None:
         marker = _marker(arm_file)
         marker.with_suffix(".tmp").write_text(json.dumps({"point": point, "path": path, "bytes": len(data)}))
         marker.with_suffix(".tmp").rename(marker)
-        time.sleep(3600)  # until the test's SIGKILL
+        released, deadline = _released(arm_file), time.monotonic() + 3600
+        while not released.exists() and time.monotonic() < deadline:  # until the test's SIGKILL or release()
+            time.sleep(0.02)
+        released.unlink(missing_ok=True)
+        if point == "sparse":
+            write(self, path, data)
 
     ModelStore._write = pausing_write
+
+
+def _released(arm_file: Path) -> Path:
+    return arm_file.with_name(arm_file.name + ".released")
 
 
 def _marker(arm_file: Path) -> Path:
@@ -87,6 +98,11 @@ def wait_paused(arm_file: Path, proc: subprocess.Popen, timeout_s: float = 120) 
         assert time.monotonic() < deadline, f"the process did not reach the pause point {arm_file.read_text()!r}"
         time.sleep(0.02)
     return json.loads(marker.read_text())
+
+
+def release(arm_file: Path) -> None:
+    """Let the child paused at the armed point finish that write and go on."""
+    _released(arm_file).write_text("go")
 
 
 def child_env(arm_file: Path, env: dict | None = None) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from streamrec.plumbing.bus.broker import EmbeddedBroker, _alive
 from streamrec.plumbing.bus.clients import BusUnavailable, make_admin, make_consumer, make_producer
-from tests.conftest import free_port, read_topic, run_cli
+from tests.conftest import CheckedProducer, free_port, read_topic, run_cli
 
 
 def _flags(port: int, data_dir) -> list[str]:
@@ -103,7 +103,7 @@ def test_data_survives_a_restart(tmp_path, monkeypatch):
     broker = EmbeddedBroker(tmp_path, port=free_port())
     state, _ = broker.up()
     try:
-        producer = make_producer(state.bootstrap)
+        producer = CheckedProducer(state.bootstrap)
         for i in range(50):
             producer.send("persist", key=b"k", value=f"m{i}".encode())
         producer.flush()

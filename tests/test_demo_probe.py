@@ -22,14 +22,13 @@ import uuid
 import orjson
 import pytest
 
-from conftest import REPO, copy_store, free_port, wait_ready
+from conftest import REPO, CheckedProducer, copy_store, free_port, wait_ready
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import ENTITIES
 from streamrec.demo import skew
 from streamrec.demo.probe import ServingClient
 from streamrec.demo.run import _failures
 from streamrec.demo.skew import BEHIND, MAX_BEHIND_MS, REFUSED, REPLAY_TOO_OLD, AdServerProbe, probe_line
-from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.serving.online_features import REPLAY_HORIZON_MS
 from test_pipeline_job import _imp
@@ -41,7 +40,7 @@ USER = 5151
 
 def _publish_watermarks(bootstrap: str, topic: str, ahead_ms: list[int], stop: threading.Event) -> None:
     """The job's side: every stage's watermark at the clock plus ``ahead_ms[0]``."""
-    producer = make_producer(bootstrap)
+    producer = CheckedProducer(bootstrap)
     while not stop.is_set():
         wm = int(time.time() * 1000) + ahead_ms[0]
         for stage in ENTITIES:
@@ -75,7 +74,7 @@ def test_the_ad_server_probe_skips_and_counts_what_the_node_no_longer_keeps(brok
         env={**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__FEATURES": features,
              "STREAMREC_SERVING__FOLLOW_UPDATES": "false", "STREAMREC_SERVING__FEATURE_STORE_DIR": str(tmp_path / "spill")})
     base = f"http://127.0.0.1:{port}"
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     ids = itertools.count()
 
     def impressions(ts: int, n: int = 1) -> list[str]:

@@ -5,9 +5,9 @@ from collections import defaultdict
 import pytest
 from kafka import TopicPartition
 
-from streamrec.plumbing.bus.clients import make_consumer, make_producer
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import describe_topics, ensure_topics
-from tests.conftest import read_topic
+from tests.conftest import CheckedProducer, read_topic
 
 N = 2000
 
@@ -22,7 +22,7 @@ def test_topic_creation_is_idempotent(broker):
 def test_consumer_group_resumes_from_committed_offsets(broker):
     topic = "rt.groups"
     ensure_topics(broker, [topic], partitions=4)
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for i in range(N):
         producer.send(topic, key=f"user{i % 37}".encode(), value=str(i).encode())
     producer.flush()
@@ -67,7 +67,7 @@ def test_consumer_group_resumes_from_committed_offsets(broker):
 def test_independent_group_reads_everything(broker):
     topic = "rt.groups2"
     ensure_topics(broker, [topic], partitions=2)
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for i in range(100):
         producer.send(topic, value=str(i).encode())
     producer.flush()
@@ -81,7 +81,7 @@ def test_a_transaction_is_seen_whole_when_committed_and_never_when_aborted(broke
     """The transactional producer (the Flink job's sinks and `generate --atomic` rely on it)."""
     topic = "rt.txn"
     ensure_topics(broker, [topic], partitions=2)
-    producer = make_producer(broker, transactional_id="rt-txn")
+    producer = CheckedProducer(broker, transactional_id="rt-txn")
     producer.init_transactions()
     for outcome in ("commit", "abort"):
         producer.begin_transaction()

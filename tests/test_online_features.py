@@ -15,13 +15,12 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from conftest import REPO, copy_store, free_port, read_topic, run_cli
+from conftest import REPO, CheckedProducer, copy_store, free_port, read_topic, run_cli
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import Candidate, differing_features, entity_partition
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.pipelines.flink_rest import FlinkRest
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
-from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
 from test_serving_http import call
@@ -105,10 +104,11 @@ def bounded_run(broker, tmp_path_factory):
     gen = run_cli("generate", "--duration", "20", "--rate", "1500", "--bad-fraction", "0.01", "--fast",
                   "--start-ms", str(start), env=env)
     assert gen.returncode == 0, gen.stderr
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for value in hand_built(start + 25_000):
         producer.send(f"{name}.events", key=b"%d" % orjson.loads(value)["user_id"], value=value)
     producer.close()
+    # a bounded run returns once read_committed readers see all it wrote
     run = run_cli("pipeline", "submit", "--bounded", "--fresh", env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     table, _, rejected = decode_samples([r.value for r in read_topic(broker, f"{name}.samples")], SPEC)
@@ -243,7 +243,7 @@ def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, 
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
         _wait_for(lambda: _ready(base), 120, "the serving node ready")
         t0 = int(time.time() * 1000) - 120_000
-        u, producer = 700001, make_producer(broker)
+        u, producer = 700001, CheckedProducer(broker)
 
         def send(*values):
             for value in values:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from kafka import TopicPartition
 
-from conftest import REPO, free_port, read_topic as _read, run_cli
+from conftest import REPO, CheckedProducer, free_port, read_topic as _read, run_cli
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable
 from streamrec.generator.sinks import decode_truth_message
@@ -24,7 +24,7 @@ from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.pipelines.samples import SampleBuilder
 from streamrec.plumbing.bus.broker import EmbeddedBroker, port_in_use
-from streamrec.plumbing.bus.clients import make_consumer, make_producer
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import load_config
 from streamrec.demo.resources import process_tree, threads_cpu_seconds
@@ -170,7 +170,7 @@ def test_point_in_time_features_on_a_hand_built_sequence(broker, tmp_path):
         _click("c10", t0 + 9100, u, 600, "r8"),  # order to their event ids ("c10" < "c9")
         _imp("i9", t0 + 9200, u, 700, "r9", cat=33),
     ]
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     ensure_topics(broker, [f"{name}.events"], 2)
     for value in events:
         producer.send(f"{name}.events", key=b"%d" % (u if b'"user_id":7' in value or b"broken" in value else v), value=value)
@@ -215,7 +215,7 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
         time.sleep(3.0)
         assert fetcher_cpu() - before < 0.5, "the Kafka source's fetcher spins while its input is empty"
         t0 = int(time.time() * 1000) - 30_000  # the producer runs 30 s behind its event time
-        producer = make_producer(broker)
+        producer = CheckedProducer(broker)
         producer.send(f"{name}.events", key=b"1", value=_imp("i1", t0, 1, 100, "r1"))
         producer.send(f"{name}.events", key=b"1", value=b'{"type": "impression", "broken')  # arrival: now
         producer.flush()
@@ -243,7 +243,7 @@ def test_a_bounded_run_never_treats_a_partition_as_idle(broker, tmp_path):
     env = {**_env(broker, tmp_path, name), "STREAMREC_FLINK__IDLE_TIMEOUT_S": "0.001"}
     ensure_topics(broker, [f"{name}.events"], 2)
     t0 = int(time.time() * 1000) - 7_200_000
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for k in range(GARBAGE):
         producer.send(f"{name}.events", partition=0, value=b'{"type": "impression", "broken %d' % k)
     backlog = [f"old{k}" for k in range(200)]
@@ -270,7 +270,7 @@ def test_a_click_labels_its_sample_on_arrival_not_when_the_watermark_reaches_it(
     try:
         FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}").wait_running(name, 180, all_tasks=True)
         t0 = int(time.time() * 1000) - 60_000
-        producer = make_producer(broker)
+        producer = CheckedProducer(broker)
         for value in (_imp("i1", t0, 1, 100, "r1", cat=5), _imp("i2", t0 + 100, 1, 200, "r2", cat=5),
                       _imp("later", t0 + 21_600, 2, 300, "r3", cat=6)):  # moves the watermark to ~t0 + 1.6 s
             producer.send(f"{name}.events", key=b"1", value=value)
@@ -494,7 +494,7 @@ def _flush_then_oracle(broker, name):
     samples (those before the flush) and its builder (rejections)."""
     events = _read(broker, f"{name}.events", committed=False)
     flush_ts = _max_plausible_ts(events) + 60_000
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for p in sorted({r.partition for r in events}):
         producer.send(f"{name}.events", partition=p, value=_imp(f"flush-{p}", flush_ts, 10**9 + p, 1, f"flush-{p}"))
     producer.close()

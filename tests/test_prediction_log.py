@@ -19,13 +19,12 @@ from streamrec.contracts.predictions import (CorruptPrediction, Prediction, deco
                                              prediction_key)
 from streamrec.contracts.sample_wire import encode_samples
 from streamrec.plumbing.bus.broker import EmbeddedBroker
-from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import load_config
 from streamrec.serving.grading import Track, grade, join_latest
 from streamrec.serving.grading_input import read_for_grading
 from streamrec.serving.prediction_log import PredictionLog
-from tests.conftest import free_port, read_topic, run_cli
+from tests.conftest import CheckedProducer, free_port, read_topic, run_cli
 
 SPEC = load_config().features
 T0 = 28_333_334 * 60_000  # a whole minute, 2023-11-14
@@ -222,7 +221,7 @@ def graded_topics(broker):
     topics = {"samples": f"{prefix}.samples", "predictions": f"{prefix}.predictions"}
     ensure_topics(broker, list(topics.values()), partitions=4)
     predictions, samples, expected = _world()
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     for p in predictions:
         producer.send(topics["predictions"], key=prediction_key(p.user_id), value=encode_prediction(p))
     producer.send(topics["predictions"], key=b"1", value=b"\x93garbage")

@@ -21,7 +21,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, copy_store, free_port, wait_ready
+from conftest import REPO, CheckedProducer, copy_store, free_port, wait_ready
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.model.batch import batch_from_table
@@ -301,8 +301,7 @@ def test_a_failed_reload_or_rollback_pins_nothing_and_a_typo_is_refused(server):
 def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
     """With a 60 s LATEST poll, a version announced on the model-updates topic is still
     applied within seconds: the server follows the topic."""
-    from streamrec.plumbing.bus.clients import make_producer
-    from streamrec.plumbing.bus.topics import ensure_topics
+        from streamrec.plumbing.bus.topics import ensure_topics
 
     root, versions = published_model
     store_root = tmp_path / "models"
@@ -325,7 +324,7 @@ def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_
         v = versions[-1]
         shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
         (store_root / "ctr" / "LATEST").write_text(f"{v}\n")
-        producer = make_producer(broker)
+        producer = CheckedProducer(broker)
         producer.send(topic, key=b"ctr", value=orjson.dumps({"model": "ctr", "version": v}))
         producer.flush(timeout=10)
         producer.close()

@@ -405,16 +405,21 @@ def test_a_missing_delta_strands_no_node_past_the_next_version(sample_run, tmp_p
 
 
 def test_a_trainer_whose_lease_is_taken_over_stops_with_exit_3_and_publishes_nothing_more(sample_run, tmp_path):
-    """A trainer frozen past its lease (a long GC pause, a stopped VM) finds on waking that
-    another writer holds the store: it stops with exit 3 and never commits another version."""
+    """A trainer frozen past its lease (a long GC pause, a stopped VM) in the middle of a commit
+    finds on waking that another writer holds the store: the version it had staged never goes
+    into place, it stops with exit 3 and commits nothing more. The freeze lands inside the commit
+    every time: the trainer pauses at the staged manifest (tests/pause_points.py), is stopped
+    there, and is released once the other writer holds the lease."""
     import signal
 
-    models = tmp_path / "models"
-    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "train", "--samples", str(sample_run), "--loop",
-                             "--model-store", str(models), "--work-dir", str(tmp_path / "work"), "--publish-interval", "0.3",
-                             "--device", "cpu", "--no-announce", "--no-frozen"],
-                            cwd=REPO, env={**os.environ, "STREAMREC_TRAINER__LEASE_S": "2"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    import pause_points
+
+    models, arm_file = tmp_path / "models", tmp_path / "arm"
+    proc = subprocess.Popen(pause_points.streamrec_argv(
+        "train", "--samples", str(sample_run), "--loop", "--model-store", str(models), "--work-dir", str(tmp_path / "work"),
+        "--publish-interval", "0.3", "--device", "cpu", "--no-announce", "--no-frozen"),
+        cwd=REPO, env=pause_points.child_env(arm_file, {"STREAMREC_TRAINER__LEASE_S": "2"}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = ModelStore(str(models), "ctr")
     try:
         deadline = time.monotonic() + 120
@@ -422,16 +427,20 @@ def test_a_trainer_whose_lease_is_taken_over_stops_with_exit_3_and_publishes_not
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no versions within 120 s"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGSTOP)
-        time.sleep(3)  # past its 2 s lease, which it cannot renew while stopped
+        pause_points.arm(arm_file, "manifest")
+        staged = pause_points.wait_paused(arm_file, proc)["path"].rsplit("/", 1)[0]
+        proc.send_signal(signal.SIGSTOP)  # its lease renewer stops too
         published = store.versions()
+        time.sleep(3)  # past its 2 s lease
         usurper = WriterLease(store, str(tmp_path / "usurper"), ttl_s=60).acquire()
         proc.send_signal(signal.SIGCONT)
+        pause_points.release(arm_file)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 3, err[-3000:]
     assert "taken over" in err and "Traceback" not in err, err[-3000:]
-    assert store.versions() == published  # nothing committed after the takeover
+    assert store.versions() == published  # the staged version never went into place, nor anything after it
+    assert os.path.isdir(staged), "the pause was not inside the commit"
     usurper.release()

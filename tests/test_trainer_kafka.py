@@ -15,10 +15,10 @@ import pytest
 from kafka import TopicPartition
 
 import pause_points
-from conftest import REPO
+from conftest import REPO, CheckedProducer
 from streamrec.contracts.sample_wire import encode_samples
 from streamrec.modelstore.store import ModelStore
-from streamrec.plumbing.bus.clients import make_consumer, make_producer
+from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import ensure_topics
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def test_kill9_then_resume_trains_every_sample_exactly_once(broker, sample_run, 
     messages = encode_samples(table)
     bad = {100: b"{not json", 20_000: orjson.dumps({**orjson.loads(messages[1]), "sample_version": 7}),
            50_000: orjson.dumps({**orjson.loads(messages[2]), "user_id": "u1"})}
-    producer = make_producer(broker)
+    producer = CheckedProducer(broker)
     users = table["user_id"].to_pylist()
     for i, value in enumerate(messages):
         producer.send(topic, key=str(users[i]).encode(), value=bad.get(i, value))

@@ -116,7 +116,26 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
         message = next((line for line in str(outcome["error"]).splitlines() if "Exception" in line), str(outcome["error"])[:500])
         raise PipelineError(f"the pipeline job failed: {message} (the full trace is in the Flink log: pyflink/log/)")
     print(f"pipeline job {job_id} finished", flush=True)
+    if spec.bounded:
+        _wait_output_committed(spec)
     return 0
+
+
+def _wait_output_committed(spec: JobSpec, timeout_s: float = 60.0) -> None:
+    """A bounded job ends when its last transactions are committed, but the broker writes their
+    commit markers just after: wait until read_committed readers see everything the job wrote,
+    so a script reading its output next misses nothing."""
+    from streamrec.plumbing.bus.topics import open_transactions
+
+    topics = [spec.samples_topic, spec.dlq_topic, spec.features_topic]
+    deadline = time.monotonic() + timeout_s
+    while open_ := open_transactions(spec.bootstrap, topics):
+        if time.monotonic() > deadline:
+            print(f"warning: {', '.join(open_)} still hold(s) an open transaction {timeout_s:.0f} s after the job "
+                  "finished (another transactional writer?): read_committed readers do not see past it yet",
+                  file=sys.stderr, flush=True)
+            return
+        time.sleep(0.2)
 
 
 def _embedded_alive(cfg) -> bool:

@@ -83,3 +83,19 @@ def describe_topics(bootstrap: str, names: list[str] | None = None, timeout_s: f
         return out
     finally:
         consumer.close()
+
+
+def open_transactions(bootstrap: str, names: list[str], timeout_s: float = 20.0) -> list[str]:
+    """The partitions (``topic:p``) of ``names`` whose last stable offset is behind their high
+    watermark: a transaction there is neither committed nor aborted yet, or its markers are not
+    written yet, so read_committed readers do not see its records (nor any record after them)."""
+    ends = {}
+    for level in ("read_uncommitted", "read_committed"):  # high watermarks first: a commit in between cannot look open
+        consumer: KafkaConsumer = make_consumer(bootstrap, group_id=None, isolation_level=level, timeout_s=timeout_s)
+        try:
+            parts = [TopicPartition(n, p) for n in names for p in sorted(consumer.partitions_for_topic(n) or [])]
+            ends[level] = consumer.end_offsets(parts) if parts else {}
+        finally:
+            consumer.close()
+    high, stable = ends["read_uncommitted"], ends["read_committed"]
+    return [f"{tp.topic}:{tp.partition}" for tp in sorted(high) if high[tp] > stable.get(tp, high[tp])]
