@@ -2,7 +2,6 @@
 
 from collections import defaultdict
 
-import pytest
 from kafka import TopicPartition
 
 from streamrec.plumbing.bus.clients import make_consumer

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from streamrec.generator.sinks import decode_truth_message
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.pipelines.samples import SampleBuilder
-from streamrec.plumbing.bus.broker import EmbeddedBroker, port_in_use
 from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import load_config
@@ -402,90 +400,6 @@ class _EndOffsets:
     def __exit__(self, *exc) -> None:
         for consumer in self.consumers:
             consumer.close()
-
-
-def test_the_job_recovers_by_itself_after_a_broker_kill_9(tmp_path):
-    """The broker is killed with SIGKILL while the job writes and restarted on the same port and
-    data: the job that was submitted once recovers without a resubmit and turns the events that
-    follow into exactly the reference samples. The broker loses the tail it had not saved, so on
-    its return the sinks' producers mostly fail (out-of-order sequence) and the job restarts from
-    its last checkpoint; when a failed sink's close fails too, the mini-cluster's only TaskManager
-    stops (a fatal error to Flink) and the job can only run again on a new one."""
-    kafka = EmbeddedBroker(tmp_path / "kafka", port=free_port())  # its own: the shared one must live
-    kafka.up(timeout_s=30)
-    broker = f"{kafka.host}:{kafka.port}"
-    name = f"bk-{uuid.uuid4().hex[:8]}"
-    # checkpoints 5 times a second: the job works through the backlog below within a second, and
-    # the kill must come after some of it was committed, while the rest is still being written
-    env = {**_env(broker, tmp_path, name), "FLINK_LOG_DIR": str(tmp_path / "flink-log"),
-           "STREAMREC_FLINK__CHECKPOINT_INTERVAL_S": "0.2"}
-    rest_port = env["STREAMREC_FLINK__REST_PORT"]
-    rest = FlinkRest(f"127.0.0.1:{rest_port}")
-    # a backlog, written (and saved by the broker) before the job starts, so the broker dies while
-    # the job's sinks write and its input stands still (a tail the broker had not saved would be
-    # lost with it, behind offsets the job has checkpointed)
-    gen = run_cli("generate", "--duration", "30", "--rate", "1500", "--fast", "--no-truth", env=env)
-    assert gen.returncode == 0, gen.stderr
-    ensure_topics(broker, [f"{name}.samples"], 4)  # watched from the start
-    job = _submit_in_background(env, "--fresh")
-    try:
-        # the kill comes after a few checkpoints, right after samples went into an open transaction
-        # (the broker has not saved them yet, so its restart fails the sink's producer)
-        with _EndOffsets(broker, f"{name}.samples") as ends:
-            last = {tp: 0 for tp in ends.parts}
-            seen: list[tuple[float, int, int]] = []  # (s since submit, samples written, samples committed)
-            submitted = time.monotonic()
-
-            def writing_after_some_commits() -> bool:
-                high, stable = ends.offsets()
-                grew = [tp for tp in ends.parts if high[tp] > max(last[tp], stable[tp])]
-                last.update(high)
-                if not seen or seen[-1][1:] != (sum(high.values()), sum(stable.values())):
-                    seen.append((round(time.monotonic() - submitted, 2), sum(high.values()), sum(stable.values())))
-                return sum(stable.values()) > 3000 and bool(grew)
-
-            _wait_for(writing_after_some_commits, 180, "the job writing samples after a few checkpoints",
-                      lambda: f"jobs {rest.jobs()}, (s, samples written, committed) {seen}", poll_s=0.05)
-        os.killpg(kafka.status().pid, signal.SIGKILL)
-        job_id = next(j.job_id for j in rest.jobs() if j.name == name)
-        _wait_for(lambda: kafka.status() is None and not port_in_use(kafka.host, kafka.port), 30, "the broker gone")
-        time.sleep(10)  # the outage, long enough for every Kafka client of the job to notice it
-        kafka.up(timeout_s=30)
-
-        # new events, after the backlog's in event time (--fast runs ahead of the clock)
-        backlog = _read(broker, f"{name}.events", committed=False)
-        seen = {orjson.loads(r.value)["event_id"] for r in backlog}
-        gen = run_cli("generate", "--duration", "5", "--rate", "500", "--seed", "8", "--fast", "--no-truth",
-                      "--start-ms", str(_max_plausible_ts(backlog) + 1000), env=env)
-        assert gen.returncode == 0, gen.stderr
-        want, _ = _flush_then_oracle(broker, name)
-        want = want.filter(pa.compute.invert(pa.compute.is_in(want.column("event_id"), pa.array(sorted(seen)))))
-        assert want.num_rows > 1000
-
-        def samples_after_the_restart() -> pa.Table:
-            got = _samples(broker, f"{name}.samples")
-            return got.filter(pa.compute.is_in(got.column("event_id"), want.column("event_id")))
-
-        def seen_instead() -> str:
-            with _EndOffsets(broker, f"{name}.samples") as ends:
-                high, stable = ends.offsets()
-            return (f"jobs {rest.jobs()}, cluster {rest.overview()}, samples' high watermarks {list(high.values())} "
-                    f"and last stable offsets {list(stable.values())}, Flink log in {env['FLINK_LOG_DIR']}")
-
-        _wait_for(lambda: samples_after_the_restart().num_rows >= want.num_rows, 180, "the samples of the new events",
-                  seen_instead)
-        _assert_same(samples_after_the_restart(), want)
-        # the job submitted at the start, RUNNING with every task running (a job waiting for slots is RUNNING too)
-        status = run_cli("pipeline", "status", "--json", env=env)
-        assert status.returncode == 0, status.stderr
-        assert [(j["job_id"], j["state"], j["tasks_running"]) for j in json.loads(status.stdout)] == [(job_id, "RUNNING", True)]
-        with urllib.request.urlopen(f"http://127.0.0.1:{rest_port}/jobs/{job_id}/metrics?get=numRestarts") as response:
-            restarts = int(json.loads(response.read())[0]["value"])
-        print(f"the job restarted {restarts} times")  # 0 when its clients rode out the outage
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(30)
-        kafka.down()
 
 
 def _flush_then_oracle(broker, name):

@@ -301,7 +301,7 @@ def test_a_failed_reload_or_rollback_pins_nothing_and_a_typo_is_refused(server):
 def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
     """With a 60 s LATEST poll, a version announced on the model-updates topic is still
     applied within seconds: the server follows the topic."""
-        from streamrec.plumbing.bus.topics import ensure_topics
+    from streamrec.plumbing.bus.topics import ensure_topics
 
     root, versions = published_model
     store_root = tmp_path / "models"
