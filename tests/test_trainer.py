@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import run_cli
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.embedding.collection import EmbeddingCollection
