@@ -12,6 +12,7 @@ import time
 import uuid
 from types import SimpleNamespace
 
+import numpy as np
 import orjson
 import pytest
 
@@ -20,6 +21,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import Candidate, differing_features, entity_partition
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.pipelines.flink_rest import FlinkRest
+from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
 from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
@@ -51,6 +53,18 @@ def assembled(features, row) -> dict:
     return features.assemble(row["user_id"], row["ts"], row["device"], row["local_hour"], [c], with_features=True).features[0]
 
 
+def _assembled_all(features, rows, chunk: int = 2048) -> list[dict]:
+    """:func:`assembled` of every row, a chunk of one-candidate requests per call (a serving
+    batch, as the node's batcher hands them over)."""
+    out = []
+    for start in range(0, len(rows), chunk):
+        queries = [ByIdsQuery(r["user_id"], r["ts"], r["device"], r["local_hour"],
+                              np.array([[r[f] for f in CANDIDATE_FIELDS]], np.int64), return_features=True)
+                   for r in rows[start:start + chunk]]
+        out.extend(candidates[0] for candidates in features.assemble_batch(queries).features)
+    return out
+
+
 def mismatches(features, rows, clicks, spec=SPEC) -> list:
     """(event_id, feature, served, sample) for every differing value. A sample's history is
     compared unless its user has more than history_len clicks in all and clicked after it:
@@ -58,8 +72,7 @@ def mismatches(features, rows, clicks, spec=SPEC) -> list:
     sample had (the online features merge the lists they saw; a bounded run coalesces many clicks into
     one list). docs/features.md says so."""
     out = []
-    for row in rows:
-        served = assembled(features, row)
+    for row, served in zip(rows, _assembled_all(features, rows)):
         names = differing_features(spec, served, row)
         total, after = clicks(row)
         if total > spec.history_len and after > 0:
