@@ -20,7 +20,7 @@ are read in place: a delta copied into the parameters is seen by every graph.
 
 Padding is exact: padded history positions are masked (their attention weight is 0)
 and padded rows are dropped, so a bucket's scores equal the eager model's up to
-floating-point reassociation (tested at 1e-5).
+floating-point reassociation (measured and tested bounds: docs/serving.md, "Shape buckets").
 """
 
 from __future__ import annotations
