@@ -111,7 +111,9 @@ def test_a_dead_broker_never_holds_up_record_and_losses_are_counted():
 def test_the_log_connects_when_the_broker_comes_and_rides_out_a_restart(tmp_path):
     port = free_port()
     bootstrap, topic = f"127.0.0.1:{port}", "pl.restart"
-    log = PredictionLog(bootstrap, topic, queue_size=1000, connect_timeout_s=1, retry_s=0.2)
+    # the producer retries a record for 6 x the connect timeout (30 s): longer than a broker's
+    # stop and start on a loaded 2-core box, which the restart below must fit in
+    log = PredictionLog(bootstrap, topic, queue_size=1000, connect_timeout_s=5, retry_s=0.2)
     for i in range(100):
         log.record(_prediction(i))
     time.sleep(1.5)  # failed connects meanwhile: the predictions wait in the queue
@@ -124,7 +126,7 @@ def test_the_log_connects_when_the_broker_comes_and_rides_out_a_restart(tmp_path
         embedded.down()
         for i in range(100, 150):
             log.record(_prediction(i))
-        time.sleep(0.5)
+        _wait_for(lambda: log.counters()["backlog"] == 0, 30)  # in the producer, waiting for the broker
         embedded.up(timeout_s=30)
         _wait_for(lambda: log.counters()["sent"] == 150, 30)  # kafka-python retried them on the restarted broker
         counters = log.close(timeout_s=10)
