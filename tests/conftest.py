@@ -10,9 +10,11 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from kafka import TopicPartition
 
 from streamrec.generator.world import WorldConfig
@@ -21,6 +23,18 @@ from streamrec.plumbing.bus.clients import make_consumer, make_producer
 from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
+
+# `make test` runs two pytest-xdist workers that take whole files (--dist loadfile) in collection
+# order: the files that take longest come first, so no worker is left with a long one at the end.
+LONGEST_FIRST = ("test_pipeline_job.py", "test_kafka_faults.py", "test_store_safety.py", "test_distributed.py",
+                 "test_install.py", "test_trainer_kafka.py", "test_serving_http.py", "test_trainer.py",
+                 "test_online_features.py", "test_reader.py", "test_prediction_log.py", "test_trainer_disk_full.py",
+                 "test_ps.py", "test_generator_delivery.py", "test_broker.py", "test_serving_broker_outage.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -145,10 +159,26 @@ def make_sample_run(path: Path, duration_s: int, seed: int = 11, rate: int = 300
     return path
 
 
+@contextmanager
+def built_once(tmp_path_factory, name: str):
+    """A directory every test worker shares (pytest-xdist runs several): the first worker to
+    get the lock builds into it (the body runs when it holds no ``.done`` mark), the others
+    wait for it and reuse what it built. Yields (directory, whether to build)."""
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else tmp_path_factory.getbasetemp()
+    path, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        path.mkdir(exist_ok=True)
+        yield path, not done.exists()
+        done.touch()
+
+
 @pytest.fixture(scope="session")
 def sample_run(tmp_path_factory) -> Path:
     """60 s of traffic (~175k samples) with truth and samples."""
-    return make_sample_run(tmp_path_factory.mktemp("samples") / "run", 60)
+    with built_once(tmp_path_factory, "samples") as (root, build):
+        if build:
+            make_sample_run(root / "run", 60)
+    return root / "run"
 
 
 @pytest.fixture(scope="session")
@@ -158,11 +188,13 @@ def published_model(sample_run, tmp_path_factory):
     from streamrec.plumbing.config import load_config
     from streamrec.trainer.engine import Trainer, TrainOptions
 
-    root = tmp_path_factory.mktemp("published")
-    cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),
-                                 "trainer.publish_interval_s": 0.3, "trainer.full_every": 1000, "trainer.warmup_samples": 10**9,
-                                 "trainer.progress_interval_s": 3600.0, "trainer.device": "cpu"}, environ={})
-    Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=40000, progress=False)).run()
+    with built_once(tmp_path_factory, "published") as (root, build):
+        if build:
+            cfg = load_config(overrides={"trainer.model_store": str(root / "models"), "trainer.work_dir": str(root / "work"),
+                                         "trainer.publish_interval_s": 0.3, "trainer.full_every": 1000,
+                                         "trainer.warmup_samples": 10**9, "trainer.progress_interval_s": 3600.0,
+                                         "trainer.device": "cpu"}, environ={})
+            Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=40000, progress=False)).run()
     store = ModelStore(str(root / "models"), "ctr")
     versions = store.versions()
     assert len(versions) >= 4 and store.manifest(versions[0])["kind"] == "full"
