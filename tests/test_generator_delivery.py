@@ -1,6 +1,7 @@
 """`streamrec generate` against a broker that dies and stays down: the events the producer
 gives up on are counted, shown on the progress line, and fail the run (exit 3), never a
-quiet exit 0 with a frozen topic.
+quiet exit 0 with a frozen topic; every event it counted acknowledged is in the topic, and
+an --atomic run's events never become visible to read_committed readers.
 
 The test starts its own broker (own data dir and port): the session's broker is shared.
 """
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import orjson
 import pytest
@@ -29,8 +31,11 @@ CONNECT_TIMEOUT_S = 2  # the producer gives up on a record 6 x this (12 s) after
 EVENTS_TOPIC = "streamrec.events"
 
 
-def _events_in_topic(bootstrap: str) -> int:
-    consumer = make_consumer(bootstrap, group_id=None, timeout_s=5)
+def _events_in_topic(bootstrap: str, committed: bool = False) -> int:
+    """The topic's end offsets summed: all records written, or (``committed``) up to the last
+    stable offset, which an open transaction holds back at its first record."""
+    consumer = make_consumer(bootstrap, group_id=None, timeout_s=5,
+                             isolation_level="read_committed" if committed else "read_uncommitted")
     try:
         parts = [TopicPartition(EVENTS_TOPIC, p) for p in sorted(consumer.partitions_for_topic(EVENTS_TOPIC) or [])]
         return sum(consumer.end_offsets(parts).values()) if parts else 0
@@ -43,7 +48,7 @@ def _number(text: str) -> int:
 
 
 @contextmanager
-def _generating(tmp_path, duration_s: int):
+def _generating(tmp_path, duration_s: int, *flags: str):
     """A broker of its own and `streamrec generate` at 300 events/s into it, once the first
     second of events is in the topic; yields (broker, its state, the process, its stdout/stderr paths)."""
     broker = EmbeddedBroker(tmp_path / "kafka", port=free_port())
@@ -54,7 +59,7 @@ def _generating(tmp_path, duration_s: int):
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrec.cli", "generate", "--rate", "300", "--duration", str(duration_s), "--seed", "5"],
+            [sys.executable, "-m", "streamrec.cli", "generate", "--rate", "300", "--duration", str(duration_s), "--seed", "5", *flags],
             stdout=stdout, stderr=stderr, env=env, cwd=REPO,
         )
     try:
@@ -77,28 +82,53 @@ def _kill(state) -> None:
         time.sleep(0.05)
 
 
-def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path):
-    with _generating(tmp_path, duration_s=90) as (broker, state, proc, out, err):
+def _event_ids(bootstrap: str, committed: bool) -> set[str]:
+    return {orjson.loads(r.value)["event_id"] for r in read_topic(bootstrap, EVENTS_TOPIC, committed=committed)}
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["at-least-once", "atomic"])
+def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path: Path, atomic: bool):
+    """Exit 3 with the loss counted, and nothing acknowledged is missing once the broker is back
+    (restarted on its data dir). An --atomic run's transaction cannot be aborted while the broker
+    is down: the run gives up on the abort after the request timeout, and the broker aborts the
+    transaction itself after its timeout; read_committed readers never see any of its events."""
+    with _generating(tmp_path, 90, *(["--atomic"] if atomic else [])) as (broker, state, proc, out, err):
         delivered = _events_in_topic(state.bootstrap)
         _kill(state)  # and it stays down, past the producer's delivery timeout
         killed_at = time.monotonic()
-        returncode = proc.wait(timeout=45)
+        returncode = proc.wait(timeout=60)
         took_s = time.monotonic() - killed_at
+        assert broker.up(timeout_s=60)[1], "the broker did not come back on its data dir"
+        in_topic = _event_ids(state.bootstrap, committed=False)
+        if atomic:
+            visible = _event_ids(state.bootstrap, committed=True)
+            deadline = time.monotonic() + 120  # the transaction timeout (60 s) and the broker's 10 s sweep
+            while _events_in_topic(state.bootstrap, committed=True) < _events_in_topic(state.bootstrap):
+                assert time.monotonic() < deadline, "the broker never ended the run's open transaction"
+                time.sleep(1)
+            visible |= _event_ids(state.bootstrap, committed=True)
     out, err = out.read_text(), err.read_text()
 
     assert returncode == 3, f"exit {returncode}\n{err[-3000:]}"
     assert "Traceback" not in err, err[-3000:]
-    lost = re.search(r"streamrec: error: ([\d,]+) of ([\d,]+) events.* were not delivered to Kafka", err)
+    lost = re.search(r"streamrec: error: ([\d,]+) of ([\d,]+) events.* were not delivered to Kafka: [^(]*\((.*?)\)", err)
     assert lost, err[-3000:]
     n_lost, n_sent = _number(lost[1]), _number(lost[2])
     assert 0 < n_lost <= n_sent and n_sent > delivered
+    assert lost[3] == ("the run's transaction was not committed: read_committed consumers see none of its events" if atomic
+                       else f"they are missing from {EVENTS_TOPIC}")
     # the progress line said so before the run ended, with the delivered count apart from the sent one
     progress = re.findall(r"generate -> Kafka .*: (\d+) events sent, (\d+) delivered \(\d+ events/s\), (\d+) failed", err)
     assert progress and int(progress[-1][2]) > 0, err[-3000:]
     sent_then, delivered_then, failed_then = map(int, progress[-1])
     assert delivered_then + failed_then <= sent_then and delivered_then < sent_then
     assert "impressions" not in out  # no success summary
-    assert took_s < 40  # the delivery timeout (12 s), a tick, then the rest of what was in flight
+    # the delivery timeout (12 s), a tick, the rest of what was in flight; atomic: the abort's 5 s
+    assert took_s < (45 if atomic else 40)
+    assert len(in_topic) >= n_sent - n_lost, f"{len(in_topic)} distinct events in the topic, {n_sent - n_lost} acknowledged"
+    if atomic:
+        assert "aborting the run's Kafka transaction failed (no answer from Kafka within 5 s)" in err, err[-3000:]
+        assert not visible, f"read_committed readers saw {len(visible)} events of an aborted run"
 
 
 def test_a_broker_restart_within_the_delivery_timeout_loses_nothing(tmp_path):
@@ -109,7 +139,7 @@ def test_a_broker_restart_within_the_delivery_timeout_loses_nothing(tmp_path):
         time.sleep(3)
         broker.up(timeout_s=60)
         returncode = proc.wait(timeout=60)
-        event_ids = {orjson.loads(r.value)["event_id"] for r in read_topic(state.bootstrap, EVENTS_TOPIC, committed=False)}
+        event_ids = _event_ids(state.bootstrap, committed=False)
     out, err = out.read_text(), err.read_text()
 
     assert returncode == 0, f"exit {returncode}\n{err[-3000:]}"

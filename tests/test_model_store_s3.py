@@ -2,15 +2,27 @@
 
 Object stores cannot rename a directory, so versions are written in place with the
 manifest last; this checks that publish, LATEST, loading, listing, a torn write and
-retention all work there, through the same pyarrow.fs URI a deployment would use.
+retention all work there, through the same pyarrow.fs URI a deployment would use, and that
+what serving and the trainer build on the store (the version watcher, pins, the writer
+lease) works there too.
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Callable
+
 import pytest
 import torch
 
+from streamrec.contracts.feature_spec import FeatureSpec
+from streamrec.model.batch import TABLES, dense_feature_names
+from streamrec.model.network import CTRModel, ModelSpec
+from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
 from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.serving.state import ServedModel
+from streamrec.serving.watcher import VersionWatcher
 from tests.conftest import S3_BUCKET as BUCKET
 
 
@@ -64,3 +76,62 @@ def test_compaction_on_s3_writes_the_image_in_place_manifest_last(s3_endpoint):
     assert got.chain == [4] and got.tables["t"][0].tolist() == want.tables["t"][0].tolist()
     torch.testing.assert_close(torch.from_numpy(got.tables["t"][1]), torch.from_numpy(want.tables["t"][1]))
     assert ms.gc(keep_fulls=1) == [1, 2, 3] and ms.load(4).chain == [4]
+
+
+FEATURES = FeatureSpec()
+MODEL = ModelSpec(embedding_dim=4, history_len=FEATURES.history_len, n_dense=len(dense_feature_names(FEATURES)),
+                  attention_hidden=4, cross_layers=1, mlp=(8,))
+
+
+def _publish_model(ms: ModelStore, kind: str) -> int:
+    """A version serving can load (a small random model with its specs), as the trainer writes one."""
+    tables = {name: SparseDelta(torch.arange(1, 21), torch.randn(20, MODEL.embedding_dim)) for name in TABLES}
+    return ms.publish(kind, tables, {name: MODEL.embedding_dim for name in TABLES}, CTRModel(MODEL).state_dict(),
+                      {"model_spec": MODEL.to_json(), "feature_spec": FEATURES.to_json()})
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_watcher_pin_and_writer_lease_on_s3(s3_endpoint: str, tmp_path: Path):
+    """A serving node's watcher applies a new version as a delta, follows a pin written by
+    another client of the store (`store pin`, another node's :rollback) and its release; a
+    second writer is refused while the first's lease is live, and a writer whose lease was
+    taken over fails its check and commits nothing more. Each client has its own connection."""
+    uri = _uri(s3_endpoint, "d")
+    writer = ModelStore(uri, "ctr")
+    lease = WriterLease(writer, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    with pytest.raises(LeaseHeld, match="being written by another trainer .*work-a"):
+        WriterLease(ModelStore(uri, "ctr"), str(tmp_path / "work-b"), ttl_s=30).acquire()
+    first = _publish_model(writer, "full")
+    served = ServedModel(ModelStore(uri, "ctr"), feature_spec=FEATURES)
+    watcher = VersionWatcher(served, poll_interval_s=0.2).start()
+    try:
+        _wait(lambda: served.version == first, "the node to load the first version")
+        second = _publish_model(writer, "delta")
+        _wait(lambda: served.version == second, "the node to apply the delta")
+        assert served.recent_applies[-1].mode == "delta"
+        ModelStore(uri, "ctr").pin(first, by="test", reason="rollback on s3")
+        _wait(lambda: served.version == first, "the node to follow the pin")
+        assert served.pin is not None and served.pin.reason == "rollback on s3"
+        third = _publish_model(writer, "delta")
+        assert served.catch_up() == [] and served.version == first  # pinned: LATEST is not followed
+        ModelStore(uri, "ctr").unpin()
+        _wait(lambda: served.version == third and not served.pinned, "the node to follow LATEST again")
+    finally:
+        watcher.stop()
+        served.close()
+    # a restart in the same work dir takes the lease over at once: the old holder is fenced
+    successor = WriterLease(ModelStore(uri, "ctr"), str(tmp_path / "work-a"), ttl_s=30).acquire()
+    assert successor.record.token == lease.record.token + 1
+    with pytest.raises(LeaseLost, match="taken over"):
+        lease.check()
+    with pytest.raises(LeaseLost):
+        _publish_model(writer, "delta")
+    assert ModelStore(uri, "ctr").latest() == third
+    successor.release()
+    lease.release()

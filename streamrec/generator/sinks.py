@@ -182,11 +182,26 @@ class KafkaSink:
             raise SinkError(self._lost_message())
 
     def _abort_transaction(self) -> None:
-        try:
-            self.producer.abort_transaction()
-        except KafkaError as exc:  # the broker aborts it itself after the transaction timeout
-            log.warning("aborting the run's Kafka transaction failed (%s); the broker aborts it after "
-                        "its transaction timeout, and read_committed consumers never see it", _describe(exc))
+        """Roll the run back, waiting at most the request timeout: kafka-python's abort waits
+        for the broker for ever, and one that stays down would hang the run instead of ending
+        it with exit 3. The broker aborts an open transaction itself after its timeout."""
+        failed: list[KafkaError] = []
+
+        def abort() -> None:
+            try:
+                self.producer.abort_transaction()
+            except KafkaError as exc:
+                failed.append(exc)
+
+        waited_s = self.producer.config["request_timeout_ms"] / 1000
+        aborting = threading.Thread(target=abort, name="abort-transaction", daemon=True)
+        aborting.start()
+        aborting.join(waited_s)
+        if aborting.is_alive() or failed:
+            why = _describe(failed[0]) if failed else f"no answer from Kafka within {waited_s:.0f} s"
+            log.warning("aborting the run's Kafka transaction failed (%s); the broker aborts it after its transaction "
+                        "timeout (%.0f s), and read_committed consumers never see it", why,
+                        self.producer.config["transaction_timeout_ms"] / 1000)
 
     def _close_producer(self) -> None:
         try:
@@ -196,7 +211,7 @@ class KafkaSink:
 
     def _lost_message(self) -> str:
         events, truth = self._events, self._truth
-        where = ("the run's transaction was aborted: read_committed consumers see none of its events" if self.atomic
+        where = ("the run's transaction was not committed: read_committed consumers see none of its events" if self.atomic
                  else f"they are missing from {self.events_topic}")
         extra = f" and {truth.lost:,} truth messages" if truth.lost else ""
         error = events.first_error or truth.first_error
