@@ -90,8 +90,9 @@ def _event_ids(bootstrap: str, committed: bool) -> set[str]:
 def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path: Path, atomic: bool):
     """Exit 3 with the loss counted, and nothing acknowledged is missing once the broker is back
     (restarted on its data dir). An --atomic run's transaction cannot be aborted while the broker
-    is down: the run gives up on the abort after the request timeout, and the broker aborts the
-    transaction itself after its timeout; read_committed readers never see any of its events."""
+    is down: the run gives up on the abort after the request timeout, and read_committed readers
+    of the restarted broker see none of its events (the broker aborts the transaction itself
+    after its timeout, docs/generator.md)."""
     with _generating(tmp_path, 90, *(["--atomic"] if atomic else [])) as (broker, state, proc, out, err):
         delivered = _events_in_topic(state.bootstrap)
         _kill(state)  # and it stays down, past the producer's delivery timeout
@@ -100,13 +101,7 @@ def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path: Path, atomic: boo
         took_s = time.monotonic() - killed_at
         assert broker.up(timeout_s=60)[1], "the broker did not come back on its data dir"
         in_topic = _event_ids(state.bootstrap, committed=False)
-        if atomic:
-            visible = _event_ids(state.bootstrap, committed=True)
-            deadline = time.monotonic() + 120  # the transaction timeout (60 s) and the broker's 10 s sweep
-            while _events_in_topic(state.bootstrap, committed=True) < _events_in_topic(state.bootstrap):
-                assert time.monotonic() < deadline, "the broker never ended the run's open transaction"
-                time.sleep(1)
-            visible |= _event_ids(state.bootstrap, committed=True)
+        visible = _event_ids(state.bootstrap, committed=True) if atomic else set()
     out, err = out.read_text(), err.read_text()
 
     assert returncode == 3, f"exit {returncode}\n{err[-3000:]}"
