@@ -14,6 +14,7 @@ from streamrec.contracts import events as ev
 from streamrec.generator.sinks import FileSink, decode_truth_message
 from streamrec.generator.traffic import Traffic, TrafficConfig
 from streamrec.generator.runner import generate
+from streamrec.plumbing.bus.topics import describe_topics
 from tests.conftest import REPO, read_topic, run_cli
 
 
@@ -55,6 +56,36 @@ def test_generate_to_kafka_is_paced_and_complete(broker, tmp_path):
     clicks = {(e["request_id"], e["item_id"]) for e in valid if e["type"] == "click" and "orphan" not in e["request_id"]}
     expected = {(r["request_id"], r["item_id"]) for r in truth if r["clicked"] and r["click_ts"] < end["end_ms"]}
     assert clicks == expected
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_live_run_early_and_complete(broker):
+    """A live run told to stop (SIGTERM; Ctrl-C alike) ends after its current tick as a shorter
+    run: exit 0, every event it counted is in the topic, the truth's end record names the
+    shorter duration, and the summary says it stopped early."""
+    events_topic, truth_topic = "gen-stop.events", "gen-stop.truth"
+    env = {**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__EVENTS": events_topic,
+           "STREAMREC_TOPICS__TRUTH": truth_topic}
+    proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--duration", "600", "--rate", "500",
+                             "--json"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while sum(t.messages for t in describe_topics(broker, [events_topic])) < 1000:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "no events"
+            time.sleep(0.2)
+        stopped_at = time.monotonic()
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert time.monotonic() - stopped_at < 15  # a tick and the last acknowledgements, not the 600 s
+    summary = json.loads(out)
+    assert summary["stopped_early"] and summary["failed"] == 0 and summary["delivered"] == summary["events"]
+    assert len({orjson.loads(r.value)["event_id"] for r in read_topic(broker, events_topic)}) == summary["events"]
+    (end,) = [row for r in read_topic(broker, truth_topic) for row in decode_truth_message(r.value) if row["kind"] == "end"]
+    assert end["end_ms"] == summary["end_ms"] and end["duration_s"] == (summary["end_ms"] - summary["start_ms"]) / 1000 < 600
 
 
 @pytest.mark.slow

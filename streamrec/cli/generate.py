@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from streamrec.cli.common import Commands
@@ -60,14 +62,20 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
     traffic = Traffic(traffic_cfg, start_ms)
     if args.atomic and args.out:
         raise ConfigError("--atomic is a Kafka transaction: it cannot be used with --out")
-    sink, pace, where = _sink(args, cfg, traffic)
+    transaction_timeout_ms = _transaction_timeout_ms(duration, pace=not args.fast) if args.atomic else None
+    sink, pace, where = _sink(args, cfg, traffic, transaction_timeout_ms)
     from streamrec.generator.sinks import SinkError
 
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}")
+        summary = run_with_progress(traffic, sink, duration, pace, f"generate -> {where}", stop)
     except SinkError as exc:
         print(f"streamrec: error: {exc}", file=sys.stderr)
         return EXIT_NOT_DELIVERED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if args.json:
         print(json.dumps(summary.as_dict(), indent=2))
     else:
@@ -75,7 +83,20 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
     return 0
 
 
-def _sink(args: argparse.Namespace, cfg: Config, traffic) -> tuple:
+MAX_TRANSACTION_S = 900  # a broker's default transaction.max.timeout.ms
+
+
+def _transaction_timeout_ms(duration_s: float, pace: bool) -> int:
+    """An --atomic run is one transaction, which the broker aborts once it is older than this:
+    a live run's duration and a minute for start-up and the last acknowledgements (a fast run's
+    wall time is unknown: the broker's maximum)."""
+    if pace and duration_s + 60 > MAX_TRANSACTION_S:
+        raise ConfigError(f"--atomic is one Kafka transaction, which brokers end after {MAX_TRANSACTION_S // 60} minutes "
+                          f"by default: a live --atomic run lasts at most {MAX_TRANSACTION_S - 60} s, got --duration {duration_s:g}")
+    return int(min(MAX_TRANSACTION_S, duration_s + 60 if pace else MAX_TRANSACTION_S) * 1000)
+
+
+def _sink(args: argparse.Namespace, cfg: Config, traffic, transaction_timeout_ms: int | None) -> tuple:
     """Where the events go (files with --out, else the events topic), whether to pace them to
     the wall clock, and a description for the progress bar."""
     from streamrec.generator.sinks import FileSink, KafkaSink
@@ -92,16 +113,18 @@ def _sink(args: argparse.Namespace, cfg: Config, traffic) -> tuple:
     # at exit (docs/kafka.md). One request in flight per broker keeps a partition's retried
     # batch ahead of the ones after it: reordered by a leader change, its events would fall
     # behind the job's watermark and go to the DLQ as late.
-    delivery = ({"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}"} if args.atomic
+    delivery = ({"transactional_id": f"streamrec-generate-{traffic.run}-{os.getpid()}",
+                 "transaction_timeout_ms": transaction_timeout_ms} if args.atomic
                 else {"enable_idempotence": False, "max_in_flight_requests_per_connection": 1})
     producer = make_producer(k.bootstrap_servers, k.connect_timeout_s, **delivery)
     sink = KafkaSink(producer, cfg.topics.events, None if args.no_truth else cfg.topics.truth, atomic=args.atomic)
     return sink, not args.fast, f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
 
 
-def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
+def run_with_progress(traffic, sink, duration: float, pace: bool, label: str, stop: threading.Event | None = None):
     """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise,
-    and at once when the sink gives up on events). Rates count delivered events only."""
+    and at once when the sink gives up on events). Rates count delivered events only.
+    ``stop`` set (SIGTERM, Ctrl-C): the run ends after its current tick, complete."""
     from tqdm import tqdm
 
     from streamrec.generator.runner import generate
@@ -121,15 +144,16 @@ def run_with_progress(traffic, sink, duration: float, pace: bool, label: str):
                     label, summary.events, summary.delivered, summary.delivered_per_s, summary.failed)
 
     try:
-        return generate(traffic, sink, duration, pace, on_tick)
+        return generate(traffic, sink, duration, pace, on_tick, stop)
     finally:
         bar.close()
 
 
 def print_generate_summary(s) -> None:
     bad = ", ".join(f"{k}={v}" for k, v in s.bad_events.items()) or "none"
+    stopped = f" (stopped early: {(s.end_ms - s.start_ms) / 1000:,.0f} s of traffic)" if s.stopped_early else ""
     print(
-        f"run {s.run} seed {s.seed}: {s.events:,} events in {s.wall_s:.1f}s ({s.events_per_s:,.0f} events/s)\n"
+        f"run {s.run} seed {s.seed}: {s.events:,} events in {s.wall_s:.1f}s ({s.events_per_s:,.0f} events/s){stopped}\n"
         f"  impressions {s.impressions:,}, clicks {s.clicks:,} (CTR {s.ctr:.2%}), injected bad events: {bad}\n"
         f"  catalogue: {s.items_alive_end:,} live items, {s.items_created:,} created so far\n"
         f"  Bayes-optimal on this stream: AUC {s.bayes_auc:.4f}, logloss {s.bayes_logloss:.4f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ class GenerateSummary:
     bayes_logloss: float = float("nan")
     items_alive_end: int = 0
     items_created: int = 0
+    stopped_early: bool = False  # told to stop (SIGTERM, Ctrl-C) before duration_s: a shorter, complete run
 
     @property
     def events_per_s(self) -> float:
@@ -55,6 +57,7 @@ def generate(
     duration_s: float,
     pace: bool,
     on_tick: Callable[[TickBatch, GenerateSummary], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> GenerateSummary:
     """Run ``duration_s`` simulated seconds of traffic into ``sink``.
 
@@ -65,7 +68,9 @@ def generate(
     (Kafka timestamps, freshness measurements). Without ``pace``: as fast as possible. The
     sink is closed with a manifest on success and aborted on error. After each tick the
     summary holds what the sink has delivered; the run stops with :class:`SinkError` after
-    the tick in which the sink gave up on an event or a truth message.
+    the tick in which the sink gave up on an event or a truth message. ``stop`` set: the run
+    ends after the current tick like a shorter one (everything sent is confirmed, the sink
+    closed, the manifest's duration the simulated time covered).
     """
     summary = GenerateSummary(traffic.config.seed, traffic.run, traffic.start_ms, traffic.start_ms)
     wall_start = time.monotonic()
@@ -94,6 +99,10 @@ def generate(
                 on_tick(batch, summary)
             if delivery.lost:  # the sink's abort says how much was lost in all
                 raise SinkError(f"{delivery.failed:,} events and {delivery.failed_truth:,} truth messages were not delivered")
+            if stop is not None and stop.is_set():
+                summary.stopped_early = True
+                duration_s = (summary.end_ms - summary.start_ms) / 1000
+                break
         p = np.concatenate(p_parts) if p_parts else np.empty(0)
         y = np.concatenate(y_parts) if y_parts else np.empty(0, dtype=bool)
         summary.bad_events = dict(sorted(bad.items()))
