@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from filelock import FileLock
 from kafka import TopicPartition
@@ -207,3 +209,38 @@ def copy_store(root: Path, dest: Path) -> Path:
     """A private copy of a shared model store, for tests that write pins or versions into it."""
     shutil.copytree(root, dest, ignore=shutil.ignore_patterns("PIN"))
     return dest
+
+
+def train_cli(out: Path, run: Path, *extra: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`streamrec train` on CPU over every sample of the file ``run``, into ``out/models`` and
+    ``out/work``: a version every 3 s, no frozen baseline, one evaluation window over the whole
+    run, the summary as JSON."""
+    return run_cli("train", "--samples", str(run), "--model-store", str(out / "models"), "--work-dir", str(out / "work"),
+                   "--device", "cpu", "--no-frozen", "--publish-interval", "3", "--json", *extra,
+                   env={"STREAMREC_TRAINER__EVAL_WINDOW": "1000000", **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def same_steps_run(sample_run, tmp_path_factory) -> Path:
+    """The run's first 96 steps of 1,024 samples in row groups of 512 rows (``pipeline offline
+    --row-group-rows 512``): each rank's batch of 512 is a whole group, so two ranks train
+    exactly the steps of one rank at 1024 (docs/distributed.md), the last one included."""
+    with built_once(tmp_path_factory, "same_steps") as (root, build):
+        if build:
+            pq.write_table(pq.read_table(sample_run / "samples.parquet").slice(0, 96 * 1024), root / "samples.parquet",
+                           compression="zstd", row_group_size=512)
+    return root / "samples.parquet"
+
+
+@pytest.fixture(scope="session")
+def two_ranks_run(same_steps_run, tmp_path_factory) -> tuple[Path, dict]:
+    """Two gloo ranks (``--nproc-per-node 2``) at 512 samples a step each over every sample of
+    ``same_steps_run`` (tests/test_distributed.py compares them with one rank, the launch
+    test with two torchrun launchers): (the directory of their ``models`` and ``work``, the
+    run's summary)."""
+    with built_once(tmp_path_factory, "two_ranks") as (root, build):
+        if build:
+            done = train_cli(root, same_steps_run, "--batch-size", "512", "--nproc-per-node", "2")
+            assert done.returncode == 0, done.stderr[-3000:]
+            (root / "summary.json").write_text(done.stdout)
+    return root, json.loads((root / "summary.json").read_text())

@@ -1,8 +1,8 @@
 """Training across nodes, in the form CI runs it: two torchrun launchers on this machine, one
 rank each (``--nnodes 2``, a c10d rendezvous on localhost, a node-local work dir each), train
 one model together over gloo. The version they publish loads as serving loads it, holds every
-sample of the run, and equals what one launcher with two ranks (``--nproc-per-node 2``)
-publishes from the same samples."""
+sample of the run, and equals, bit for bit, what one launcher with two ranks
+(``--nproc-per-node 2``: conftest's ``two_ranks_run``) publishes from the same samples."""
 
 import json
 import os
@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, free_port, make_sample_run, run_cli
+from conftest import REPO, free_port, run_cli
 from streamrec.model.batch import batch_from_table
 from streamrec.model.inference import InferenceModel
 from streamrec.modelstore.store import ModelStore
 
-# one thread per rank in both runs, so their float sums agree to the last bit
+# one thread per rank, as the local launcher gives conftest's run, so their float sums agree to the last bit
 ENV = {"OMP_NUM_THREADS": "1", "STREAMREC_TRAINER__COLLECTIVE_TIMEOUT_S": "60"}
 
 
@@ -55,15 +55,12 @@ def _two_launchers(run: Path, root: Path) -> list[subprocess.CompletedProcess]:
     return done
 
 
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory) -> Path:
-    return make_sample_run(tmp_path_factory.mktemp("launch") / "run", 10)
-
-
 @pytest.mark.slow
-def test_two_launchers_train_one_model_as_two_local_ranks_do(small_run, tmp_path):
-    rows = pq.ParquetFile(small_run / "samples.parquet").metadata.num_rows
-    nodes = _two_launchers(small_run, tmp_path / "nodes")
+def test_two_launchers_train_one_model_as_two_local_ranks_do(same_steps_run, two_ranks_run, tmp_path):
+    """The steps of one launcher's two ranks (conftest's run, on the same samples and batches):
+    the version equals theirs bit for bit, and serving's loader scores it as it scores theirs."""
+    rows = pq.ParquetFile(same_steps_run).metadata.num_rows
+    nodes = _two_launchers(same_steps_run, tmp_path / "nodes")
     for node in nodes:
         assert node.returncode == 0, node.stderr[-3000:]
     # rank 0 (on whichever launcher the rendezvous made node 0) reports for both
@@ -77,12 +74,9 @@ def test_two_launchers_train_one_model_as_two_local_ranks_do(small_run, tmp_path
     held = {node: sorted(p.name for p in (tmp_path / "nodes" / node / "ctr" / "checkpoints").iterdir()) for node in ("node-a", "node-b")}
     assert sorted(sum(held.values(), [])) == ["rank-00000-of-00002", "rank-00001-of-00002"], held
 
-    local = run_cli(*_train_args(small_run, tmp_path / "local" / "models", tmp_path / "local" / "work"), "--nproc-per-node", "2",
-                    env=ENV, timeout=300)
-    assert local.returncode == 0, local.stderr[-3000:]
-    assert json.loads(local.stdout)["samples"] == rows
-
-    stores = {name: ModelStore(str(tmp_path / name / "models"), "ctr") for name in ("nodes", "local")}
+    local_dir, local = two_ranks_run
+    assert local["samples"] == rows
+    stores = {"nodes": ModelStore(str(tmp_path / "nodes" / "models"), "ctr"), "local": ModelStore(str(local_dir / "models"), "ctr")}
     assert stores["nodes"].versions() == [1] and stores["nodes"].manifest(1)["shards"] == 2
     a, b = (stores[name].load() for name in ("nodes", "local"))
     assert a.tables.keys() == b.tables.keys() and a.dense.keys() == b.dense.keys()
@@ -90,17 +84,17 @@ def test_two_launchers_train_one_model_as_two_local_ranks_do(small_run, tmp_path
         want_keys, want_values = b.tables[name]
         order, want_order = np.argsort(keys), np.argsort(want_keys)
         assert len(keys) > 0 and np.array_equal(keys[order], want_keys[want_order]), name
-        np.testing.assert_allclose(values[order], want_values[want_order], rtol=0, atol=1e-6, err_msg=name)
+        assert np.array_equal(values[order], want_values[want_order]), name
     for name, value in a.dense.items():
-        torch.testing.assert_close(value, b.dense[name], rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(value, b.dense[name]), name
 
     # serving's loader reads the two nodes' version and scores as the local ranks' version does
     served, reference = (InferenceModel.load(stores[name], device="cpu") for name in ("nodes", "local"))
-    instances = pq.read_table(small_run / "samples.parquet").slice(1000, 64)
+    instances = pq.read_table(same_steps_run).slice(1000, 64)
     batch = batch_from_table(instances, served.feature_spec, served.model.spec.history_len)
     scores = served.predict(batch, batch.max_ts())
     assert served.version == 1 and np.isfinite(scores).all() and scores.std() > 0
-    np.testing.assert_allclose(scores, reference.predict(batch, batch.max_ts()), rtol=0, atol=1e-6)
+    assert np.array_equal(scores, reference.predict(batch, batch.max_ts()))
 
 
 def test_train_under_torchrun_refuses_a_launcher_of_its_own(tmp_path):

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, copy_store
 from streamrec.model.batch import batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
@@ -372,18 +372,20 @@ def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the
     assert ms.images() == [12] and ms.load(13).chain == [12, 13]
 
 
-def test_a_missing_delta_strands_no_node_past_the_next_version(sample_run, tmp_path, batch):
+def test_a_missing_delta_strands_no_node_past_the_next_version(published_model, sample_run, tmp_path, batch):
     """A delta deleted from the middle of the chain: a node behind the break keeps serving
     and says why (``latest_problem``), `store verify` names the break, and a trainer that
-    resumes on that store publishes a full version first, which the node then serves."""
-    models = tmp_path / "models"
-    train = ("train", "--samples", str(sample_run), "--model-store", str(models), "--work-dir", str(tmp_path / "work"),
-             "--publish-interval", "0.2", "--batch-size", "512", "--device", "cpu", "--no-announce", "--no-frozen")
-    first = cli(*train, "--max-samples", "60000")
-    assert first.returncode == 0, first.stderr[-2000:]
+    resumes on that store publishes a full version first, which the node then serves. The
+    chain and the trainer's last checkpoint are copies of the session's (conftest's
+    ``published_model``, whose trainer left its work dir next to the store)."""
+    shared, versions = published_model
+    models = copy_store(shared, tmp_path / "models")
+    work = shutil.copytree(shared.parent / "work", tmp_path / "work")
+    train = ("train", "--samples", str(sample_run), "--model-store", str(models), "--work-dir", str(work),
+             "--publish-interval", "0.2", "--device", "cpu", "--no-announce", "--no-frozen")
     store = ModelStore(str(models), "ctr")
-    versions = store.versions()
-    assert len(versions) >= 4 and [store.manifest(v)["kind"] for v in versions[:4]] == ["full", "delta", "delta", "delta"]
+    assert store.versions() == versions and len(versions) >= 4
+    assert [store.manifest(v)["kind"] for v in versions[:4]] == ["full", "delta", "delta", "delta"]
     node = ServedModel(ModelStore(str(models), "ctr"))
     node.load(versions[0])
     shutil.rmtree(models / "ctr" / "versions" / f"{versions[2]:012d}")

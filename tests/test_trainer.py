@@ -2,7 +2,9 @@
 
 import gc
 import json
+import shutil
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -11,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import copy_store, run_cli
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.embedding.collection import EmbeddingCollection
@@ -172,10 +175,36 @@ def test_bad_files_and_locks_give_clear_errors(tmp_path, sample_run):
     first = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=2000, progress=False))
     with pytest.raises(TrainingError, match="another trainer is running"):
         Trainer(cfg, TrainOptions(files=[str(sample_run)], progress=False))
-    first.run()
-    other = _cfg(tmp_path, **{"model.embedding_dim": 8})
-    with pytest.raises(TrainingError, match="model spec"):
-        Trainer(other, TrainOptions(files=[str(sample_run)], progress=False))
+    first.close()
+    Trainer(cfg, TrainOptions(files=[str(sample_run)], progress=False)).close()  # closed, the lock is free again
+
+
+@pytest.mark.parametrize("from_topic, env, named", [
+    (True, {}, "was trained from files:"),  # the samples topic, where files trained the checkpoint
+    (False, {"STREAMREC_MODEL__EMBEDDING_DIM": "8"}, "has model spec"),
+], ids=["another_source", "another_model_spec"])
+def test_a_checkpoint_of_another_source_or_model_spec_is_refused_naming_fresh(published_model, sample_run, tmp_path, from_topic,
+                                                                              env, named):
+    """Resuming must never mix a checkpoint with another source's positions or another
+    model's shapes: `streamrec train` refuses at start, with one line that names --fresh and
+    no traceback, and leaves the checkpoints as they were; with --fresh it then starts over.
+    The checkpoint is a copy of the session trainer's last (conftest's ``published_model``,
+    whose work dir is next to its store)."""
+    models, _ = published_model
+    store, work = copy_store(models, tmp_path / "models"), Path(shutil.copytree(models.parent / "work", tmp_path / "work"))
+    checkpoints = Checkpointer(work / "ctr" / "checkpoints")
+    held, latest = checkpoints.steps(), checkpoints.latest()
+    assert held and latest is not None
+    args = ["train", "--model-store", str(store), "--work-dir", str(work), "--device", "cpu", "--no-frozen", "--no-announce",
+            *([] if from_topic else ["--samples", str(sample_run)])]
+    refused = run_cli(*args, env=env, timeout=300)
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert named in refused.stderr and "--fresh" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert checkpoints.steps() == held and checkpoints.latest() == latest
+    if not from_topic:  # the advice works: --fresh moves the checkpoints aside and trains (the topic is not this test's)
+        fresh = run_cli(*args, "--fresh", "--max-samples", "1", env=env, timeout=300)
+        assert fresh.returncode == 0, fresh.stderr[-3000:]
+        assert len(list((work / "ctr").glob("checkpoints.old-*"))) == 1 and checkpoints.latest() != latest
 
 
 def _assert_every_version_finite(ms: ModelStore) -> None:
@@ -286,3 +315,82 @@ def test_sigterm_publishes_checkpoints_and_exits_cleanly(tmp_path, sample_run):
     assert state["samples"] == manifest["samples_trained"] == summary["samples"]  # everything trained is published
     assert state["positions"] == manifest["offsets"] == {"0": summary["samples"]}
     assert not list((tmp_path / "work" / "ctr").glob("tiers-*"))  # the run's scratch tiers are gone
+
+
+def _final_training_state(work: Path) -> tuple[dict[str, list[torch.Tensor]], dict, dict]:
+    """From the last checkpoint under ``work`` (one rank): each table's rows sorted by key
+    (keys, weights, optimizer state, clocks), the dense model and its Adam state, state.json."""
+    ckpt = Checkpointer(work / "ctr" / "checkpoints").latest()
+    store, _ = EmbeddingCollection.restore(ckpt / "sparse")
+    try:
+        rows = {}
+        for name, table in store.tables.items():
+            keys, weights, state, seen = (torch.cat(parts) for parts in zip(*table.export_all(with_state=True)))
+            order = torch.argsort(keys)
+            rows[name] = [keys[order], weights[order], state[order], seen[order]]
+    finally:
+        store.close()
+    return rows, torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=False), json.loads((ckpt / "state.json").read_text())
+
+
+def test_a_run_killed_and_resumed_ends_with_exactly_the_parameters_of_an_unbroken_one(published_model, sample_run, tmp_path):
+    """docs/trainer.md: training is a function of the data alone. `streamrec train` over the
+    samples the session's unbroken run trained (conftest's ``published_model``, whose final
+    checkpoint is the reference) is killed with SIGKILL inside a publish that follows a
+    checkpoint with samples in it (tests/pause_points.py), so the steps since are lost; run
+    again, it resumes from that checkpoint and ends with the unbroken run's rows (weights,
+    optimizer state, clocks) and dense model and Adam state, bit for bit."""
+    import signal
+    import subprocess
+    import time
+
+    import pause_points
+    from conftest import REPO
+
+    models, _ = published_model
+    want_rows, want_dense, want_state = _final_training_state(models.parent / "work")
+    read = want_state["positions"]["0"]  # rows of the file the unbroken run read: its samples, in its batches
+    assert want_state["samples"] > 0
+    samples = tmp_path / "samples.parquet"
+    pq.write_table(pq.read_table(sample_run / "samples.parquet").slice(0, read), samples)
+    work, arm = tmp_path / "work", tmp_path / "arm"
+    args = ("train", "--samples", str(samples), "--model-store", str(tmp_path / "models"), "--work-dir", str(work), "--device", "cpu",
+            "--no-frozen", "--no-announce", "--publish-interval", "1", "--checkpoint-interval", "0.2")
+    checkpoints = Checkpointer(work / "ctr" / "checkpoints")
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(pause_points.streamrec_argv(*args), cwd=REPO, env=pause_points.child_env(arm),
+                                stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + 300
+            while not any(step > 0 for step in checkpoints.steps()):  # a checkpoint with samples in it
+                assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint with samples within 300 s"
+                time.sleep(0.02)
+            pause_points.arm(arm, "manifest")
+            staged = json.loads(Path(pause_points.wait_paused(arm, proc)["path"]).read_text())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    resumes_from = checkpoints.latest()
+    at_kill = json.loads((resumes_from / "state.json").read_text())
+    # no checkpoint is written while a publish is in flight: the steps up to the one being published are lost
+    assert 0 < at_kill["samples"] < staged["samples_trained"] <= want_state["samples"], (at_kill["samples"], staged["samples_trained"])
+
+    resumed = run_cli(*args, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {resumes_from.name}" in resumed.stderr, resumed.stderr[-3000:]
+    rows, dense, state = _final_training_state(work)
+    assert (state["step"], state["samples"], state["positions"]) == (want_state["step"], want_state["samples"], want_state["positions"])
+    assert rows.keys() == want_rows.keys()
+    for name, want in want_rows.items():
+        assert len(want[0]) > 0, name
+        for what, got, expected in zip(("keys", "weights", "optimizer state", "clocks"), rows[name], want):
+            assert torch.equal(got, expected), (name, what)
+    assert dense["model"].keys() == want_dense["model"].keys()
+    for key, value in want_dense["model"].items():
+        assert torch.equal(dense["model"][key], value), key
+    for param, want in want_dense["optimizer"]["state"].items():
+        for key, value in want.items():
+            assert torch.equal(torch.as_tensor(dense["optimizer"]["state"][param][key]), torch.as_tensor(value)), (param, key)
