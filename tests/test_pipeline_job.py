@@ -300,6 +300,18 @@ def _submit_in_background(env, *flags) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _stop_resumed_job(job: subprocess.Popen) -> None:
+    """Stop a resubmitted job (SIGTERM, SIGKILL if it lingers); it must have said it resumed
+    from a checkpoint."""
+    try:
+        os.killpg(job.pid, signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert "resumed from" in output, output[-3000:]
+
+
 def _wait_for(predicate, timeout_s, what, context=None, poll_s=0.5):
     """Poll ``predicate`` until it holds; on a timeout, ``context()`` says what else was seen."""
     deadline = time.monotonic() + timeout_s
@@ -357,12 +369,10 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
         assert committed_before < want.num_rows, "the kill came too late to test anything"
         _wait_for(lambda: len(_read(broker, f"{name}.samples")) >= want.num_rows, 300, "every sample after the restart")
         time.sleep(3)  # anything extra (a duplicate) would have arrived by now
-        os.killpg(job.pid, signal.SIGTERM)
-        output, _ = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert "resumed from" in output, output[-3000:]
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    _stop_resumed_job(job)
     _assert_same(_samples(broker, f"{name}.samples"), want)
     assert _dlq(broker, f"{name}.dlq") == _want_dlq(builder)
     # the feature state, written exactly once with the same checkpoints, rebuilds the samples' features
@@ -487,12 +497,10 @@ def test_at_least_once_samples_are_visible_at_once_and_a_crash_replays_those_aft
             return len(copies) >= want.num_rows and all(copies[e] >= 2 for e in twice)
 
         _wait_for(replayed, 300, "a sample of every impression, and the replay of those after the checkpoint")
-        os.killpg(job.pid, signal.SIGTERM)
-        output, _ = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert "resumed from" in output, output[-3000:]
+    except BaseException:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise
+    _stop_resumed_job(job)
     got = _samples(broker, f"{name}.samples").to_pylist()
     want_rows = {r["event_id"]: r for r in want.to_pylist()}
     seen = Counter(r["event_id"] for r in got)
