@@ -1,13 +1,18 @@
 """`streamrec serve` over real HTTP: predictions equal the trainer's model, shape buckets are
 compiled at load and an out-of-bucket batch gets its own bucket in the background, bad
-requests get clear 4xx answers, new versions are hot-swapped under load with no failed
-request, and rollback restores the previous predictions exactly.
+requests get clear 4xx answers (an experiment request naming several users too), a node with
+no version yet answers 503, new versions are hot-swapped under load with no failed request,
+rollback restores the previous predictions exactly, and a pin the store refuses is a 503 after
+which the node serves what it served before.
 
-The server runs with ``torch.compile`` buckets (the CPU form of bucket pre-compilation;
-CUDA graphs are checked on the GPU by bench/bench_serving_runtime.py)."""
+One node runs ``torch.compile`` buckets (the CPU form of bucket pre-compilation; CUDA graphs
+are checked on the GPU by bench/bench_serving_runtime.py) for the tests about compiled mode;
+the others share an eager node (the CPU default), where the versions they swap in are not
+compiled again (seconds each on 2 cores with a cold inductor cache)."""
 
 import http.client
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -63,41 +69,55 @@ def expected(published_model, instances):
     return out
 
 
+def start_node(store_root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A real `streamrec serve` on CPU over ``store_root``, without online features: (process, base URL)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu", *args],
+        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__FEATURE_STORE": "false", **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_node(proc: subprocess.Popen) -> None:
+    """SIGTERM, which a node must survive into a clean exit (status 0)."""
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def compiled_server(published_model):
+    """A node with torch.compile buckets over the trainer's store as published (read only: no
+    admin token), for the tests about compiled mode."""
+    root, versions = published_model
+    proc, base = start_node(root, "--compile", "compile", "--workers", "2",
+                            env={"STREAMREC_SERVING__BATCH_BUCKETS": "8,16", "STREAMREC_SERVING__HISTORY_BUCKETS": "16",
+                                 "STREAMREC_SERVING__MAX_EXTRA_BUCKETS": "3"})
+    wait_ready(base, proc, 240)  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
+    yield base, versions
+    stop_node(proc)
+
+
 @pytest.fixture(scope="module")
 def server(published_model, tmp_path_factory):
-    """A server started on a store that holds only the first two versions."""
+    """An eager node started on a store that holds only the first two versions."""
     root, versions = published_model
     store_root = tmp_path_factory.mktemp("serving") / "models"
     copy_store(root, store_root)
     for v in versions[2:]:
         shutil.rmtree(store_root / "ctr" / "versions" / f"{v:012d}")
     (store_root / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port),
-         "--device", "cpu", "--poll-interval", "0.2", "--compile", "compile", "--workers", "2"],
-        cwd=REPO, env={**__import__("os").environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FEATURE_STORE": "false", "STREAMREC_SERVING__BATCH_BUCKETS": "8,16",
-                       "STREAMREC_SERVING__HISTORY_BUCKETS": "16", "STREAMREC_SERVING__MAX_EXTRA_BUCKETS": "3"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
-    while True:
-        try:
-            if call(base, "GET", "/readyz")[0] == 200:
-                break
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.2)
+    proc, base = start_node(store_root, "--poll-interval", "0.2", "--compile", "eager", "--workers", "2",
+                            env={"STREAMREC_SERVING__ADMIN_TOKEN": TOKEN})
+    wait_ready(base, proc)
     yield base, store_root, versions
-    proc.terminate()
-    proc.wait(timeout=30)
-    assert proc.returncode == 0  # graceful shutdown on SIGTERM
+    stop_node(proc)
 
 
-def test_predictions_equal_the_trainers_model(server, instances, expected):
-    base, _, versions = server
+def test_predictions_equal_the_trainers_model(compiled_server, instances, expected):
+    """Compiled buckets answer with the trainer's model's scores, batches merged or not."""
+    base, versions = compiled_server
     rows = instances.to_pylist()
     results = {}
 
@@ -111,18 +131,18 @@ def test_predictions_equal_the_trainers_model(server, instances, expected):
     for t in threads:
         t.join()
     for i, (status, body) in results.items():
-        assert status == 200 and body["model_version"] == versions[1]
-        np.testing.assert_allclose(body["scores"], expected[versions[1]][i * 8:(i + 1) * 8], rtol=0, atol=1e-6)
+        assert status == 200 and body["model_version"] == versions[-1]
+        np.testing.assert_allclose(body["scores"], expected[versions[-1]][i * 8:(i + 1) * 8], rtol=0, atol=1e-6)
     status, info = call(base, "GET", "/v1/models/ctr")
-    assert status == 200 and info["model_version"] == versions[1] and info["trained_through_ms"] > 0
+    assert status == 200 and info["model_version"] == versions[-1] and info["trained_through_ms"] > 0
 
 
-def test_buckets_compile_at_load_and_an_out_of_bucket_batch_gets_its_own(server, instances, expected):
-    base, _, versions = server
+def test_buckets_compile_at_load_and_an_out_of_bucket_batch_gets_its_own(compiled_server, instances, expected):
+    base, versions = compiled_server
     runtime = call(base, "GET", "/v1/models/ctr")[1]["runtime"]
     assert runtime["mode"] == "compile"
     assert {k for k, b in runtime["buckets"].items() if b["origin"] == "load"} == {"8x16", "8x50", "16x16", "16x50"}
-    rows, want = instances.to_pylist()[:40], expected[versions[1]][:40]
+    rows, want = instances.to_pylist()[:40], expected[versions[-1]][:40]
     eager_before = runtime["eager_batches"]
     status, body = call(base, "POST", "/v1/models/ctr:predict", {"instances": rows})  # 40 > 16: no bucket fits
     assert status == 200
@@ -187,6 +207,47 @@ def test_bad_instances_name_the_instance_and_field(server, instances):
     assert call(base, "GET", "/healthz") == (200, {"status": "ok"})  # the server shrugs it off
 
 
+def test_predict_before_any_version_is_loaded_is_a_503(tmp_path, instances):
+    """A node over a store with nothing published yet is up but cannot score: 503, telling the
+    client to try again and where to look (/readyz), not a 500 or a 404."""
+    empty = tmp_path / "models"
+    empty.mkdir()
+    proc, base = start_node(empty, "--compile", "eager")
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # never ready: wait until it answers at all
+            try:
+                status, readiness = call(base, "GET", "/readyz")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, "the node did not start"
+                time.sleep(0.2)
+        assert status == 503, readiness
+        status, answer = call(base, "POST", "/v1/models/ctr:predict", {"instances": instances.to_pylist()[:2]})
+        message = answer["error"]["message"]
+        assert status == 503 and "no model version is loaded yet" in message and "try again" in message and "/readyz" in message, answer
+    finally:
+        stop_node(proc)
+
+
+def test_an_experiment_request_names_one_user(server, instances):
+    """A user's variant picks the model, so an experiment request whose instances name several
+    users has no one model: 400, while several instances of one user are scored."""
+    base = server[0]
+    rows = instances.to_pylist()
+    other = next(row for row in rows if row["user_id"] != rows[0]["user_id"])
+    experiment = {"variants": [{"name": "all", "model": "ctr", "share": 1.0}]}
+    assert call(base, "PUT", "/v1/experiments/one_user", experiment, token=TOKEN)[0] == 200
+    try:
+        status, answer = call(base, "POST", "/v1/experiments/one_user:predict", {"instances": [rows[0], rows[0]]})
+        assert status == 200 and (answer["experiment"], answer["variant"], answer["model"]) == ("one_user", "all", "ctr"), answer
+        assert len(answer["scores"]) == 2
+        status, answer = call(base, "POST", "/v1/experiments/one_user:predict", {"instances": [rows[0], other]})
+        assert status == 400 and "one user" in answer["error"]["message"], answer
+    finally:
+        assert call(base, "DELETE", "/v1/experiments/one_user", token=TOKEN)[0] == 200
+
+
 def test_admin_routes_need_the_token(server):
     base = server[0]
     assert call(base, "POST", "/v1/models/ctr:rollback")[0] == 401
@@ -243,7 +304,6 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
     assert json.loads(urllib.request.urlopen(base + "/openapi.json").read())["info"]["title"] == "streamrec serving"
 
 
-
 def _admin_with_two_tokens(base: str, path: str) -> tuple[int, dict]:
     """POST ``path`` with two Authorization headers (a wrong one, then the right one)."""
     host, port = base.removeprefix("http://").split(":")
@@ -298,6 +358,34 @@ def test_a_failed_reload_or_rollback_pins_nothing_and_a_typo_is_refused(server):
         time.sleep(0.1)
     assert call(base, "GET", "/v1/models/ctr")[1]["model_version"] == served
 
+
+def test_a_pin_the_store_refuses_is_a_503_and_the_node_goes_back(server, instances, expected):
+    """:rollback/:reload to a sound version whose pin the store does not take answers 503: no
+    pin anywhere, and the node serves (and says it serves) the version it served before, so it
+    does not sit on a version other nodes will not follow. The store refuses the pin because
+    PIN is a directory (no write replaces it; tests run as root, where chmod stops nothing)."""
+    base, store_root, versions = server
+    pin_path = store_root / "ctr" / "PIN"
+    status, before = call(base, "GET", "/v1/models/ctr")
+    served = before["model_version"]
+    assert status == 200 and not before["pinned"] and served != versions[0]
+    body = {"instances": instances.to_pylist()}
+    pin_path.mkdir()
+    try:
+        for route in (":rollback", ":reload"):
+            status, answer = call(base, "POST", f"/v1/models/ctr{route}", {"version": versions[0]}, token=TOKEN)
+            message = answer["error"]["message"]
+            assert status == 503 and "could not be written" in message and f"back on version {served}" in message, (route, answer)
+            assert pin_path.is_dir(), f"{route} replaced the PIN path"
+            status, now = call(base, "GET", "/v1/models/ctr")
+            assert now["model_version"] == served and not now["pinned"], (route, now)
+            status, scored = call(base, "POST", "/v1/models/ctr:predict", body)
+            assert status == 200 and scored["model_version"] == served
+            np.testing.assert_allclose(scored["scores"], expected[served], rtol=0, atol=1e-6)
+    finally:
+        pin_path.rmdir()
+
+
 def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_model, broker, tmp_path):
     """With a 60 s LATEST poll, a version announced on the model-updates topic is still
     applied within seconds: the server follows the topic."""
@@ -314,7 +402,7 @@ def test_an_announced_version_is_applied_without_waiting_for_the_poll(published_
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
          "--poll-interval", "60"],
-        cwd=REPO, env={**__import__("os").environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__MODEL_UPDATES": topic,
+        cwd=REPO, env={**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": broker, "STREAMREC_TOPICS__MODEL_UPDATES": topic,
                        "STREAMREC_SERVING__FOLLOW_UPDATES": "true"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
