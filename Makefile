@@ -26,7 +26,7 @@ demo: setup
 # Two workers, whole files each: most tests wait on brokers, JVMs and processes more than
 # they compute, so two share the 2-core CI box well.
 test: setup
-	$(PY) -m pytest -v -n 2 --dist loadfile --durations=30
+	$(PY) -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
