@@ -26,6 +26,22 @@ from streamrec.trainer.rejected import RejectedLog
 log = logging.getLogger(__name__)
 
 
+def _answered(call: Callable, timeout_s: float):
+    """``call()``, retried through a broker that is briefly away (restarting, a leader moving)
+    for up to ``timeout_s``: a trainer that starts during an outage waits it out."""
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except KafkaError as exc:
+            if not exc.retriable or time.monotonic() > deadline:
+                raise
+            log.info("Kafka did not answer (%s); trying again", exc)
+            time.sleep(0.5)
+
+
 class Rejection(NamedTuple):
     """A row the checks refused: where it was read, and why (``reason: detail``)."""
 
@@ -185,7 +201,7 @@ class KafkaSampleSource:
         self.consumer = make_consumer(bootstrap, group_id=group, timeout_s=timeout_s, auto_offset_reset="earliest",
                                       isolation_level="read_committed",  # the pipeline writes in transactions
                                       max_poll_records=max_records)
-        partitions = self.consumer.partitions_for_topic(topic)
+        partitions = _answered(lambda: self.consumer.partitions_for_topic(topic), timeout_s)
         if not partitions:
             self.consumer.close()
             raise FileNotFoundError(f"topic {topic!r} does not exist on {bootstrap} (run `streamrec kafka up`)")
@@ -196,7 +212,7 @@ class KafkaSampleSource:
                              "give it at least as many partitions as ranks (each rank reads its own)")
         self.assignment = [TopicPartition(topic, p) for p in sorted(partitions) if p % ranks == rank]
         self.consumer.assign(self.assignment)  # this rank owns these partitions; checkpoints hold its positions
-        committed = {tp.partition: self.consumer.committed(tp) for tp in self.assignment}
+        committed = {tp.partition: _answered(lambda: self.consumer.committed(tp), timeout_s) for tp in self.assignment}
         for tp in self.assignment:
             where = (start or {}).get(tp.partition, committed.get(tp.partition))
             if where is None:
