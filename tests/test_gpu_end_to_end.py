@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, copy_store, free_port, run_cli, wait_ready
+from conftest import REPO, free_port, run_cli, wait_ready
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.model.inference import InferenceModel
@@ -38,7 +36,7 @@ from streamrec.serving.runner import RuntimeConfig
 from streamrec.serving.state import ServedModel
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.engine import Trainer, TrainOptions
-from test_serving_http import call
+from test_serving_http import call, first_two_versions, publish_in_turn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SPEC = FeatureSpec()
@@ -206,11 +204,7 @@ def cuda_server(published_model, tmp_path_factory) -> Iterator[tuple[str, Path, 
     holding the first two versions, batches of at most 64 instances (every one fits a
     bucket: nothing runs eagerly); yields (base URL, store root, the published versions)."""
     root, versions = published_model
-    store_root = tmp_path_factory.mktemp("cuda_serving") / "models"
-    copy_store(root, store_root)
-    for v in versions[2:]:
-        shutil.rmtree(store_root / "ctr" / "versions" / f"{v:012d}")
-    (store_root / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
+    store_root = first_two_versions(root, versions, tmp_path_factory.mktemp("cuda_serving") / "models")
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cuda",
@@ -287,16 +281,7 @@ def test_deltas_applied_while_cuda_graphs_replay_answer_one_version_or_the_next(
     for c in clients:
         c.start()
     try:
-        for v in added:  # the trainer publishes: the version's directory appears, then LATEST moves
-            shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
-            tmp = store_root / "ctr" / ".LATEST.tmp"
-            tmp.write_text(f"{v}\n")
-            tmp.replace(store_root / "ctr" / "LATEST")
-            time.sleep(0.5)
-        deadline = time.monotonic() + 30
-        while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != added[-1] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.3)
+        publish_in_turn(root, store_root, added, base)
     finally:
         stop.set()
         for c in clients:

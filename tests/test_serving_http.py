@@ -38,6 +38,23 @@ TOKEN = "test-token"
 N_INSTANCES = 64
 
 
+def publish_in_turn(root: Path, store_root: Path, versions: list[int], base: str) -> None:
+    """Publish ``versions`` of the store at ``root`` into ``store_root`` as the trainer does (the
+    version's directory appears, then LATEST moves), half a second apart, while a node at ``base``
+    serves; return once it serves the last one and has answered a little longer on it."""
+    for v in versions:
+        shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
+        tmp = store_root / "ctr" / ".LATEST.tmp"
+        tmp.write_text(f"{v}\n")
+        tmp.replace(store_root / "ctr" / "LATEST")
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != versions[-1]:
+        assert time.monotonic() < deadline, f"the node never served version {versions[-1]}"
+        time.sleep(0.1)
+    time.sleep(0.3)
+
+
 def call(base, method, path, body=None, token=None, raw=None):
     data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
     request = urllib.request.Request(base + path, data=data, method=method, headers={"content-type": "application/json"})
@@ -67,6 +84,16 @@ def expected(published_model, instances):
         out[v] = model.predict(batch)
         model.close()
     return out
+
+
+def first_two_versions(root: Path, versions: list[int], dest: Path) -> Path:
+    """A copy of the store at ``root`` as it was when its second version was published: the
+    later ones are left for a test to publish (:func:`publish_in_turn`)."""
+    copy_store(root, dest)
+    for v in versions[2:]:
+        shutil.rmtree(dest / "ctr" / "versions" / f"{v:012d}")
+    (dest / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
+    return dest
 
 
 def start_node(store_root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
@@ -103,11 +130,7 @@ def compiled_server(published_model):
 def server(published_model, tmp_path_factory):
     """An eager node started on a store that holds only the first two versions."""
     root, versions = published_model
-    store_root = tmp_path_factory.mktemp("serving") / "models"
-    copy_store(root, store_root)
-    for v in versions[2:]:
-        shutil.rmtree(store_root / "ctr" / "versions" / f"{v:012d}")
-    (store_root / "ctr" / "LATEST").write_text(f"{versions[1]}\n")
+    store_root = first_two_versions(root, versions, tmp_path_factory.mktemp("serving") / "models")
     proc, base = start_node(store_root, "--poll-interval", "0.2", "--compile", "eager", "--workers", "2",
                             env={"STREAMREC_SERVING__ADMIN_TOKEN": TOKEN})
     wait_ready(base, proc)
@@ -273,16 +296,7 @@ def test_hot_swap_under_load_then_rollback_and_reload(server, published_model, i
     clients = [threading.Thread(target=load) for _ in range(4)]
     for c in clients:
         c.start()
-    for v in versions[2:]:  # the trainer publishes: version dirs appear, then LATEST moves
-        shutil.copytree(root / "ctr" / "versions" / f"{v:012d}", store_root / "ctr" / "versions" / f"{v:012d}")
-        tmp = store_root / "ctr" / ".LATEST.tmp"
-        tmp.write_text(f"{v}\n")
-        tmp.replace(store_root / "ctr" / "LATEST")
-        time.sleep(0.5)
-    deadline = time.monotonic() + 30
-    while call(base, "GET", "/v1/models/ctr")[1]["model_version"] != versions[-1] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.3)
+    publish_in_turn(root, store_root, versions[2:], base)
     stop.set()
     for c in clients:
         c.join()
