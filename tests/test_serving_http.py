@@ -97,11 +97,13 @@ def first_two_versions(root: Path, versions: list[int], dest: Path) -> Path:
 
 
 def start_node(store_root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A real `streamrec serve` on CPU over ``store_root``, without online features: (process, base URL)."""
+    """A real `streamrec serve` on CPU over ``store_root``, without online features and without
+    following a model-updates topic (it polls LATEST): (process, base URL)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu", *args],
-        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__FEATURE_STORE": "false", **(env or {})},
+        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__FEATURE_STORE": "false", "STREAMREC_SERVING__FOLLOW_UPDATES": "false",
+                       **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -121,9 +123,11 @@ def compiled_server(published_model):
     proc, base = start_node(root, "--compile", "compile", "--workers", "2",
                             env={"STREAMREC_SERVING__BATCH_BUCKETS": "8,16", "STREAMREC_SERVING__HISTORY_BUCKETS": "16",
                                  "STREAMREC_SERVING__MAX_EXTRA_BUCKETS": "3"})
-    wait_ready(base, proc, 240)  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
-    yield base, versions
-    stop_node(proc)
+    try:
+        wait_ready(base, proc, 240)  # compiling the buckets on 2 cores with a cold inductor cache: ~30 s
+        yield base, versions
+    finally:
+        stop_node(proc)
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +137,11 @@ def server(published_model, tmp_path_factory):
     store_root = first_two_versions(root, versions, tmp_path_factory.mktemp("serving") / "models")
     proc, base = start_node(store_root, "--poll-interval", "0.2", "--compile", "eager", "--workers", "2",
                             env={"STREAMREC_SERVING__ADMIN_TOKEN": TOKEN})
-    wait_ready(base, proc)
-    yield base, store_root, versions
-    stop_node(proc)
+    try:
+        wait_ready(base, proc)
+        yield base, store_root, versions
+    finally:
+        stop_node(proc)
 
 
 def test_predictions_equal_the_trainers_model(compiled_server, instances, expected):
