@@ -205,8 +205,11 @@ class EmbeddedBroker:
             "offsets.topic.num.partitions": 8,
             "transaction.state.log.num.partitions": 8,
             "group.initial.rebalance.delay.ms": 0,
-            # a node back from a kill -9 waits for its old registration's session to end: 2 s, not 9
-            "broker.session.timeout.ms": 2000,
+            # A node back from a kill -9 waits for its old registration's session to end, so the
+            # session is shorter than Kafka's 9 s; but a controller that misses its nodes'
+            # heartbeats that long fences them (every partition leaderless until the next one),
+            # and on a loaded 2-core box its events can take 5 s: 6 s, heartbeats every 0.5 s.
+            "broker.session.timeout.ms": 6000,
             "broker.heartbeat.interval.ms": 500,
             # the producers' max_request_size (plumbing/bus/clients.py)
             "message.max.bytes": 8 * 2**20,
