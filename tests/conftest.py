@@ -29,10 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 # `make test` runs two pytest-xdist workers that take whole files (--dist loadfile) in collection
 # order (--no-loadscope-reorder): the files that take longest come first, so no worker is left
 # with a long one at the end.
-LONGEST_FIRST = ("test_pipeline_job.py", "test_kafka_faults.py", "test_store_safety.py", "test_distributed.py",
-                 "test_install.py", "test_trainer_kafka.py", "test_serving_http.py", "test_trainer.py",
-                 "test_online_features.py", "test_reader.py", "test_prediction_log.py", "test_trainer_disk_full.py",
-                 "test_ps.py", "test_generator_delivery.py", "test_broker.py", "test_serving_broker_outage.py")
+LONGEST_FIRST = ("test_pipeline_job.py", "test_store_safety.py", "test_distributed.py", "test_trainer_kafka.py",
+                 "test_serving_http.py", "test_trainer.py", "test_online_features.py", "test_reader.py",
+                 "test_prediction_log.py", "test_trainer_disk_full.py", "test_ps.py", "test_generator_delivery.py",
+                 "test_broker.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from demo_claims import assert_demo_claims
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 REPO = Path(__file__).resolve().parent.parent
 

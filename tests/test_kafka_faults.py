@@ -30,7 +30,7 @@ from streamrec.plumbing.bus.clients import make_admin, make_consumer
 from streamrec.plumbing.bus.topics import open_transactions
 from test_pipeline_job import _assert_same, _env, _flush_then_oracle, _samples, _submit_in_background, _wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _free_ports(n: int) -> int:

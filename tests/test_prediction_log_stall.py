@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, free_port, run_cli, wait_ready
 from test_model_access import http
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def log_counts(base: str) -> dict[str, float]:

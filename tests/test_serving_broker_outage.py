@@ -26,7 +26,7 @@ from streamrec.plumbing.bus.clients import make_producer
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_serving_http import call
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 TOPIC = f"outage-{uuid.uuid4().hex[:6]}.features"
 USER, ITEM, CATEGORY = 4242, 777, 55
 
