@@ -23,12 +23,11 @@ setup: $(STAMP)
 demo: setup
 	$(VENV)/bin/streamrec demo
 
-# Two workers, whole files each: most tests wait on brokers, JVMs and processes more than
-# they compute, so two share the 2-core CI box well. Then, alone, the tests marked serial:
-# the whole loop under faults and the demo, whose timings a second worker would distort.
+# One process: on the 2-core CI box the suite is CPU-bound, and two pytest-xdist workers
+# took as long and loaded the whole-loop tests beyond their timings. On more cores:
+# `pytest -n 4 --dist loadfile --no-loadscope-reorder -m "not serial"`, then `pytest -m serial`.
 test: setup
-	$(PY) -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --durations=20 -m "not serial"
-	$(PY) -m pytest -v --durations=10 -m serial
+	$(PY) -m pytest -v --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"

@@ -26,9 +26,9 @@ from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
 
-# `make test` runs two pytest-xdist workers that take whole files (--dist loadfile) in collection
-# order (--no-loadscope-reorder): the files that take longest come first, so no worker is left
-# with a long one at the end.
+# With pytest-xdist workers taking whole files in collection order (`--dist loadfile
+# --no-loadscope-reorder`, README), the files that take longest come first, so no worker is
+# left with a long one at the end.
 LONGEST_FIRST = ("test_pipeline_job.py", "test_store_safety.py", "test_distributed.py", "test_trainer_kafka.py",
                  "test_serving_http.py", "test_trainer.py", "test_online_features.py", "test_reader.py",
                  "test_prediction_log.py", "test_trainer_disk_full.py", "test_ps.py", "test_generator_delivery.py",
