@@ -28,6 +28,7 @@ from tests.conftest import REPO, read_topic
 pytestmark = pytest.mark.slow
 
 CONNECT_TIMEOUT_S = 2  # the producer gives up on a record 6 x this (12 s) after sending it
+RESTART_CONNECT_TIMEOUT_S = 10  # 60 s: a broker restart on a loaded box fits in it
 EVENTS_TOPIC = "streamrec.events"
 
 
@@ -48,14 +49,14 @@ def _number(text: str) -> int:
 
 
 @contextmanager
-def _generating(tmp_path, duration_s: int, *flags: str):
+def _generating(tmp_path, duration_s: int, *flags: str, connect_timeout_s: float = CONNECT_TIMEOUT_S):
     """A broker of its own and `streamrec generate` at 300 events/s into it, once the first
     second of events is in the topic; yields (broker, its state, the process, its stdout/stderr paths)."""
     broker = EmbeddedBroker(tmp_path / "kafka", port=free_port())
     state, started = broker.up(timeout_s=30)
     assert started
     env = {**os.environ, "STREAMREC_KAFKA__BOOTSTRAP": state.bootstrap,
-           "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S)}
+           "STREAMREC_KAFKA__CONNECT_TIMEOUT_S": str(connect_timeout_s)}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
@@ -129,11 +130,13 @@ def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path: Path, atomic: boo
 def test_a_broker_restart_within_the_delivery_timeout_loses_nothing(tmp_path):
     """Retries cover a short outage (kill -9, restart): the run ends with exit 0 and every
     event it counted acknowledged is in the topic, once per event id or more (at-least-once)."""
-    with _generating(tmp_path, duration_s=15) as (broker, state, proc, out, err):
+    with _generating(tmp_path, 15, connect_timeout_s=RESTART_CONNECT_TIMEOUT_S) as (broker, state, proc, out, err):
         _kill(state)
         time.sleep(3)
-        broker.up(timeout_s=60)
-        returncode = proc.wait(timeout=60)
+        restarted_at = time.monotonic()
+        assert broker.up(timeout_s=45)[1], "the broker did not come back on its data dir"
+        print(f"the broker took {time.monotonic() - restarted_at:.1f} s to restart")
+        returncode = proc.wait(timeout=120)
         event_ids = _event_ids(state.bootstrap, committed=False)
     out, err = out.read_text(), err.read_text()
 

@@ -28,7 +28,7 @@ from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable
 from streamrec.plumbing.bus.broker import EmbeddedBroker, port_in_use
 from streamrec.plumbing.bus.clients import make_admin, make_consumer
 from streamrec.plumbing.bus.topics import open_transactions
-from test_pipeline_job import _assert_same, _env, _flush_then_oracle, _samples, _submit_in_background, _wait_for
+from test_pipeline_job import _assert_same, _env, _flush_then_oracle, _job_output, _samples, _submit_in_background, _wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -59,7 +59,7 @@ def _wait_job_running(env: dict, job: subprocess.Popen, name: str) -> None:
     rest = FlinkRest(f"127.0.0.1:{env['STREAMREC_FLINK__REST_PORT']}")
 
     def running() -> bool:
-        assert job.poll() is None, f"pipeline submit exited {job.returncode}:\n{job.stdout.read()[-3000:]}"
+        assert job.poll() is None, f"pipeline submit exited {job.returncode}:\n{_job_output(job)[-3000:]}"
         try:
             return any(j.name == name and j.state == "RUNNING" and j.tasks_running for j in rest.jobs())
         except FlinkUnreachable:  # the mini-cluster is still starting
@@ -91,8 +91,10 @@ def _generated(log: Path) -> int:
     return int(line.split(": ", 1)[1].split(" events in")[0].replace(",", ""))
 
 
-def _assert_exact_samples(bootstrap: str, name: str) -> int:
-    """The job's samples are the reference's over every event in the topic: none missing, none twice."""
+def _assert_exact_samples(bootstrap: str, name: str, job: subprocess.Popen) -> int:
+    """The job's samples are the reference's over every event in the topic: none missing, none
+    twice. Waits as long as samples keep coming (a job catching up on a loaded box), and fails
+    after two minutes without a new one, saying where the rest are."""
     want, _ = _flush_then_oracle(bootstrap, name)
 
     def got() -> pa.Table:
@@ -103,11 +105,26 @@ def _assert_exact_samples(bootstrap: str, name: str) -> int:
 
     def seen_instead() -> str:
         reasons = Counter(dict(r.headers)["reason"].decode().split(":")[0] for r in read_topic(bootstrap, f"{name}.dlq"))
-        return f"{got().num_rows:,} of {want.num_rows:,} samples; the DLQ's reasons {dict(reasons)}"
+        written = _end_offsets(bootstrap, f"{name}.samples")
+        log = _job_output(job)[-4000:]
+        return (f"{got().num_rows:,} of {want.num_rows:,} samples visible, {written:,} written; open transactions "
+                f"{open_transactions(bootstrap, [f'{name}.samples'])}; the DLQ's reasons {dict(reasons)}; the job's "
+                f"output ends:\n{log}")
 
-    _wait_for(lambda: got().num_rows >= want.num_rows, 240, "the samples of every event", seen_instead)
+    _wait_while_growing(lambda: got().num_rows, want.num_rows, 120, "the samples of every event", seen_instead)
     _assert_same(got(), want)
     return want.num_rows
+
+
+def _wait_while_growing(count, target: int, stall_s: float, what: str, context) -> None:
+    """Poll ``count()`` until it reaches ``target``; fail once it has not grown for ``stall_s``."""
+    best, grew_at = -1, time.monotonic()
+    while (n := count()) < target:
+        if n > best:
+            best, grew_at = n, time.monotonic()
+        elif time.monotonic() - grew_at > stall_s:
+            raise AssertionError(f"timed out waiting for {what}: none new for {stall_s:.0f} s ({context()})")
+        time.sleep(1)
 
 
 def _fault_env(bootstrap: str, tmp_path: Path, name: str) -> dict:
@@ -187,7 +204,7 @@ def test_ten_kill_9s_of_the_broker_lose_nothing_and_every_process_recovers(tmp_p
         acknowledged = _generated(gen_log)
         assert _distinct_events(bootstrap, f"{name}.events") == acknowledged
 
-        assert _assert_exact_samples(bootstrap, name) > 5000
+        assert _assert_exact_samples(bootstrap, name, job) > 5000
         store = ModelStore(env["STREAMREC_TRAINER__MODEL_STORE"], "ctr")
         _wait_for(lambda: any(store.manifest(v)["created_at"] > last_up for v in store.versions()), 120,
                   "a version published after the last restart", lambda: (tmp_path / "trainer.log").read_text()[-2000:])
@@ -253,7 +270,7 @@ def test_a_three_node_cluster_rides_out_the_samples_leader_s_kill_9(tmp_path):
         assert gen.wait(timeout=60) == 0, gen_log.read_text()[-3000:]
         assert count > 0
         assert _distinct_events(bootstrap, f"{name}.events") == _generated(gen_log)
-        assert _assert_exact_samples(bootstrap, name) > 3000
+        assert _assert_exact_samples(bootstrap, name, job) > 3000
 
         assert run_cli("kafka", "up", *flags, timeout=180).returncode == 0  # the killed node rejoins ...
         _wait_for(lambda: set(_leader_of_most(bootstrap, samples)[1].values()) == {3}, 120,

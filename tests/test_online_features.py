@@ -320,7 +320,7 @@ def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, 
         server.send_signal(signal.SIGTERM)
         out, _ = server.communicate(timeout=60)
         os.killpg(job.pid, signal.SIGTERM)
-        job.communicate(timeout=60)
+        job.wait(timeout=60)
     assert server.returncode == 0, out[-3000:]
 
 

@@ -228,7 +228,7 @@ def test_rejected_events_do_not_move_the_watermark(broker, tmp_path):
                   "i1 and i2 as samples or in the DLQ")
     finally:
         os.killpg(job.pid, signal.SIGTERM)
-        job.communicate(timeout=60)
+        job.wait(timeout=60)
     assert [reason for reason, _ in _dlq(broker, f"{name}.dlq")] == ["malformed_json"]
     assert sorted(_samples(broker, f"{name}.samples").column("event_id").to_pylist()) == ["i1", "i2"]
 
@@ -287,17 +287,29 @@ def test_a_click_labels_its_sample_on_arrival_not_when_the_watermark_reaches_it(
         rows = _samples(broker, f"{name}.samples").to_pylist()
     finally:
         os.killpg(job.pid, signal.SIGTERM)
-        job.communicate(timeout=60)
+        job.wait(timeout=60)
     assert [(r["event_id"], r["label"], r["click_ts"]) for r in rows] == [("i1", 1, t0 + 3000)], rows
     assert rows[0]["category_imps_60s"] == 0 and rows[0]["user_imps_60s"] == 0  # the features of i1's own time
     print(f"clicked sample visible {waited:.2f} s after the click was sent")
 
 
 def _submit_in_background(env, *flags) -> subprocess.Popen:
-    """`streamrec pipeline submit` (unbounded) in its own process group, output captured."""
-    return subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", *flags], cwd=REPO,
-                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    """`streamrec pipeline submit` (unbounded) in its own process group, its output (the
+    mini-cluster's log too) in a file beside the job's checkpoints: ``_job_output(job)``. Not a
+    pipe: nobody reads one while the job runs, and a full pipe would block the job's logging."""
+    work = Path(env["STREAMREC_FLINK__CHECKPOINT_DIR"]).parent
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / f"submit-{time.monotonic_ns()}.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "pipeline", "submit", *flags], cwd=REPO,
+                               env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    job.log_path = log
+    return job
+
+
+def _job_output(job: subprocess.Popen) -> str:
+    """What a job started by ``_submit_in_background`` has printed so far."""
+    return job.log_path.read_text(errors="replace")
 
 
 def _stop_resumed_job(job: subprocess.Popen) -> None:
@@ -305,10 +317,11 @@ def _stop_resumed_job(job: subprocess.Popen) -> None:
     from a checkpoint."""
     try:
         os.killpg(job.pid, signal.SIGTERM)
-        output, _ = job.communicate(timeout=60)
+        job.wait(timeout=60)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+    output = _job_output(job)
     assert "resumed from" in output, output[-3000:]
 
 
