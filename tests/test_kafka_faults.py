@@ -91,7 +91,7 @@ def _generated(log: Path) -> int:
     return int(line.split(": ", 1)[1].split(" events in")[0].replace(",", ""))
 
 
-def _assert_exact_samples(bootstrap: str, name: str, job: subprocess.Popen) -> int:
+def _assert_exact_samples(bootstrap: str, name: str, job: subprocess.Popen, flink_log: Path | None = None) -> int:
     """The job's samples are the reference's over every event in the topic: none missing, none
     twice. Waits as long as samples keep coming (a job catching up on a loaded box), and fails
     after two minutes without a new one, saying where the rest are."""
@@ -106,7 +106,11 @@ def _assert_exact_samples(bootstrap: str, name: str, job: subprocess.Popen) -> i
     def seen_instead() -> str:
         reasons = Counter(dict(r.headers)["reason"].decode().split(":")[0] for r in read_topic(bootstrap, f"{name}.dlq"))
         written = _end_offsets(bootstrap, f"{name}.samples")
-        log = _job_output(job)[-4000:]
+        log = _job_output(job)[-2000:]
+        for f in sorted(flink_log.glob("*.log")) if flink_log else []:  # the job's restarts and errors, if any
+            lines = [ln for ln in f.read_text(errors="replace").splitlines()
+                     if " ERROR " in ln or "switched from state" in ln or "Caused by" in ln]
+            log += f"\n--- {f.name}:\n" + "\n".join(ln[:300] for ln in lines[-25:])
         return (f"{got().num_rows:,} of {want.num_rows:,} samples visible, {written:,} written; open transactions "
                 f"{open_transactions(bootstrap, [f'{name}.samples'])}; the DLQ's reasons {dict(reasons)}; the job's "
                 f"output ends:\n{log}")
@@ -204,7 +208,7 @@ def test_ten_kill_9s_of_the_broker_lose_nothing_and_every_process_recovers(tmp_p
         acknowledged = _generated(gen_log)
         assert _distinct_events(bootstrap, f"{name}.events") == acknowledged
 
-        assert _assert_exact_samples(bootstrap, name, job) > 5000
+        assert _assert_exact_samples(bootstrap, name, job, tmp_path / "flink-log") > 5000
         store = ModelStore(env["STREAMREC_TRAINER__MODEL_STORE"], "ctr")
         _wait_for(lambda: any(store.manifest(v)["created_at"] > last_up for v in store.versions()), 120,
                   "a version published after the last restart", lambda: (tmp_path / "trainer.log").read_text()[-2000:])
