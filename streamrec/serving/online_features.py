@@ -86,6 +86,7 @@ class OnlineFeatures:
         self.snapshot = Path(snapshot) if snapshot else None
         self.snapshot_as_of: int | None = None  # features_as_of of the snapshot this node started from
         self.started_from_snapshot = False
+        self.snapshot_refused: str | None = None  # why the snapshot was not used (the topic is replayed instead)
         self._serves_by_ids = False
         self._snapshot_writer = threading.Lock()
         self._snapshot_thread: threading.Thread | None = None
@@ -236,6 +237,7 @@ class OnlineFeatures:
             try:
                 self.load_snapshot(self.snapshot)
             except CorruptSnapshot as exc:
+                self.snapshot_refused = str(exc)
                 log.warning("online features: %s; replaying %s from its start instead", exc, self.topic)
         consumer = None
         while not self._stop.is_set():
@@ -469,6 +471,7 @@ class OnlineFeatures:
             "refused": store.refused, "history_overflow": len(store.history.overflow), **self.counts,
             "last_corrupt": self.last_corrupt,
             "snapshot": str(self.snapshot) if self.snapshot else None, "started_from_snapshot_as_of": self.snapshot_as_of,
+            "snapshot_refused": self.snapshot_refused,
             "counter_cache": {kind: {"entities": len(c), "bytes": c.nbytes, "hits": c.hits, "misses": c.misses}
                               for kind, c in self._counters.items()},
             "device_counts": None if (d := self._device_counts) is None else {
