@@ -110,8 +110,11 @@ class _RoutedConnection(http.client.HTTPConnection):
     same client code."""
 
     target = DIRECT
+    api_key: str | None = None  # sent with each predict that names none (--quotas: the other callers')
 
     def request(self, method, url, body=None, headers={}, **kwargs):  # noqa: B006 -- http.client's signature
+        if type(self).api_key and method == "POST" and "x-api-key" not in headers:
+            headers = {**headers, "x-api-key": type(self).api_key}
         return super().request(method, type(self).target if url == DIRECT else url, body, headers, **kwargs)
 
 
@@ -257,6 +260,7 @@ def main() -> None:
         elif args.quotas:
             result["bench"] = "model_access_quotas"
             callers = QUOTAS.format(rate=args.quota_rate)
+            _RoutedConnection.api_key = "others-key"  # callers configured: a request without a key is refused
             config.write_text(CONFIG + callers)
             result["config"]["serving_toml"] = CONFIG + callers
             on_one_node(root, config, args, lambda port: quotas(port, bodies, args, result))
@@ -560,6 +564,11 @@ name = "metered"
 key = "metered-key"
 rate_per_s = {rate}
 burst = {rate:.0f}
+
+[[serving.callers]]
+name = "others"
+key = "others-key"
+rate_per_s = 0
 """
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from streamrec.modelstore.experiments import CorruptExperiment, ExperimentStore
+from streamrec.modelstore.experiments import ExperimentStore
 from streamrec.plumbing.config import ExperimentEntry, VariantEntry, load_config, served_model_names
 from streamrec.serving.experiments import OUTSIDE, Experiments, bucket, buckets, entry_from_json, entry_to_json
 from tests.conftest import REPO, S3_BUCKET
@@ -162,7 +162,7 @@ def test_a_record_this_node_cannot_serve_is_ignored_and_reported(tmp_path):
     assert "'variants' must be a list" in node.ignored["y"]
 
 
-def test_an_unreachable_or_corrupt_store_changes_nothing(tmp_path):
+def test_an_unreachable_store_changes_nothing(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     node = Experiments([_experiment("e")], MODELS, ExperimentStore(str(blocker)))
@@ -171,13 +171,28 @@ def test_an_unreachable_or_corrupt_store_changes_nothing(tmp_path):
     with pytest.raises(OSError):
         node.delete("e")
     assert node.names() == ["e"]
+
+
+
+def test_an_unreadable_record_is_ignored_on_every_node_and_the_others_are_served(tmp_path):
+    """A record that is not JSON, or JSON nested past the parser's stack, neither stops the
+    re-reads nor splits the nodes (issue 55): each is ignored, with why, and a configured
+    experiment of its name is hidden alike on every node."""
     store = ExperimentStore(str(tmp_path / "models"))
     store.put("f", entry_to_json(_experiment("f")))
-    (tmp_path / "models" / "_experiments" / "g.json").write_text("{half")
-    node = Experiments([_experiment("e")], MODELS, store)
-    with pytest.raises(CorruptExperiment, match="g.json is not valid JSON"):
-        node.refresh()
-    assert node.names() == ["e"]
+    folder = tmp_path / "models" / "_experiments"
+    (folder / "g.json").write_text("{half")
+    (folder / "e.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    nodes = [Experiments([_experiment("e")], MODELS, ExperimentStore(str(tmp_path / "models"))) for _ in range(2)]
+    nodes[0].refresh()
+    nodes[0].put(_experiment("h"))
+    nodes[1].refresh()
+    for node in nodes:
+        assert node.names() == ["f", "h"]
+        assert "g.json is not valid JSON" in node.ignored["g"] and "e.json is JSON nested too deeply" in node.ignored["e"]
+    nodes[1].delete("g")  # an ignored record may be deleted: its tombstone replaces it
+    nodes[0].refresh()
+    assert set(nodes[0].ignored) == {"e"} and nodes[0].names() == ["f", "h"]
 
 
 def test_entry_json_round_trip_and_malformed_bodies():

@@ -29,6 +29,9 @@ from test_serving_http import TOKEN
 pytestmark = pytest.mark.slow
 
 CONFIG = """
+[serving]
+anonymous_rate_per_s = 100000.0
+
 [[serving.models]]
 name = "ctr"
 [[serving.models]]
@@ -50,6 +53,11 @@ name = "metered"
 key = "metered-key"
 rate_per_s = 10
 burst = 5
+
+[[serving.callers]]
+name = "flood"
+key = "flood-key"
+rate_per_s = 0
 
 [[serving.callers]]
 name = "batch-jobs"
@@ -288,7 +296,7 @@ def test_under_overload_low_priority_requests_are_shed_first(nodes, sample_run):
             status, answer, _ = http(a, "POST", "/v1/models/ctr:predict", body, headers)
             outcomes[who].append((status, answer.get("error", {}).get("message", "")))
 
-    threads = [threading.Thread(target=send, args=("flood", {})) for _ in range(8)]
+    threads = [threading.Thread(target=send, args=("flood", {"x-api-key": "flood-key"})) for _ in range(8)]
     threads += [threading.Thread(target=send, args=("batch-jobs", {"x-api-key": "batch-key"})),
                 threading.Thread(target=send, args=("checkout", {"x-api-key": "checkout-key"}))]
     for t in threads:

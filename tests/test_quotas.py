@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from streamrec.plumbing.config import CallerEntry, load_config
 from streamrec.serving.errors import ApiError
-from streamrec.serving.quotas import ANONYMOUS, Callers, OverQuota
+from streamrec.serving.quotas import ANONYMOUS, OUTCOMES, Callers, OverQuota
 
 CALLERS = [CallerEntry("batch", "k-batch", rate_per_s=10, burst=5, priority="low"),
            CallerEntry("web", "k-web", rate_per_s=0, priority="normal"),
@@ -45,8 +45,8 @@ def test_a_caller_over_its_rate_is_held_to_rate_times_time_plus_burst_and_others
     assert abs(admitted - (10 * 60 + 5)) <= 0.05 * (10 * 60 + 5)
     assert _run(callers, _h("k-web"), seconds=60, offered_per_s=200) == 60 * 200
     counts = callers.counts()
-    assert counts["batch"] == {"admitted": admitted, "over_quota": 60 * 200 - admitted, "shed": 0}
-    assert counts["web"]["admitted"] == 60 * 200 and counts[ANONYMOUS] == dict.fromkeys(("admitted", "over_quota", "shed"), 0)
+    assert counts["batch"] == {"admitted": admitted, "over_quota": 60 * 200 - admitted, "shed": 0, "refused": 0}
+    assert counts["web"]["admitted"] == 60 * 200 and counts[ANONYMOUS] == dict.fromkeys(OUTCOMES, 0)
 
 
 def test_over_quota_answer_names_the_caller_and_rate_and_when_to_retry():
@@ -108,15 +108,32 @@ def test_the_priority_header_may_lower_a_callers_priority_but_never_raise_it():
     assert _admitted(callers, _h("k-checkout"), now=0.0, fill=0.6)
 
 
-def test_unknown_and_absent_keys_are_the_anonymous_caller():
-    callers = _callers(anonymous_rate=2)
-    assert callers.admit(_h(), 0.0, now=0.0).caller == ANONYMOUS
-    assert callers.admit(_h("wrong"), 0.0, now=0.0) == callers.admit(_h(), 0.0, now=0.5) == callers.admit(_h(), 0.0, now=1.0)
+def test_with_callers_an_unknown_key_is_refused_and_no_key_is_refused_or_bounded_at_low_priority():
+    """A low-priority caller over its quota must gain nothing by hiding its key (issue 55)."""
+    for rate in (0, 2):
+        with pytest.raises(ApiError) as err:
+            _callers(anonymous_rate=rate).admit(_h("k-batc"), 0.0, now=0.0)
+        assert err.value.status == 401 and "unknown API key in header x-api-key" in err.value.message
+        assert "k-batc" not in err.value.message
+    refusing = _callers(anonymous_rate=0)
+    with pytest.raises(ApiError, match="no API key: send your caller's key in header x-api-key") as err:
+        refusing.admit(_h(), 0.0, now=0.0)
+    assert err.value.status == 401 and refusing.counts()[ANONYMOUS]["refused"] == 1
+    bounded = _callers(anonymous_rate=2)
+    assert bounded.admit(_h(), 0.0, now=0.0).caller == ANONYMOUS  # a burst of one second's worth, then 2/s
+    assert bounded.admit(_h(), 0.0, now=0.0) == bounded.admit(_h(), 0.0, now=0.5) == bounded.admit(_h(), 0.0, now=1.0)
     with pytest.raises(OverQuota, match="caller 'anonymous' is over its quota of 2 requests/s"):
-        callers.admit(_h("wrong"), 0.0, now=1.0)
-    assert callers.admit(_h(), 0.0, now=1.5).priority == "normal"
-    unlimited = _callers(anonymous_rate=0)
-    assert all(_admitted(unlimited, _h(), now=0.0) for _ in range(1000))
+        bounded.admit(_h(), 0.0, now=1.0)
+    assert bounded.admit(_h(), 0.0, now=1.5).priority == "low"
+    assert not _admitted(bounded, _h(), now=5.0, fill=0.5)  # shed with the low-priority callers
+
+
+def test_without_callers_every_request_is_anonymous_at_normal_priority():
+    open_node = Callers([], "x-api-key", "x-priority", 0, 0.5, registry=CollectorRegistry())
+    assert all(_admitted(open_node, _h("any", None), now=0.0) for _ in range(1000))
+    limited = Callers([], "x-api-key", "x-priority", 2, 0.5, registry=CollectorRegistry())
+    assert limited.admit(_h("any"), 0.0, now=0.0) == limited.admit(_h(), 0.0, now=0.0)
+    assert limited.admit(_h(), 0.0, now=1.0).priority == "normal"
 
 
 def test_bad_or_repeated_headers_are_400():
@@ -127,7 +144,7 @@ def test_bad_or_repeated_headers_are_400():
         with pytest.raises(ApiError) as err:
             callers.admit(headers, 0.0, now=0.0)
         assert (err.value.status, err.value.message) == (400, message)
-    assert callers.counts()["web"] == {"admitted": 0, "over_quota": 0, "shed": 0}
+    assert callers.counts()["web"] == dict.fromkeys(OUTCOMES, 0)
 
 
 def test_metrics_by_caller_and_outcome_never_show_a_key():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from streamrec.cli.common import Commands
-from streamrec.plumbing.config import Config
+from streamrec.plumbing.config import Config, ConfigError
 
 
 def add_parser(commands: Commands) -> None:
@@ -13,7 +14,7 @@ def add_parser(commands: Commands) -> None:
     serve = commands.add("serve", "serve predictions over HTTP; follows new model versions, hot-swaps them, rolls back on request", run)
     serve.add_argument("--host", help=f"listen address (serving.host: {sv['host']})")
     serve.add_argument("--port", type=int, help=f"listen port (serving.port: {sv['port']})")
-    serve.add_argument("--model", help="model name (model.name)")
+    serve.add_argument("--model", help="the one model to serve (model.name); with [[serving.models]], one of them")
     serve.add_argument("--model-store", dest="serving_model_store", help=f"model store root or URI (serving.model_store: {sv['model_store']})")
     serve.add_argument("--device", dest="serving_device", help=f"auto | cpu | cuda[:N] (serving.device: {sv['device']})")
     serve.add_argument("--admin-token", help="bearer token of the admin routes (serving.admin_token; prefer the env variable)")
@@ -30,5 +31,24 @@ def add_parser(commands: Commands) -> None:
 def run(args: argparse.Namespace, cfg: Config) -> int:
     from streamrec.serving.server import serve
 
-    serve(cfg)
+    serve(only_model(cfg, args.model) if args.model else cfg)
     return 0
+
+
+def only_model(cfg: Config, name: str) -> Config:
+    """``cfg`` serving model ``name`` alone: ``--model`` picks one of [[serving.models]] (with
+    its own model_store, if any) rather than being overruled by the list. ConfigError when
+    ``name`` is not listed, or a configured experiment needs another model."""
+    s = cfg.serving
+    if not s.models:
+        return cfg  # the flag set model.name, which a node without [[serving.models]] serves
+    chosen = tuple(m for m in s.models if m.name == name)
+    if not chosen:
+        raise ConfigError(f"--model {name}: not among serving.models {[m.name for m in s.models]}; list it there, "
+                          "or leave --model out to serve them all")
+    others = {e.name: sorted(({v.model for v in e.variants} | {e.shadow_model}) - {name, ""}) for e in s.experiments}
+    needing = {experiment: models for experiment, models in others.items() if models}
+    if needing:
+        raise ConfigError(f"--model {name}: serving.experiments {needing} need other models, which this node would not serve; "
+                          "give it a configuration without them, or leave --model out")
+    return dataclasses.replace(cfg, serving=dataclasses.replace(s, models=chosen))

@@ -12,7 +12,9 @@ configuration stays deleted on every node and after restarts; a later put replac
 the file itself brings the configured experiment back.
 
 Each file is replaced whole (a temp file renamed into place; one PUT on object stores), so a
-reader sees the old record or the new one, never a part. This module does not import
+reader sees the old record or the new one, never a part. A file this module cannot read (edited
+by hand, cut short, nested too deeply) is returned as :class:`Unreadable` rather than raised:
+one bad record must not keep every node from reading the others. This module does not import
 ``store.py``: it needs no torch, so any process may read experiments.
 """
 
@@ -23,6 +25,7 @@ import os
 import re
 import time
 import uuid
+from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
@@ -32,6 +35,14 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 class CorruptExperiment(ValueError):
     """A record in the store is not one this module wrote (edited by hand, another format)."""
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record file that holds no record (``why``: which file and what is wrong). Every node
+    reads it alike, so every node serves no experiment of its name and reports it."""
+
+    why: str
 
 
 def check_name(name: str) -> None:
@@ -59,15 +70,20 @@ class ExperimentStore:
         """Record that ``name`` is deleted (a tombstone: a configured experiment stays deleted)."""
         self._replace(name, {"deleted": True, "at": time.time()})
 
-    def load(self) -> dict[str, dict | None]:
-        """Every record: name -> the experiment's JSON form, or None for a deleted one."""
-        out: dict[str, dict | None] = {}
+    def load(self) -> dict[str, dict | Unreadable | None]:
+        """Every record: name -> the experiment's JSON form, None for a deleted one, or
+        :class:`Unreadable`. OSError: the store (or a file in it) cannot be read now."""
+        out: dict[str, dict | Unreadable | None] = {}
         for info in self.fs.get_file_info(pafs.FileSelector(self.folder, allow_not_found=True)):
             name = info.base_name.removesuffix(".json")
             if info.type != pafs.FileType.File or not info.base_name.endswith(".json") or not NAME.fullmatch(name):
                 continue  # temp files of a write in progress (".<name>.json.tmp-*"), strays
             with self.fs.open_input_stream(info.path) as src:
-                out[name] = _parse(info.path, src.read())
+                data = src.read()
+            try:
+                out[name] = _parse(info.path, data)
+            except CorruptExperiment as exc:
+                out[name] = Unreadable(str(exc))
         return out
 
     def _replace(self, name: str, record: dict) -> None:
@@ -92,6 +108,8 @@ def _parse(path: str, data: bytes) -> dict | None:
         record = json.loads(data)
     except ValueError as exc:
         raise CorruptExperiment(f"{path} is not valid JSON ({exc}): fix or delete it") from None
+    except RecursionError:  # the parser's own stack: no record this module writes is nested deeper than 4
+        raise CorruptExperiment(f"{path} is JSON nested too deeply to be a record: fix or delete it") from None
     if isinstance(record, dict) and record.get("deleted") is True:
         return None
     if isinstance(record, dict) and isinstance(record.get("experiment"), dict):

@@ -675,7 +675,8 @@ def _model_access_problems(config: Config) -> list[str]:
         if not c.key or c.rate_per_s < 0 or c.burst < 0 or c.priority not in PRIORITIES:
             problems.append(f"serving.callers '{c.name}': needs a key, rate_per_s >= 0, burst >= 0 and priority in {PRIORITIES}")
     if s.anonymous_rate_per_s < 0:
-        problems.append(f"serving.anonymous_rate_per_s must be >= 0 (0: no quota), got {s.anonymous_rate_per_s}")
+        problems.append(f"serving.anonymous_rate_per_s must be >= 0 (0: refused once serving.callers are configured, "
+                        f"else no quota), got {s.anonymous_rate_per_s}")
     if not 0 < s.shed_low_priority_at <= 1:
         problems.append(f"serving.shed_low_priority_at must be in (0, 1], got {s.shed_low_priority_at}")
     if s.prediction_log_queue < 1:

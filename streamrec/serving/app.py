@@ -34,8 +34,10 @@ def create_app(node: ServingNode, frontends: FrontendPlan | None = None) -> Fast
     link = EngineLink(frontends.socket_path, node.hello, node.take) if frontends else None
     if link is not None:
         node.welcome_listeners.append(link.broadcast)
+    # redirect_slashes off: a path with a trailing slash is a 404, never a redirect built from
+    # the Host header, which behind a front-end names the engine's private loopback port
     app = FastAPI(title="streamrec serving", version=__version__, lifespan=_lifespan(node, link, frontends),
-                  description="Online CTR predictions from continuously updated models.")
+                  description="Online CTR predictions from continuously updated models.", redirect_slashes=False)
     app.state.node = node
     install_error_handlers(app)
     add_predict_routes(app, node)

@@ -55,3 +55,11 @@ def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:
     on the path it takes (the engine reads the first, a relay would keep one), so neither does."""
     if sum(1 for name, _ in raw_headers if name.lower() == b"authorization") > 1:
         raise ApiError(400, "more than one Authorization header: send exactly one")
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value, or None when it holds none.
+    The scheme is matched case-insensitively (RFC 9110, 11.1): clients send ``bearer`` too."""
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip(" ")
+    return token if scheme.lower() == "bearer" and token else None

@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from streamrec.modelstore.experiments import ExperimentStore, check_name
+from streamrec.modelstore.experiments import ExperimentStore, Unreadable, check_name
 from streamrec.plumbing.config import ExperimentEntry, VariantEntry, experiment_problems
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Experiments:
                     for p in entry_problems(e, list(self._config.values())[:i], self.models)]
         if problems:
             raise ValueError("; ".join(problems))
-        self._records: dict[str, dict | None] = {}
+        self._records: dict[str, dict | Unreadable | None] = {}
         self._lock = threading.Lock()
         self.ignored: dict[str, str] = {}  # store records this node does not apply, and why
         self._live = {name: _Live(e, "config") for name, e in self._config.items()}
@@ -271,8 +271,11 @@ class Experiments:
     # -------------------------------------------------------------- changing
     def put(self, entry: ExperimentEntry) -> None:
         """Add or replace an experiment on every node: ValueError with its problems (nothing is
-        written), OSError if the store does not take it (nothing changes here either)."""
+        written), OSError if the store cannot be read or does not take it (nothing is written).
+        It is checked against the store's records as every node reads them now, not against
+        this node's last poll: once it succeeds, every node serving its models serves it."""
         with self._lock:
+            self._apply(self._stored())
             problems = entry_problems(entry, [x.entry for x in self._live.values()], self.models)
             if problems:
                 raise ValueError(f"experiment {entry.name!r}: " + "; ".join(problems))
@@ -288,9 +291,11 @@ class Experiments:
             self._apply(records)
 
     def delete(self, name: str) -> None:
-        """Stop serving ``name`` on every node (KeyError if not served; OSError as ``put``)."""
+        """Stop serving ``name`` on every node (KeyError if neither served nor ignored here;
+        OSError as ``put``). Deleting an ignored record replaces it with a tombstone."""
         with self._lock:
-            if name not in self._live:
+            self._apply(self._stored())
+            if name not in self._live and name not in self.ignored:
                 raise KeyError(name)
             if self.store is not None:
                 self.store.delete(name)
@@ -298,28 +303,37 @@ class Experiments:
 
     def refresh(self) -> None:
         """Apply the store's records (call at start, before serving, and every poll interval).
-        OSError or CorruptExperiment: the store could not be read; nothing changes."""
+        OSError: the store could not be read; nothing changes."""
         if self.store is None:
             return
         with self._lock:
             self._apply(self.store.load())
 
-    def _apply(self, records: dict[str, dict | None]) -> None:
-        """Serve the configuration overridden by ``records``. A record that is malformed, names a
-        model this node does not serve, or conflicts with an experiment already taken (the
-        configuration's first, then the store's by name: every node decides alike) is not served
-        here, and is listed in ``ignored``."""
+    def _stored(self) -> dict[str, dict | Unreadable | None]:
+        """The store's records now (this node's own without a store); OSError if unreadable."""
+        return self.store.load() if self.store is not None else self._records
+
+    def _apply(self, records: dict[str, dict | Unreadable | None]) -> None:
+        """Serve the configuration overridden by ``records``. A record that is unreadable or
+        malformed, names a model this node does not serve, or conflicts with an experiment
+        already taken (the configuration's first, then the store's by name: every node decides
+        alike) is not served here, and is listed in ``ignored``."""
         live, ignored = self._resolve(records)
         for name in sorted(set(ignored) - set(self.ignored)):
             log.warning("experiment %r from the model store is not served on this node: %s", name, ignored[name])
         self._records, self.ignored, self._live = records, ignored, live
 
-    def _resolve(self, records: dict[str, dict | None]) -> tuple[dict[str, _Live], dict[str, str]]:
-        """The experiments served and the records ignored (with why) under ``records``."""
+    def _resolve(self, records: dict[str, dict | Unreadable | None]) -> tuple[dict[str, _Live], dict[str, str]]:
+        """The experiments served and the records ignored (with why) under ``records``. An
+        unreadable record hides the configured experiment of its name, as a malformed one does:
+        what it meant (a change, a deletion) is unknown, and every node must decide alike."""
         live = {n: _Live(e, "config") for n, e in self._config.items() if n not in records}
         ignored = {}
         for name in sorted(records):
             if records[name] is None:
+                continue
+            if isinstance(records[name], Unreadable):
+                ignored[name] = records[name].why
                 continue
             try:
                 entry = entry_from_json(records[name], name=name)

@@ -49,6 +49,9 @@ from streamrec.serving.shortcut import PredictShortcut, read_body, send_answer
 
 log = logging.getLogger("streamrec.serving.frontend")
 HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"content-length"}  # send_answer sets the length
+# answer headers not relayed back: the hop headers, and those the front-end's uvicorn adds to
+# every answer itself (relayed as well, a client would get two)
+NOT_RELAYED_BACK = HOP_HEADERS | {b"date", b"server"}
 
 
 class EngineClient:
@@ -214,7 +217,7 @@ class EngineRelay:
             response = conn.getresponse()
             data = response.read()
             kept = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.getheaders()
-                    if k.lower().encode("latin-1") not in HOP_HEADERS]
+                    if k.lower().encode("latin-1") not in NOT_RELAYED_BACK]
             return response.status, kept, data
         finally:
             conn.close()

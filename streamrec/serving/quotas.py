@@ -4,6 +4,10 @@ overload (docs/experiments.md, "Callers, quotas and priorities").
 ``Callers.admit`` runs on the event loop's thread for every predict request before its body
 is decoded: O(1) in the number of callers, no lock, time from ``time.monotonic``. A caller's
 key never appears in a message or a metric; its name does.
+
+Once callers are configured, a request must not do better by hiding who sent it: a key no
+caller has is refused (401), and a request without a key is refused too unless
+``anonymous_rate_per_s`` admits it, then at that rate and at low priority.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from streamrec.plumbing.config import PRIORITIES, CallerEntry, ServingConfig
 from streamrec.serving.errors import ApiError
 
 ANONYMOUS = "anonymous"
-OUTCOMES = ("admitted", "over_quota", "shed")
+OUTCOMES = ("admitted", "over_quota", "shed", "refused")
 
 
 class OverQuota(ApiError):
@@ -78,10 +82,12 @@ class Callers:
         if any(c.name == ANONYMOUS for c in entries):
             raise ValueError(f"serving.callers: {ANONYMOUS!r} is the name of requests without a known key; name the caller otherwise")
         counter = Counter("streamrec_serving_caller_requests", "predict requests by caller and outcome: admitted, over_quota "
-                          "(its token bucket was empty), shed (its priority is shed at the queue's fill)",
+                          "(its token bucket was empty), shed (its priority is shed at the queue's fill), refused (an unknown "
+                          "or missing key, under anonymous)",
                           ["caller", "outcome"], registry=registry)
         self._by_key = {c.key.encode(): _Bucket(c.name, c.rate_per_s, c.burst, c.priority, counter) for c in entries}
-        self._anonymous = _Bucket(ANONYMOUS, anonymous_rate_per_s, 0, "normal", counter)
+        # without callers every request is anonymous and no one is outranked: normal priority
+        self._anonymous = _Bucket(ANONYMOUS, anonymous_rate_per_s, 0, "low" if entries else "normal", counter)
         self._caller_header, self._priority_header = caller_header.lower().encode(), priority_header.lower().encode()
         self.caller_header, self.priority_header = caller_header, priority_header
         # the queue fill at which each priority is shed: low first, normal halfway to full, high never here
@@ -95,19 +101,12 @@ class Callers:
     def admit(self, headers: list[tuple[bytes, bytes]], queue_fill: float, now: float | None = None) -> Admission:
         """Admit one request (ASGI raw headers, lower-case names; ``queue_fill``: queued instances
         / serving.max_queue_instances), or raise ApiError: 400 for a bad priority header, 429
-        when its priority is shed at this fill or its caller is over quota."""
-        key = priority = None
-        for name, value in headers:
-            if name == self._caller_header:
-                if key is not None:
-                    raise _twice(self.caller_header)
-                key = value
-            elif name == self._priority_header:
-                if priority is not None:
-                    raise _twice(self.priority_header)
-                priority = value
-        bucket = self._anonymous if key is None else self._by_key.get(key, self._anonymous)
-        rank = bucket.rank if priority is None else min(bucket.rank, self._rank(priority))
+        when its priority is shed at this fill or its caller is over quota, 401 for a key no
+        caller has or a missing key that callers must send (see the module's docstring)."""
+        key, priority = self._read(headers)
+        asked = None if priority is None else self._rank(priority)
+        bucket = self._bucket(key)
+        rank = bucket.rank if asked is None else min(bucket.rank, asked)
         if queue_fill >= self.shed_at[rank]:
             bucket.count("shed")
             raise ApiError(429, f"overloaded: the queue is {queue_fill:.0%} full; {PRIORITIES[rank]}-priority requests are "
@@ -119,6 +118,38 @@ class Callers:
                             f"{bucket.capacity:g} ({self._set_by(bucket.name)})", wait)
         bucket.count("admitted")
         return Admission(bucket.name, PRIORITIES[rank])
+
+    def _read(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+        """The request's caller key and priority header (400 when one is repeated)."""
+        key = priority = None
+        for name, value in headers:
+            if name == self._caller_header:
+                if key is not None:
+                    raise _twice(self.caller_header)
+                key = value
+            elif name == self._priority_header:
+                if priority is not None:
+                    raise _twice(self.priority_header)
+                priority = value
+        return key, priority
+
+    def _bucket(self, key: bytes | None) -> _Bucket:
+        """The caller of ``key``; the anonymous one where callers are not configured, or where
+        no key is sent and ``anonymous_rate_per_s`` admits such requests; else 401."""
+        if not self._by_key:
+            return self._anonymous
+        if key is not None:
+            bucket = self._by_key.get(key)
+            if bucket is None:
+                self._anonymous.count("refused")
+                raise ApiError(401, f"unknown API key in header {self.caller_header}: send the key of a caller of "
+                                    "serving.callers")
+            return bucket
+        if self._anonymous.rate <= 0:
+            self._anonymous.count("refused")
+            raise ApiError(401, f"no API key: send your caller's key in header {self.caller_header}; requests without one "
+                                "are refused while serving.anonymous_rate_per_s is 0")
+        return self._anonymous
 
     def _rank(self, value: bytes) -> int:
         text = value.decode("latin-1").strip().lower()

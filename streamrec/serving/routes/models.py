@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from streamrec.modelstore.store import CorruptVersion
 from streamrec.plumbing.config import ServingConfig
 from streamrec.serving.node import ServingNode
-from streamrec.serving.errors import ApiError, one_authorization
+from streamrec.serving.errors import ApiError, bearer_token, one_authorization
 from streamrec.serving.shortcut import read_body
 from streamrec.serving.state import PinNotRecorded
 
@@ -28,8 +28,8 @@ def check_admin(request: Request, admin_token: str) -> None:
     if not admin_token:
         raise ApiError(403, "admin routes are disabled: set serving.admin_token (or STREAMREC_SERVING__ADMIN_TOKEN)")
     one_authorization(request.scope["headers"])
-    header = request.headers.get("authorization", "")
-    if not header.startswith("Bearer ") or not hmac.compare_digest(header[7:].encode(), admin_token.encode()):
+    token = bearer_token(request.headers.get("authorization", ""))
+    if token is None or not hmac.compare_digest(token.encode(), admin_token.encode()):
         raise ApiError(401, "admin route: send 'Authorization: Bearer <serving.admin_token>'")
 
 
