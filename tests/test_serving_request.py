@@ -2,6 +2,7 @@
 (contracts.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
 the sample checks refuse, each with its reason."""
 
+import msgspec
 import numpy as np
 import orjson
 import pyarrow.parquet as pq
@@ -167,3 +168,55 @@ def test_the_form_comes_from_the_top_level_keys():
     assert not is_by_ids(b'{"instances": [{"user_id": 1}]}')
     assert not is_by_ids(b'{"model": "ctr", "instances": [{"user_id": 1, "candidates": 2}]}')
     assert not is_by_ids(b'[{"user_id": 1}]')
+
+
+def _valid_instance() -> dict:
+    """A hand-built instance of SPEC that the decoder serves (no sample run needed)."""
+    return {"ts": 1_700_000_000_000, "user_id": 11, "item_id": 12, "position": 1, "device": "ios", "local_hour": 9,
+            "category_id": 13, "advertiser_id": 14, "hist_item_ids": [15, 16], "hist_category_ids": [13, 17],
+            **{name: 1 for name in SPEC.counter_columns()}}
+
+
+def _refusal(decoder: InstanceDecoder, instances: list[dict]) -> str:
+    with pytest.raises(ApiError) as caught:
+        decoder.decode(orjson.dumps({"instances": instances}))
+    assert caught.value.status == 400
+    return caught.value.message
+
+
+def test_every_missing_or_bad_field_of_an_instance_is_named_in_one_answer():
+    """A newcomer's first body misses most fields: one 400 names each of them (and each
+    wrong, out-of-range or unknown field of the next instance), not only the first."""
+    decoder = InstanceDecoder(SPEC, max_instances=10)
+    assert decoder.columns(decoder.decode(orjson.dumps({"instances": [_valid_instance()]})))[1] == []
+    bad = {**_valid_instance(), "user_id": "u-1", "local_hour": 24, "item_id": None, "colour": "red"}
+    del bad["hist_category_ids"]
+    message = _refusal(decoder, [{"user_id": 1, "item_id": 2}, bad])
+    assert message.startswith("2 invalid instance(s): instance 0: "), message
+    first, second = message.removeprefix("2 invalid instance(s): instance 0: ").split(" (schema")[0].split("; instance 1: ")
+    required = [f.name for f in msgspec.structs.fields(decoder.instance) if f.required]
+    assert len(required) == 22  # the sample's fields but the optional meta ones and the label
+    assert first.split(", ") == [f"missing_field:{name}" for name in required if name not in ("user_id", "item_id")]
+    assert second.split(", ") == ["wrong_type:user_id", "missing_field:item_id", "invalid_value:local_hour",
+                                  "missing_field:hist_category_ids", "unknown_field:colour"]
+
+
+def test_every_cross_field_problem_of_an_instance_is_named():
+    decoder = InstanceDecoder(SPEC, max_instances=10)
+    bad = {**_valid_instance(), "user_id": RESERVED_MAX, "item_id": RESERVED_MAX, "hist_category_ids": [13]}
+    assert decoder.columns(decoder.decode(orjson.dumps({"instances": [_valid_instance(), bad]})))[1] == [
+        (1, "reserved_id:user_id, reserved_id:item_id, invalid_value:hist_category_ids")]
+
+
+def test_the_answer_lists_the_first_ten_bad_instances_and_says_so():
+    message = _refusal(InstanceDecoder(SPEC, max_instances=20), [{"user_id": 1}] * 12)
+    assert message.startswith("12 invalid instance(s), the first 10: instance 0: missing_field:ts, "), message
+    assert "instance 9: missing_field:ts" in message and "instance 10:" not in message
+
+
+def test_unknown_fields_are_listed_up_to_a_bound():
+    """The spec bounds an instance's missing and bad fields; a body may carry any number of
+    unknown ones, so the answer names ten and counts the rest."""
+    extra = {f"x{k}": 1 for k in range(12)}
+    message = _refusal(InstanceDecoder(SPEC, max_instances=10), [{**_valid_instance(), **extra}])
+    assert ", ".join(f"unknown_field:x{k}" for k in range(10)) + ", 2 more unknown fields (schema" in message, message

@@ -4,10 +4,11 @@ A body is ``{"instances": [instance, ...]}``, an instance being the sample schem
 its label (docs/samples.md). msgspec decodes and type-checks the whole body in one C pass
 against a struct derived from the served version's :class:`FeatureSpec`: an int field
 refuses floats, bools, strings, nulls and out-of-range numbers, counters refuse negatives.
-Only a body that fails is decoded again instance by instance, so the error names every
-bad instance and field. Why not ``contracts.sample_wire.decode_samples`` (the Kafka
-path): re-encoding each instance for pyarrow's JSON reader costs more per batch than the
-model itself (bench/RESULTS.md, serving_decode).
+Only a body that fails is decoded again, instance by instance and field by field, so the
+error names every bad field of each bad instance (of the first :data:`MAX_SHOWN` bad
+instances). Why not ``contracts.sample_wire.decode_samples`` (the Kafka path):
+re-encoding each instance for pyarrow's JSON reader costs more per batch than the model
+itself (bench/RESULTS.md, serving_decode).
 
 Checks that need more than one field (reserved ids, history lengths, ``sample_version``)
 run in numpy over a whole batch in :meth:`InstanceDecoder.columns`; the rules are those
@@ -35,7 +36,8 @@ from streamrec.serving.errors import ApiError
 INT64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 INT32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 COUNT = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
-_FIELD = re.compile(r"at `\$(?:\.instances\[\d+\])?\.([A-Za-z0-9_]+)")
+MAX_SHOWN = 10  # bad instances a 400 lists, each with every problem it has (docs/serving.md)
+MAX_UNKNOWN = 10  # unknown fields a 400 lists per instance: the spec bounds the others, not these
 
 
 _TYPES = {pa.int64(): INT64, pa.int32(): INT32, pa.string(): str, pa.list_(pa.int64()): list[INT64]}
@@ -74,22 +76,35 @@ def not_json(exc: Exception) -> ApiError:
     return ApiError(400, f"request body is not valid JSON: {exc}")
 
 
-def reason_of(error: msgspec.ValidationError) -> str:
-    """A rejection reason in the vocabulary of the sample checks (``wrong_type:user_id``, ...)."""
+def value_reason(name: str, error: msgspec.ValidationError) -> str:
+    """Why field ``name``'s value was refused, in the vocabulary of the sample checks
+    (``wrong_type:user_id``, ...): a null is a missing value, a number or string past its
+    bound an invalid one."""
     message = str(error)
-    missing = re.match(r"Object missing required field `([A-Za-z0-9_]+)`", message)
-    if missing:
-        return f"missing_field:{missing.group(1)}"
-    unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
-    if unknown:
-        return f"unknown_field:{unknown.group(1)}"
-    field = _FIELD.search(message)
-    name = field.group(1) if field else "?"
     if "got `null`" in message:
         return f"missing_field:{name}"
     if re.search(r"Expected `(int|str)` (of length )?[<>]=", message):
         return f"invalid_value:{name}"
     return f"wrong_type:{name}"
+
+
+def field_reasons(instance: dict, fields: tuple[msgspec.structs.FieldInfo, ...]) -> list[str]:
+    """Every problem of an instance the typed decode refused, field by field (msgspec stops at
+    the first): a client fixes them all in one round trip. Unknown fields come last, at most
+    :data:`MAX_UNKNOWN` of them, names cut at 100 characters (a body may hold any number)."""
+    reasons = []
+    for f in fields:
+        if f.name not in instance:
+            reasons.extend([f"missing_field:{f.name}"] if f.required else [])
+            continue
+        try:
+            msgspec.convert(instance[f.name], f.type)
+        except msgspec.ValidationError as exc:
+            reasons.append(value_reason(f.name, exc))
+    known = {f.name for f in fields}
+    unknown = [f"unknown_field:{key[:100]}" for key in instance if key not in known]
+    more = [f"{len(unknown) - MAX_UNKNOWN} more unknown fields"] if len(unknown) > MAX_UNKNOWN else []
+    return reasons + unknown[:MAX_UNKNOWN] + more
 
 
 class InstanceDecoder:
@@ -98,6 +113,7 @@ class InstanceDecoder:
     def __init__(self, spec: FeatureSpec, max_instances: int) -> None:
         self.spec, self.max_instances = spec, max_instances
         self.instance = instance_struct(spec)
+        self._fields = msgspec.structs.fields(self.instance)
         self._body = msgspec.json.Decoder(msgspec.defstruct("PredictBody", [("instances", list[self.instance])]))
         self._ints = attrgetter(*INT_COLUMNS, *spec.counter_columns())
         self._n_ints, self._width = len(INT_COLUMNS), len(INT_COLUMNS) + len(spec.counter_columns())
@@ -139,11 +155,11 @@ class InstanceDecoder:
                 typed.append(msgspec.convert(x, self.instance))
                 where.append(i)
             except msgspec.ValidationError as exc:
-                reasons[i] = reason_of(exc)
+                reasons[i] = ", ".join(field_reasons(x, self._fields)) or value_reason("?", exc)
         if typed:  # the cross-field checks too, so one answer names every bad instance
             reasons.update((where[j], reason) for j, reason in self.columns(typed)[1])
         error = invalid_instances([f"instance {i}: {reasons[i]}" for i in sorted(reasons)])
-        if any(r.startswith(("unknown_field:", "missing_field:")) for r in reasons.values()):
+        if re.search(r"\b(unknown|missing)_field:", " ".join(reasons.values())):
             s = self.spec
             error.message += (f"; this node serves feature spec windows_s {list(s.windows_s)}, history_len {s.history_len}: "
                               f"counters {', '.join(s.counter_columns())}")
@@ -167,12 +183,13 @@ class InstanceDecoder:
         return cols, self._check(instances, cols, categories)
 
     def _check(self, instances: list, cols: FeatureColumns, categories: list) -> list[tuple[int, str]]:
+        """[(index, its reasons joined by ", ")]: every cross-field problem of each instance."""
         n = len(instances)
-        reason = np.full(n, None, dtype=object)
+        found: dict[int, list[str]] = {}
 
         def flag(mask: np.ndarray, why: str) -> None:
-            if mask.any():  # (nearly always not: the object array's compare is the costly part)
-                reason[mask & (reason == None)] = why  # noqa: E711 -- elementwise on an object array
+            for i in np.flatnonzero(mask).tolist():  # (nearly always none)
+                found.setdefault(i, []).append(why)
 
         versions = [x.sample_version for x in instances]
         if not set(versions) <= {None, SAMPLE_VERSION}:
@@ -188,12 +205,15 @@ class InstanceDecoder:
                 mask = np.zeros(n, dtype=bool)
                 mask[np.repeat(np.arange(n), lengths)[bad]] = True
                 flag(mask, f"reserved_id:{name}")
-        return [(int(i), str(reason[i])) for i in np.flatnonzero(reason != None)]  # noqa: E711
+        return [(i, ", ".join(found[i])) for i in sorted(found)]
 
 
 def invalid_instances(reasons: list[str]) -> ApiError:
-    shown = "; ".join(reasons[:10])
-    return ApiError(400, f"{len(reasons)} invalid instance(s): {shown} (schema: docs/samples.md, without label)")
+    """The 400 for bad instances, ``reasons`` one ``"instance i: ..."`` each: the first
+    :data:`MAX_SHOWN` of them, saying so when there are more."""
+    which = f", the first {MAX_SHOWN}" if len(reasons) > MAX_SHOWN else ""
+    shown = "; ".join(reasons[:MAX_SHOWN])
+    return ApiError(400, f"{len(reasons)} invalid instance(s){which}: {shown} (schema: docs/samples.md, without label)")
 
 
 # ---------------------------------------------------------------------- predict by ids
