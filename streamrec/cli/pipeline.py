@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import TYPE_CHECKING, Iterable, Iterator, TypeVar
 
 from streamrec.cli.common import Commands, add_action
 from streamrec.plumbing.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from streamrec.pipelines.pipeline_service import Status
+
+T = TypeVar("T")
 
 
 def add_parser(commands: Commands) -> None:
@@ -15,7 +22,9 @@ def add_parser(commands: Commands) -> None:
     actions = pipeline.add_subparsers(dest="pipeline_command", metavar="ACTION", required=True)
     _add_offline(actions, commands.defaults)
     _add_submit(actions, commands.defaults)
-    for action, text in (("status", "jobs on the cluster (embedded or --jobmanager) with their progress"),
+    for action, text in (("status", "jobs on the cluster (embedded or --jobmanager): state, events in, samples / DLQ / "
+                                    "feature records out; once the embedded one has ended, its last job as recorded "
+                                    "in var/flink/last-job.json"),
                          ("cancel", "cancel the pipeline job (or JOB_ID); its last checkpoint is kept")):
         p = add_action(actions, action, text)
         p.add_argument("--jobmanager", metavar="HOST:PORT", help="REST endpoint of a Flink cluster (flink.jobmanager)")
@@ -43,6 +52,9 @@ def _add_offline(actions: argparse._SubParsersAction, defaults: dict) -> None:
                          help=f"rows per row group of samples.parquet (default {SAMPLE_ROW_GROUP_ROWS}). The ranks of a sharded "
                               "trainer read whole groups each; where N divides the batch per rank, R ranks train exactly the "
                               "steps one rank trains at R times that batch (docs/distributed.md)")
+    offline.add_argument("--progress-every", type=float, default=5.0, metavar="S",
+                         help="not on a terminal: a progress line on stderr every S seconds (default 5; on a terminal: a "
+                              "progress bar)")
 
 
 def _add_submit(actions: argparse._SubParsersAction, defaults: dict) -> None:
@@ -71,40 +83,65 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
     if args.pipeline_command == "offline":
         return offline(args, cfg)
     from streamrec.pipelines import pipeline_service as service
-    from streamrec.pipelines.flink_runner import RunOptions
 
     if args.pipeline_command == "submit":
-        if args.detach:
-            if cfg.flink.jobmanager:
-                raise ConfigError("--detach is for the embedded mini-cluster; a --jobmanager job runs on the cluster anyway")
-            return service.detach(sys.argv[1:], cfg)
-        spec, opts = service.job_spec(cfg, bounded=args.bounded), RunOptions.from_config(cfg, fresh=args.fresh)
-        return service.submit_remote(spec, opts) if cfg.flink.jobmanager else service.run_embedded(cfg, spec, opts)
+        return _submit(args, cfg)
     if args.pipeline_command == "cancel":
         cancelled = service.cancel(cfg, args.job_id)
         print(f"cancelled {', '.join(cancelled)}" if cancelled else f"no job named {cfg.flink.job_name!r} left to cancel")
         return 0
-    jobs = service.status(cfg)
-    if args.json:
-        print(json.dumps([j.as_dict() for j in jobs], indent=2))
-    elif not jobs:
-        print(f"no jobs on {service.rest_address(cfg)}")
-    for job in jobs if not args.json else []:
-        print(f"{job.job_id}  {job.name}  {job.state}  {job.duration_s:,.0f}s  {job.records_in:,} events in  "
-              f"{job.records_out:,} records out")
+    _print_status(service.status(cfg), service.rest_address(cfg), args.json)
     return 0
+
+
+def _submit(args: argparse.Namespace, cfg: Config) -> int:
+    from streamrec.pipelines import pipeline_service as service
+    from streamrec.pipelines.embedded_state import release_pid_file
+    from streamrec.pipelines.flink_runner import RunOptions
+
+    if args.detach:
+        if cfg.flink.jobmanager:
+            raise ConfigError("--detach is for the embedded mini-cluster; a --jobmanager job runs on the cluster anyway")
+        return service.detach(sys.argv[1:], cfg)
+    if cfg.flink.jobmanager:
+        return service.submit_remote(service.job_spec(cfg, bounded=args.bounded), RunOptions.from_config(cfg, fresh=args.fresh))
+    try:
+        return service.run_embedded(cfg, service.job_spec(cfg, bounded=args.bounded), RunOptions.from_config(cfg, fresh=args.fresh))
+    finally:
+        release_pid_file()  # this process may be a `submit --detach`'s, whose pid file it names
+
+
+def _print_status(status: Status, address: str, as_json: bool) -> None:
+    """The jobs, each with its records in and out (the samples, DLQ and feature records the sinks wrote)."""
+    if as_json:
+        print(json.dumps([{**j.as_dict(), **({"recorded": status.recorded} if status.recorded else {})} for j in status.jobs],
+                         indent=2))
+        return
+    if status.recorded:
+        print(f"the embedded mini-cluster is not running; its last job, as recorded in {status.recorded['record']}"
+              f" (Flink log: {status.recorded.get('flink_log')}):")
+    elif not status.jobs:
+        print(f"no jobs on {address}")
+    for job in status.jobs:
+        print(f"{job.job_id}  {job.name}  {job.state}  {job.duration_s:,.0f}s  {job.records_in:,} events in  {job.outputs()}")
+    if status.recorded and status.recorded.get("error"):
+        print(f"  it failed: {status.recorded['error']}")
+    if any(job.state == "UNKNOWN" for job in status.jobs):
+        print("  its process ended without recording how the job ended (killed?)")
 
 
 def offline(args: argparse.Namespace, cfg: Config) -> int:
     from collections import Counter
 
-    from streamrec.pipelines.samples import SampleBuilder, read_run, write_samples
+    from streamrec.pipelines.samples import SampleBuilder, event_count, read_run, write_samples
 
     if args.row_group_rows < 1:  # before the build, not after it
         raise ValueError(f"--row-group-rows must be >= 1, got {args.row_group_rows}")
-    spec = cfg.features
-    builder = SampleBuilder(spec).add_all(read_run(args.run))
-    table = builder.build()
+    builder = SampleBuilder(cfg.features)
+    with _Progress("reading events", "events", event_count(args.run), args.progress_every) as progress:
+        builder.add_all(_counted(read_run(args.run), progress))
+    with _Progress("building samples", "samples", len(builder.impressions), args.progress_every) as progress:
+        table = builder.build(progress=progress.update)
     samples_path, rejected_path = write_samples(table, builder.rejected, args.out or args.run, args.row_group_rows)
     labels = table.column("label").to_pylist()
     reasons = Counter(r.reason.split(":")[0] for r in builder.rejected)
@@ -112,3 +149,49 @@ def offline(args: argparse.Namespace, cfg: Config) -> int:
           f"{len(builder.rejected):,} rejected ({', '.join(f'{k}={v}' for k, v in sorted(reasons.items())) or 'none'}) -> {rejected_path}\n"
           f"{builder.duplicates:,} duplicate events ignored")
     return 0
+
+
+class _Progress:
+    """One phase of a long command: a tqdm bar on a terminal; otherwise (a log, CI) a line on
+    stderr every ``every_s`` seconds, so a long phase is never silent. Either way a last line
+    says what the phase did and how fast."""
+
+    def __init__(self, what: str, unit: str, total: int | None, every_s: float) -> None:
+        from tqdm import tqdm
+
+        self.what, self.unit, self.total, self.every_s = what, unit, total, every_s
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=what, unit=f" {unit}", unit_scale=True, disable=not self.tty, file=sys.stderr)
+        self.done, self.started = 0, time.monotonic()
+        self.last_line = self.started
+
+    def update(self, done: int) -> None:
+        """``done`` so far (a running count, not an increment)."""
+        self.bar.update(done - self.done)
+        self.done = done
+        if not self.tty and time.monotonic() - self.last_line >= self.every_s:
+            self.last_line = time.monotonic()
+            of = f" of {self.total:,}" if self.total else ""
+            print(f"{self.what}: {done:,}{of} {self.unit} ({self._rate():,.0f} {self.unit}/s)", file=sys.stderr, flush=True)
+
+    def _rate(self) -> float:
+        return self.done / max(1e-9, time.monotonic() - self.started)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+        if exc[0] is None:
+            print(f"{self.what}: {self.done:,} {self.unit} in {time.monotonic() - self.started:,.1f} s "
+                  f"({self._rate():,.0f} {self.unit}/s)", file=sys.stderr, flush=True)
+
+
+def _counted(records: Iterable[T], progress: _Progress, every: int = 8192) -> Iterator[T]:
+    """``records``, telling ``progress`` how many have passed every ``every`` of them and at the end."""
+    n = 0
+    for n, record in enumerate(records, 1):
+        if n % every == 0:
+            progress.update(n)
+        yield record
+    progress.update(n)

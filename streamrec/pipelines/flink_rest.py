@@ -15,6 +15,10 @@ class FlinkUnreachable(ConnectionError):
     JobManager says 503): either way, ask again later."""
 
 
+# the job's sinks by the name of their vertex (pipelines/java/.../SampleJob.java) -> JobInfo field
+SINK_FIELDS = {"samples topic": "samples_out", "DLQ topic": "dlq_out", "features topic": "features_out"}
+
+
 @dataclass(frozen=True)
 class JobInfo:
     job_id: str
@@ -22,11 +26,35 @@ class JobInfo:
     state: str
     duration_s: float
     records_in: int  # records read by the sources (Kafka events)
-    records_out: int  # records written by the sinks (samples + DLQ)
+    records_out: int  # records written by all sinks: samples_out + dlq_out + features_out for the pipeline job
     tasks_running: bool = False  # every task deployed and initialised (state restored, sinks ready)
+    samples_out: int = 0  # samples written to the samples topic
+    dlq_out: int = 0  # rejected events written to the DLQ
+    features_out: int = 0  # feature-state records written to the features topic
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def outputs(self) -> str:
+        """What "records out" is made of, each sink of the pipeline job by name (another job's: the sum)."""
+        if self.records_out and not (self.samples_out or self.dlq_out or self.features_out):
+            return f"{self.records_out:,} records out"
+        return f"{self.samples_out:,} samples, {self.dlq_out:,} DLQ, {self.features_out:,} feature records out"
+
+
+def _sink_counts(vertices: list[dict]) -> dict[str, int]:
+    """Records each sink wrote (a Kafka sink's Writer vertex: the records it read), by JobInfo
+    field; ``records_out`` is their sum, with the Writers of any other job."""
+    counts = {"records_out": 0}
+    for vertex in vertices:
+        if "Writer" not in vertex["name"]:
+            continue
+        written = vertex.get("metrics", {}).get("read-records", 0)
+        counts["records_out"] += written
+        field = next((f for sink, f in SINK_FIELDS.items() if f"{sink}: Writer" in vertex["name"]), None)
+        if field:
+            counts[field] = counts.get(field, 0) + written
+    return counts
 
 
 class FlinkRest:
@@ -48,25 +76,20 @@ class FlinkRest:
         return json.loads(body) if body else {}
 
     def jobs(self) -> list[JobInfo]:
-        out = []
-        for job in self._call("GET", "/jobs/overview").get("jobs", []):
-            records_in = records_out = 0
-            tasks_running = False
-            try:
-                detail = self._call("GET", f"/jobs/{job['jid']}")
-                vertices = detail.get("vertices", [])
-                tasks_running = bool(vertices) and all(v.get("status") == "RUNNING" for v in vertices)
-                for vertex in vertices:
-                    metrics = vertex.get("metrics", {})
-                    if vertex["name"].startswith("Source"):
-                        records_in += metrics.get("write-records", 0)
-                    if "Writer" in vertex["name"]:
-                        records_out += metrics.get("read-records", 0)
-            except RuntimeError:
-                pass  # the job just went away; report what the overview says
-            out.append(JobInfo(job["jid"], job["name"], job["state"], job.get("duration", 0) / 1000, records_in, records_out,
-                               tasks_running))
-        return out
+        return [self._job(job) for job in self._call("GET", "/jobs/overview").get("jobs", [])]
+
+    def _job(self, job: dict) -> JobInfo:
+        """One job of the overview, with its records in and out from the job's detail."""
+        records_in, counts, tasks_running = 0, {"records_out": 0}, False
+        try:
+            vertices = self._call("GET", f"/jobs/{job['jid']}").get("vertices", [])
+            tasks_running = bool(vertices) and all(v.get("status") == "RUNNING" for v in vertices)
+            records_in = sum(v.get("metrics", {}).get("write-records", 0) for v in vertices if v["name"].startswith("Source"))
+            counts = _sink_counts(vertices)
+        except RuntimeError:
+            pass  # the job just went away; report what the overview says
+        return JobInfo(job["jid"], job["name"], job["state"], job.get("duration", 0) / 1000, records_in,
+                       tasks_running=tasks_running, **counts)
 
     def overview(self) -> dict:
         """The cluster's summary: ``slots-total``, ``slots-available``, ``taskmanagers``, job counts."""

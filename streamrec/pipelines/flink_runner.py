@@ -23,6 +23,7 @@ from pathlib import Path
 
 from streamrec.pipelines.checkpoints import checkpoint_uri, latest_checkpoint
 from streamrec.pipelines.checkpoints import prepare as prepare_checkpoints
+from streamrec.pipelines.embedded_state import LOG_DIR
 from streamrec.pipelines.job import JobSpec
 from streamrec.pipelines.job_jar import ensure_job_jar
 
@@ -46,6 +47,7 @@ class RunOptions:
     watermark_interval_ms: int = 200
     buffer_timeout_ms: int = 100
     restart_max_backoff_s: float = 10.0  # the longest wait between two restarts of a failing job
+    log_dir: Path = LOG_DIR  # the PyFlink JVM's Flink log (and the embedded mini-cluster's), unless FLINK_LOG_DIR is set
 
     @classmethod
     def from_config(cls, cfg, fresh: bool = False) -> "RunOptions":
@@ -142,6 +144,38 @@ def _set_gateway_jvm_options(options: str) -> None:
         os.environ["JVM_ARGS"] = f"{current} {options}".strip()
 
 
+def _quiet_pyflink_imports() -> None:
+    """Importing PyFlink logs Apache Beam's INFO lines (BigQuery extras missing, type hints),
+    which say nothing about this job: shown with -v only."""
+    if not log.isEnabledFor(logging.DEBUG):
+        for name in ("apache_beam", "pyflink"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _set_gateway_log_dir(log_dir: Path) -> None:
+    """Point the Flink log of the PyFlink JVM this process is about to start at ``log_dir``.
+    PyFlink's launcher otherwise writes it (and RocksDB's LOG files, which follow it) into
+    ``pyflink/log/`` inside the installed package. A FLINK_LOG_DIR already set is kept."""
+    import os
+
+    from pyflink import java_gateway
+
+    if "FLINK_LOG_DIR" in os.environ:
+        return
+    if getattr(java_gateway, "_gateway", None) is not None:
+        log.warning("the PyFlink JVM is running already: its Flink log stays where it is (%s)", flink_log_file())
+        return
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["FLINK_LOG_DIR"] = str(log_dir.resolve())
+
+
+def flink_log_file() -> str | None:
+    """The Flink log file of this process's PyFlink JVM, as the JVM itself was told (``log.file``)."""
+    from pyflink.java_gateway import get_gateway
+
+    return get_gateway().jvm.java.lang.System.getProperty("log.file")
+
+
 def job_jars(opts: RunOptions) -> list[str]:
     """The URL of the job's jar (built here if its sources changed), for ``pipeline.jars``."""
     return [ensure_job_jar(opts.jars_dir).resolve().as_uri()]
@@ -153,6 +187,7 @@ def submit(spec: JobSpec, opts: RunOptions):
     On the embedded mini-cluster the job runs inside this process: keep it alive (wait on
     the client's execution result) for as long as the job should run.
     """
+    _quiet_pyflink_imports()
     from pyflink.common import Configuration
     from pyflink.java_gateway import get_gateway
     from pyflink.util.java_utils import add_jars_to_context_class_loader
@@ -160,6 +195,7 @@ def submit(spec: JobSpec, opts: RunOptions):
     restore = latest_checkpoint(opts.checkpoint_dir) if opts.resume else None
     prepare_checkpoints(opts.checkpoint_dir)
     settings = spec.properties(restored=restore is not None)  # validates the spec before the JVM starts
+    _set_gateway_log_dir(opts.log_dir)
     if not opts.jobmanager:
         _set_gateway_jvm_options(opts.jvm_options)
     conf = Configuration()

@@ -3,7 +3,8 @@
 Embedded (default): the mini-cluster runs inside the submitting process, which stays in
 the foreground printing progress until the job ends, Ctrl-C or SIGTERM (the job is then
 cancelled; its last checkpoint is kept and the next submit resumes from it). ``--detach``
-starts that process in the background with its log and PID under ``var/flink/``.
+starts that process in the background with its log and PID under ``var/flink/``, where the
+Flink log and the record of the last job go too (pipelines/embedded_state.py).
 Remote (``--jobmanager``): the job graph is submitted to the cluster and the command
 returns; the job runs there.
 """
@@ -17,16 +18,18 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 from streamrec.pipelines.checkpoints import checkpoint_uri, is_local
+from streamrec.pipelines.embedded_state import (ENDED, PID_FILE, RECORD_FILE, SUBMIT_LOG, UNKNOWN, record_job, recorded_job,
+                                                release_pid_file, remove_stale_pid_file, write_pid)
 from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
-from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, submit
+from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, flink_log_file, submit
 from streamrec.pipelines.job import JobSpec
 
 log = logging.getLogger("streamrec.pipeline")
 
-STATE_DIR = Path("var/flink")
+LOOK_INTERVAL_S = 2.0  # how often a running embedded job's counts are read (its record keeps the last)
 
 
 class PipelineError(RuntimeError):
@@ -51,7 +54,7 @@ def job_spec(cfg, bounded: bool = False) -> JobSpec:
 
 
 def _progress(job: JobInfo, started: float) -> str:
-    return (f"job {job.job_id[:8]} {job.state}: {job.records_in:,} events in, {job.records_out:,} records out "
+    return (f"job {job.job_id[:8]} {job.state}: {job.records_in:,} events in, {job.outputs()} "
             f"({job.records_in / max(1e-9, time.monotonic() - started):,.0f} events/s)")
 
 
@@ -64,16 +67,18 @@ def _warn_if_bounded_restore(spec: JobSpec, restored: str | None) -> None:
 
 
 def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0) -> int:
-    """Run on the in-process mini-cluster until the job ends or we are told to stop."""
+    """Run on the in-process mini-cluster until the job ends or we are told to stop. A cancel,
+    ours (Ctrl-C, SIGTERM) or through the REST API (`pipeline cancel`), is a clean end: 0."""
     if _embedded_alive(cfg):
         raise PipelineError(f"a Flink REST endpoint already answers at {rest_address(cfg)}: is a pipeline running? "
                            "(`streamrec pipeline status`, `streamrec pipeline cancel`)")
     client, restored = submit(spec, opts)
     keeper = TaskManagerKeeper(client)
     _warn_if_bounded_restore(spec, restored)
-    job_id = str(client.get_job_id())
-    print(f"pipeline job {job_id} submitted to the embedded mini-cluster "
-          f"(REST http://{rest_address(cfg)}; {'resumed from ' + str(restored) if restored else 'fresh start'})", flush=True)
+    job = _EmbeddedJob(cfg, client)
+    print(f"pipeline job {job.job_id} submitted to the embedded mini-cluster "
+          f"(REST http://{rest_address(cfg)}; {'resumed from ' + str(restored) if restored else 'fresh start'}; "
+          f"Flink log {job.flink_log})", flush=True)
     stop, done, outcome = threading.Event(), threading.Event(), {}
 
     def wait_for_job() -> None:
@@ -89,36 +94,74 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     threading.Thread(target=wait_for_job, name="flink-job", daemon=True).start()
-    rest, started, last = FlinkRest(rest_address(cfg)), time.monotonic(), time.monotonic()
+    last_look = last_print = time.monotonic()
     try:
         while not done.wait(0.5):
             if stop.is_set():
                 print("stopping: cancelling the job (its last checkpoint is kept for the next submit)", flush=True)
+                job.look()
                 client.cancel().result()
                 done.wait(60)
                 break
             if keeper.replace_stopped():
                 print("a TaskManager of the mini-cluster stopped on a fatal task error (the Flink log says which): "
                       "started a new one; the job restarts from its last checkpoint", flush=True)
-            if time.monotonic() - last >= interval_s:
-                last = time.monotonic()
-                try:
-                    print(_progress(next(j for j in rest.jobs() if j.job_id == job_id), started), flush=True)
-                except (FlinkUnreachable, StopIteration, RuntimeError):
-                    pass
+            if time.monotonic() - last_look >= min(interval_s, LOOK_INTERVAL_S):  # counts for the record, too
+                last_look = time.monotonic()
+                if job.look() and time.monotonic() - last_print >= interval_s:
+                    last_print = time.monotonic()
+                    print(_progress(job.seen, job.started), flush=True)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if stop.is_set():
-        print(f"pipeline job {job_id} cancelled", flush=True)
+    return job.end(stop.is_set(), outcome.get("error"), spec)
+
+
+class _EmbeddedJob:
+    """The job on this process's mini-cluster: what the REST API last said of it, and the record
+    (pipelines/embedded_state.py) that outlives the mini-cluster."""
+
+    def __init__(self, cfg, client) -> None:
+        self.job_id, self.name = str(client.get_job_id()), cfg.flink.job_name
+        self.rest, self.started = FlinkRest(rest_address(cfg)), time.monotonic()
+        self.flink_log = flink_log_file()
+        self.seen = JobInfo(self.job_id, self.name, "RUNNING", 0.0, 0, 0)
+        record_job(self.seen, self.flink_log)
+
+    def look(self) -> bool:
+        """Ask the REST API about the job (its counts, for progress and the record); whether it answered."""
+        try:
+            self.seen = next(j for j in self.rest.jobs() if j.job_id == self.job_id)
+            return True
+        except (FlinkUnreachable, StopIteration, RuntimeError):
+            return False
+
+    def _record(self, state: str, error: str | None = None) -> None:
+        duration = time.monotonic() - self.started
+        record_job(JobInfo(**{**self.seen.as_dict(), "state": state, "duration_s": duration, "tasks_running": False}),
+                   self.flink_log, error)
+
+    def end(self, stopped: bool, error: Exception | None, spec: JobSpec) -> int:
+        """Say (and record) how the job ended; raise PipelineError if it failed."""
+        if stopped or (error is not None and _cancelled(error)):
+            self._record("CANCELED")
+            print(f"pipeline job {self.job_id} cancelled{'' if stopped else ' (through the REST API)'}; "
+                  "its last checkpoint is kept for the next submit", flush=True)
+            return 0
+        if error is not None:
+            message = next((line for line in str(error).splitlines() if "Exception" in line), str(error)[:500])
+            self._record("FAILED", message)
+            raise PipelineError(f"the pipeline job failed: {message} (the full trace is in the Flink log: {self.flink_log})")
+        self._record("FINISHED")
+        print(f"pipeline job {self.job_id} finished", flush=True)
+        if spec.bounded:
+            _wait_output_committed(spec)
         return 0
-    if "error" in outcome:
-        message = next((line for line in str(outcome["error"]).splitlines() if "Exception" in line), str(outcome["error"])[:500])
-        raise PipelineError(f"the pipeline job failed: {message} (the full trace is in the Flink log: pyflink/log/)")
-    print(f"pipeline job {job_id} finished", flush=True)
-    if spec.bounded:
-        _wait_output_committed(spec)
-    return 0
+
+
+def _cancelled(error: Exception) -> bool:
+    """Whether the job's execution result failed because the job was cancelled (not a failure)."""
+    return "JobCancellationException" in str(error)
 
 
 def _wait_output_committed(spec: JobSpec, timeout_s: float = 60.0) -> None:
@@ -147,28 +190,38 @@ def _embedded_alive(cfg) -> bool:
 
 
 def detach(argv: list[str], cfg, timeout_s: float = 120.0) -> int:
-    """Start ``streamrec pipeline submit`` (without --detach) in the background; wait until it runs."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    log_path, pid_path = STATE_DIR / "pipeline.log", STATE_DIR / "pipeline.pid"
+    """Start ``streamrec pipeline submit`` (without --detach) in the background; wait until it
+    runs. Its output goes to var/flink/pipeline.log, its pid to var/flink/pipeline.pid (which
+    it removes when it ends)."""
+    remove_stale_pid_file()
+    if PID_FILE.exists():
+        raise PipelineError(f"a pipeline runs in the background already (pid {PID_FILE.read_text().strip()}, {PID_FILE}): "
+                            "`streamrec pipeline status`, `streamrec pipeline cancel`")
+    SUBMIT_LOG.parent.mkdir(parents=True, exist_ok=True)
     args = [a for a in argv if a != "--detach"]
-    with open(log_path, "ab") as log_file:
+    with open(SUBMIT_LOG, "ab") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "streamrec.cli", *args], stdout=log_file, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    pid_path.write_text(f"{proc.pid}\n")
+    write_pid(proc.pid)
     rest = FlinkRest(rest_address(cfg))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise PipelineError(f"the pipeline process exited with {proc.returncode} before its job ran; see {SUBMIT_LOG}")
+            try:
+                job = rest.wait_running(cfg.flink.job_name, timeout_s=2.0)
+                print(f"pipeline job {job.job_id} running in the background (pid {proc.pid}, log {SUBMIT_LOG}, "
+                      f"REST http://{rest_address(cfg)})")
+                return 0
+            except TimeoutError:
+                continue
+        os.killpg(proc.pid, signal.SIGTERM)
+        raise TimeoutError(f"the pipeline job did not start within {timeout_s:.0f} s; see {SUBMIT_LOG}")
+    except BaseException:
         if proc.poll() is not None:
-            raise PipelineError(f"the pipeline process exited with {proc.returncode} before its job ran; see {log_path}")
-        try:
-            job = rest.wait_running(cfg.flink.job_name, timeout_s=2.0)
-            print(f"pipeline job {job.job_id} running in the background (pid {proc.pid}, log {log_path}, "
-                  f"REST http://{rest_address(cfg)})")
-            return 0
-        except TimeoutError:
-            continue
-    os.killpg(proc.pid, signal.SIGTERM)
-    raise TimeoutError(f"the pipeline job did not start within {timeout_s:.0f} s; see {log_path}")
+            release_pid_file(proc.pid)
+        raise
 
 
 def _check_cluster(spec: JobSpec, opts: RunOptions) -> None:
@@ -202,13 +255,32 @@ def submit_remote(spec: JobSpec, opts: RunOptions) -> int:
     return 0
 
 
-def status(cfg) -> list[JobInfo]:
+@dataclass(frozen=True)
+class Status:
+    """Jobs as the cluster's REST API lists them or, when the embedded mini-cluster is gone,
+    the last one as recorded (``recorded``: the record's path and what else it holds)."""
+
+    jobs: list[JobInfo]
+    recorded: dict | None = None
+
+
+def status(cfg) -> Status:
+    """The cluster's answer; for the embedded mini-cluster, once it is gone, the record of its last job."""
     try:
-        return FlinkRest(rest_address(cfg)).jobs()
+        return Status(FlinkRest(rest_address(cfg)).jobs())
     except FlinkUnreachable as exc:
-        where = "the embedded mini-cluster is not running (start it with `streamrec pipeline submit`)" \
-            if not cfg.flink.jobmanager else f"the cluster at {cfg.flink.jobmanager} does not answer"
-        raise FlinkUnreachable(f"{where}: {exc}") from exc
+        if cfg.flink.jobmanager:
+            raise FlinkUnreachable(f"the cluster at {cfg.flink.jobmanager} does not answer: {exc}") from exc
+        remove_stale_pid_file()
+        last = recorded_job()
+        if last is None:
+            raise FlinkUnreachable("the embedded mini-cluster is not running (start it with `streamrec pipeline submit`) "
+                                   f"and no job of it is recorded in {RECORD_FILE}: {exc}") from exc
+        job, more = last
+        if job.state not in ENDED | {UNKNOWN}:
+            raise FlinkUnreachable(f"job {job.job_id} runs in process {more.get('pid')}, but its mini-cluster does not "
+                                   f"answer (still starting? the Flink log: {more.get('flink_log')}): {exc}") from exc
+        return Status([job], {"record": str(RECORD_FILE), **more})
 
 
 # Flink job states with nothing left to cancel (ended, or a cancel already under way)
@@ -219,7 +291,7 @@ def cancel(cfg, job_id: str | None) -> list[str]:
     """Cancel the given job, or every job with the configured name that has not ended: a
     job RESTARTING after a broker outage, say, as well as a RUNNING one."""
     rest = FlinkRest(rest_address(cfg))
-    jobs = status(cfg)
+    jobs = status(cfg).jobs
     targets = [j.job_id for j in jobs
                if (j.job_id == job_id if job_id else j.name == cfg.flink.job_name and j.state not in NOT_CANCELLABLE)]
     if job_id and not targets:

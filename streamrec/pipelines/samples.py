@@ -18,7 +18,7 @@ import bisect
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import orjson
 import pyarrow as pa
@@ -84,8 +84,9 @@ class SampleBuilder:
             self.add(raw, arrival_ms)
         return self
 
-    def build(self) -> pa.Table:
-        """All samples, ordered by (ts, event_id); orphan clicks are added to ``rejected``."""
+    def build(self, progress: Callable[[int], None] | None = None, every: int = 8192) -> pa.Table:
+        """All samples, ordered by (ts, event_id); orphan clicks are added to ``rejected``.
+        ``progress(n)``: called with the samples built so far every ``every`` samples and at the end."""
         spec = self.spec
         window_ms = int(spec.attribution_window_s * 1000)
         # Label join: first click (by event time) within [ts, ts + window] of its impression.
@@ -116,7 +117,8 @@ class SampleBuilder:
         )
         counters: dict[tuple[str, str, int], _Counter] = defaultdict(_Counter)
         history: dict[int, deque] = defaultdict(lambda: deque(maxlen=spec.history_len))
-        windows_ms = [int(w * 1000) for w in spec.windows_s]
+        counter_columns = [(spec.counter_name(entity, what, w), entity, what, int(w * 1000))
+                           for w in spec.windows_s for entity in ("user", "item", "category") for what in COUNTED_EVENTS]
         columns: dict[str, list] = {name: [] for name in spec.schema().names}
         pending: list[tuple[int, dict]] = []  # events at the current ts, applied after it
 
@@ -130,7 +132,7 @@ class SampleBuilder:
                     counters[(entity, CLICKS, key)].add(e["ts"])
                 history[e["user_id"]].appendleft((e["item_id"], category))
 
-        current_ts = None
+        current_ts, built = None, 0
         for ts, kind, _, e in timeline:
             if ts != current_ts:
                 for p_kind, p_e in pending:
@@ -150,13 +152,17 @@ class SampleBuilder:
                 "hist_item_ids": [h[0] for h in hist], "hist_category_ids": [h[1] for h in hist],
                 "label": 1 if click else 0, "click_ts": click["ts"] if click else None,
             }
-            for w, w_ms in zip(spec.windows_s, windows_ms):
-                for entity, key in (("user", e["user_id"]), ("item", e["item_id"]), ("category", e["item"]["category_id"])):
-                    for what in COUNTED_EVENTS:
-                        counter = counters.get((entity, what, key))
-                        row[spec.counter_name(entity, what, w)] = counter.count_before(ts, w_ms) if counter else 0
+            keys = {"user": e["user_id"], "item": e["item_id"], "category": e["item"]["category_id"]}
+            for name, entity, what, w_ms in counter_columns:
+                counter = counters.get((entity, what, keys[entity]))
+                row[name] = counter.count_before(ts, w_ms) if counter else 0
             for name in columns:
                 columns[name].append(row[name])
+            built += 1
+            if progress is not None and built % every == 0:
+                progress(built)
+        if progress is not None:
+            progress(built)
         return pa.table(columns, schema=spec.schema())
 
 
@@ -184,6 +190,12 @@ def read_run(run_dir: str | Path) -> Iterator[tuple[bytes, int]]:
                 yield line.rstrip(b"\n"), end_ms
     else:
         raise FileNotFoundError(f"{run} has neither events.parquet nor events.jsonl")
+
+
+def event_count(run_dir: str | Path) -> int | None:
+    """How many events :func:`read_run` yields from a Parquet run (its metadata says); None for JSONL."""
+    path = Path(run_dir) / "events.parquet"
+    return pq.ParquetFile(path).metadata.num_rows if path.is_file() else None
 
 
 def write_samples(table: pa.Table, rejected: list[Rejected], out_dir: str | Path,
