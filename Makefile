@@ -60,7 +60,7 @@ bench: setup
 
 clean:
 	-$(VENV)/bin/streamrec kafka down 2>/dev/null
-	rm -rf var/ bench/out/ .pytest_cache
+	rm -rf var/ .pytest_cache
 
 distclean: clean
 	rm -rf $(VENV) $(GPU_VENV) *.egg-info

@@ -14,7 +14,7 @@ float32 rows back and their gradients out (``--dim`` wide), one per key (ours) o
 over steps.
 
 Usage: python bench/bench_exchange_layout.py [--samples RUN_DIR|samples.parquet] [--world 2 4 8] [--steps 40]
-Writes bench/out/exchange-layout-<time>.json.
+Writes var/bench/exchange-layout-<time>.json.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--batch", type=int, default=4096, help="samples per rank and step")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench")
     args = parser.parse_args()
     cfg = load_config()
     spec, dim = cfg.features, cfg.model.embedding_dim

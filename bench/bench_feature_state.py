@@ -16,8 +16,8 @@ history each, a day's span, and some impressions and clicks in the windows) and
 - compaction: the columnar store's users' impression-time arena squeezed once: the time to
   build the new arena (requests go on meanwhile) and the lock held to switch to it.
 
-Usage: python bench/bench_feature_state.py [--users 1000000 10000000] [--items 1000] [--cache cold warm] [--label new]
-       [--out bench/out]
+Usage: streamrec bench feature_state [--users 1000000 10000000] [--items 1000] [--cache cold warm] [--label new]
+       [--out var/bench]
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--dir", default="/tmp/bench-feature-state", help="where the snapshots are made (kept between runs)")
     parser.add_argument("--label", default="new", help="names the implementation measured, in the JSON")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     parser.add_argument("--cache", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
                         help="the snapshot's pages out of the page cache before the load, or in it; one run each")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--live-seconds", type=float, default=40, help="freshness: 0 skips it")
     parser.add_argument("--checkpoint-intervals", default="2,0.5", help="freshness: flink.checkpoint_interval_s values")
     parser.add_argument("--drain-seconds", type=float, default=10)
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     args.name = f"bench-{uuid.uuid4().hex[:6]}"
     tmp = REPO / "var" / "bench-features"

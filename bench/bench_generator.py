@@ -7,8 +7,8 @@ Baselines (run in the same process, same machine, same minute):
 - ``raw_producer``: kafka-python sending already-serialised event bytes, nothing else —
   the client's ceiling on this machine. Ratio = ours / raw (at most ~1).
 
-Usage: python bench/bench_generator.py [--seconds 20] [--rate 50000] [--bootstrap HOST:PORT]
-Writes bench/out/generator-<time>.json and prints a table.
+Usage: streamrec bench generator [--seconds 20] [--rate 50000] [--bootstrap HOST:PORT]
+Writes var/bench/generator-<time>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--kafka-seconds", type=float, default=5.0, help="simulated seconds for the Kafka run")
     parser.add_argument("--rate", type=float, default=50_000.0, help="events/s of simulated traffic")
     parser.add_argument("--bootstrap", help="external Kafka; default: a temporary embedded broker")
-    parser.add_argument("--out", default="bench/out", help="directory for the JSON result")
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
 
     world = WorldConfig(**tomllib.loads(default_config_text())["generator"]["world"])

@@ -11,8 +11,8 @@ then again while a second one, pinned to core ``b``, runs the same loop. The slo
 cores and well above it for siblings. Pairs: core 0 (and ``--also`` cores) against every
 other core. Baseline: the same loop alone on core ``a``, in the same run.
 
-Usage: python bench/bench_host_cores.py [--loops 2000000] [--also 1 5] [--out bench/out]
-Writes bench/out/host-cores-<time>.json.
+Usage: python bench/bench_host_cores.py [--loops 2000000] [--also 1 5] [--out var/bench]
+Writes var/bench/host-cores-<time>.json.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", type=int, default=2_000_000)
     parser.add_argument("--also", type=int, nargs="*", default=[], help="more cores to pair with every other one")
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     result = {"bench": "host_cores", "cores": cores, "loops": args.loops, "pairs": []}

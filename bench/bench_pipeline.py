@@ -434,7 +434,7 @@ def main() -> None:
     parser.add_argument("--live-rate", type=float, default=1000)
     parser.add_argument("--live-seconds", type=float, default=40, help="0: skip the live-latency phase")
     parser.add_argument("--drain-seconds", type=float, default=15)
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     if args.rounds and args.warmup_rounds >= args.rounds:
         parser.error(f"--warmup-rounds ({args.warmup_rounds}) must be fewer than --rounds ({args.rounds})")

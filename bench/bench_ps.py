@@ -11,12 +11,12 @@ the same row-wise Adagrad written with plain index ops for update. That is the p
 limit of a gather on this device; ratios = ours / baseline.
 
 GB/s counts the bytes of the delivered embeddings (ids x dim x 4) per second.
-Usage: python bench/bench_ps.py [--rows 1000000] [--dim 64] [--batch 65536] [--device cuda]
-Writes bench/out/ps-<device>-<time>.json.
+Usage: streamrec bench ps [--rows 1000000] [--dim 64] [--batch 65536] [--device cuda]
+Writes var/bench/ps-<device>-<time>.json.
 
 ``--ssd``: the SSD tier at scale instead (bench/ps_ssd.py: a table of --rows, default
 50,000,000, dim 16, with a DRAM budget of --dram-gib and the rest in RocksDB; baseline
-plain RocksDB). Writes bench/out/ps-ssd-<time>.json.
+plain RocksDB). Writes var/bench/ps-ssd-<time>.json.
 """
 
 from __future__ import annotations
@@ -150,19 +150,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", help="table sizes (default 100000 1000000; --ssd: 50000000)")
     parser.add_argument("--dim", type=int, help="row width (default 64; --ssd: 16)")
-    parser.add_argument("--batch", type=int, default=65536)
+    parser.add_argument("--batch", type=int, default=65536, help="ids per lookup and update (default: %(default)s)")
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--cache-ratios", type=float, nargs="+", default=[1.0, 0.05])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu | cuda[:N] (default: %(default)s, CUDA when present)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 = per-core figures)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--snapshot-rows", type=int, default=1_000_000, help="touched rows for the publish-snapshot timing (0: skip)")
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     parser.add_argument("--ssd", action="store_true", help="benchmark the SSD tier at scale (see above)")
     parser.add_argument("--dram-gib", type=float, default=1.0, help="--ssd: the DRAM budget")
     parser.add_argument("--batches", type=int, default=50, help="--ssd: timed lookup batches")
     parser.add_argument("--chunk", type=int, default=1 << 16, help="--ssd: rows per load_rows call")
-    parser.add_argument("--work-dir", default="bench/out/ssd-work", help="--ssd: RocksDB and checkpoint files (deleted after)")
+    parser.add_argument("--work-dir", default="var/bench/ssd-work", help="--ssd: RocksDB and checkpoint files (deleted after)")
     parser.add_argument("--no-restore", action="store_true", help="--ssd: skip timing the restore of the checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -17,8 +17,8 @@ host: the agreement over the step channel, and the rows' and gradients' exchange
 
 Both variants of each run in the same processes, in alternating blocks.
 
-Usage: python bench/bench_rank_exchange.py [--nproc-per-node 2] [--rounds 3000] [--out bench/out]
-(starts itself under torch.distributed.run). Writes bench/out/rank-exchange-<time>.json.
+Usage: python bench/bench_rank_exchange.py [--nproc-per-node 2] [--rounds 3000] [--out var/bench]
+(starts itself under torch.distributed.run). Writes var/bench/rank-exchange-<time>.json.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--dense", type=int, default=136_144, help="dense gradients averaged in the gradients' round")
     parser.add_argument("--late-us", type=float, default=300.0, help="how much later the last rank reaches the agreement")
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_out:

@@ -19,7 +19,7 @@ A reader slower than a rank's step makes that rank wait, and every other rank wi
 thread's: on a box with two, the two compete.
 
 Usage: python bench/bench_reader.py [--samples RUN_DIR|samples.parquet] [--ranks 1 2] [--step-ms 0 8] [--batches 300] [--device cpu]
-Writes bench/out/reader-<time>.json.
+Writes var/bench/reader-<time>.json.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench")
     args = parser.parse_args()
     spec = load_config().features
     device = torch.device(args.device)

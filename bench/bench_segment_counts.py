@@ -7,7 +7,7 @@ entities with up to 5,000 event times each, all within the longest window, and q
 "now" for Zipf-drawn entities (most of a batch's expired candidates are rarely asked for,
 so recomputed at every ask). Both give the same counts (checked); the figure is ms per batch.
 
-Usage: python bench/bench_segment_counts.py [--entities 100000] [--queries 3200] [--out bench/out]
+Usage: python bench/bench_segment_counts.py [--entities 100000] [--queries 3200] [--out var/bench]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--entities", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=3_200, help="expired candidates recomputed in one batch")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--out", default="var/bench")
     args = parser.parse_args()
     windows = tuple(w * 1000 for w in load_config().features.windows_s)
     rng = np.random.default_rng(3)

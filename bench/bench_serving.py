@@ -17,8 +17,8 @@ runtime statistics (device time per batch by bucket) are saved next to the end-t
 numbers, so the share of the HTTP/Python path is visible; bench_serving_runtime.py
 measures the runtime without HTTP.
 
-Usage: python bench/bench_serving.py [--samples RUN] [--concurrency 1 8 32] [--instances 16] [--seconds 5] [--device cpu]
-Writes bench/out/serving-<device>-<time>.json.
+Usage: streamrec bench serving [--samples RUN] [--concurrency 1 8 32] [--instances 16] [--seconds 5] [--device cpu]
+Writes var/bench/serving-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--instances", type=int, default=16, help="instances per request")
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the served model runs (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compile", default="auto", help="serving.compile of ours (auto | eager | compile | graph | compile+graph)")
     parser.add_argument("--max-batch", type=int, default=1024, help="serving.max_batch of ours (instances)")
@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="sample each server with py-spy during the highest concurrency level (raw stacks next to the JSON)")
     parser.add_argument("--p99-target-ms", type=float, default=10.0, help="report the best throughput within this p99")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")

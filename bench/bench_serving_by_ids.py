@@ -20,9 +20,9 @@ Reported per level: req/s, candidates/s, p50/p99; per server the best candidates
 ids mostly differ from the snapshot's: most lookups miss the tables (cold rows), as a
 new-user-heavy load would.
 
-Usage: python bench/bench_serving_by_ids.py [--samples RUN] [--model-store S] [--users 1000000] [--items 100000]
+Usage: streamrec bench serving_by_ids [--samples RUN] [--model-store S] [--users 1000000] [--items 100000]
        [--candidates 200] [--concurrency 8 32 64] [--seconds 5] [--device cuda] [--frontends 4]
-Writes bench/out/serving-by-ids-<device>-<time>.json.
+Writes var/bench/serving-by-ids-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="distinct request bodies, cycled")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the served model runs (default: %(default)s)")
     parser.add_argument("--frontends", type=int, default=4)
     parser.add_argument("--max-batch", type=int, default=4096, help="serving.max_batch of ours and the instances reference")
     parser.add_argument("--max-delay-us", type=int, default=2000)
@@ -163,7 +163,7 @@ def main() -> None:
                              "with serving.candidate_counts = host), per_request, instances")
     parser.add_argument("--workers", type=int, default=0, help="serving.workers of ours, per_request and instances (0: batches "
                                                                  "run on the event loop's thread)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     spec = load_config().features
     result = {"bench": "serving_by_ids", "device": args.device, "candidates": args.candidates, "seconds": args.seconds,

@@ -8,8 +8,8 @@
 - the front-end link: one request's columns as the one int64 buffer of ``serving.ipc`` vs the
   pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the engine).
 
-Usage: python bench/bench_serving_decode.py [--samples RUN] [--instances 16] [--requests 1 8 64]
-Writes bench/out/serving-decode-<time>.json.
+Usage: streamrec bench serving_decode [--samples RUN] [--instances 16] [--requests 1 8 64]
+Writes var/bench/serving-decode-<time>.json.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=16, help="instances per request")
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 64], help="requests per batch")
     parser.add_argument("--seconds", type=float, default=1.0, help="per measurement")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")

@@ -26,9 +26,9 @@ next batch, streamrec/serving/batcher.py). Baseline: the same server with
 ``RequestBatcher.fair`` off (batches in arrival order only), set in its process by a
 ``sitecustomize`` module on its PYTHONPATH.
 
-Usage: python bench/bench_serving_overload.py [--samples RUN] [--instances 64] [--seconds 10] [--overload 2] [--device cpu]
-       python bench/bench_serving_overload.py --mix [--instances 200] [--big-clients 64] [--small-instances 4] [--small-clients 4]
-Writes bench/out/serving-overload-<device>-<time>.json (``--mix``: serving-overload-mix-<device>-<time>.json).
+Usage: streamrec bench serving_overload [--samples RUN] [--instances 64] [--seconds 10] [--overload 2] [--device cpu]
+       streamrec bench serving_overload --mix [--instances 200] [--big-clients 64] [--small-instances 4] [--small-clients 4]
+Writes var/bench/serving-overload-<device>-<time>.json (``--mix``: serving-overload-mix-<device>-<time>.json).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--capacity-concurrency", type=int, default=64,
                         help="closed-loop clients that measure capacity (enough to keep a full batch queued while one runs)")
     parser.add_argument("--threads", type=int, default=64, help="connections per load-generator process in the open-loop run")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the served model runs (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--frontends", type=int, default=0)
     parser.add_argument("--compile", default="auto")
@@ -259,7 +259,7 @@ def main() -> None:
     parser.add_argument("--big-clients", type=int, default=64, help="--mix: clients sending requests of --instances")
     parser.add_argument("--small-clients", type=int, default=4, help="--mix: clients sending requests of --small-instances")
     parser.add_argument("--small-instances", type=int, default=4, help="--mix: instances per small request")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     if args.samples is None:
         args.samples = make_samples(Path(tempfile.mkdtemp(prefix="streamrec-bench-")) / "run")

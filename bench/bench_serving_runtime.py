@@ -17,9 +17,9 @@ Multi-stream: W threads each send batches continuously to one runner with W work
 (streams) — small mixed-size batches, where one stream leaves the GPU idle between
 launches, and large batches, where one stream already fills it.
 
-Usage: python bench/bench_serving_runtime.py --model-store STORE [--samples RUN] [--device cuda]
+Usage: streamrec bench serving_runtime --model-store STORE [--samples RUN] [--device cuda]
        [--modes eager graph compile compile+graph] [--seconds 2]
-Writes bench/out/serving-runtime-<device>-<time>.json.
+Writes var/bench/serving-runtime-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -168,11 +168,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-store", help="a model store with a trained ctr model (default: train one on --samples)")
     parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate one)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the served model runs (default: %(default)s)")
     parser.add_argument("--modes", nargs="+", help="serving.compile modes (default: eager graph compile compile+graph on CUDA, eager compile on CPU)")
     parser.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="worker counts for the multi-stream part")
-    parser.add_argument("--out", default=str(REPO / "bench" / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     modes = args.modes or (["eager", "graph", "compile", "compile+graph"] if cuda else ["eager", "compile"])

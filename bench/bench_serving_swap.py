@@ -9,8 +9,8 @@ run: what a server without in-place deltas does, a fresh ``InferenceModel.load``
 version (full + delta chain). Targets (issue 6, H100): apply a 1M-row delta < 1 s,
 rollback < 200 ms.
 
-Usage: python bench/bench_serving_swap.py [--full-rows 2000000] [--delta-rows 1000000] [--device cuda]
-Writes bench/out/serving-swap-<device>-<time>.json.
+Usage: streamrec bench serving_swap [--full-rows 2000000] [--delta-rows 1000000] [--device cuda]
+Writes var/bench/serving-swap-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full-rows", type=int, default=2_000_000)
     parser.add_argument("--delta-rows", type=int, default=1_000_000)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu | cuda[:N] (default: %(default)s, CUDA when present)")
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     args = parser.parse_args()
     dim = load_config(environ={}).model.embedding_dim
     with tempfile.TemporaryDirectory() as tmp:

@@ -60,10 +60,10 @@ per-rank host times are in the JSON too. The ranks pipeline their exchange as co
 (``trainer.pipeline_exchange``; ``STREAMREC_TRAINER__PIPELINE_EXCHANGE=false`` for the
 unpipelined step), and the JSON says which.
 
-Usage: python bench/bench_trainer.py [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
-       python bench/bench_trainer.py --nproc-per-node 1 2 4 [--samples ...] [--batch 4096] [--steps 600] [--device cuda] [--no-split]
+Usage: streamrec bench trainer [--samples RUN_DIR|samples.parquet] [--batch 4096] [--steps 200] [--device cuda]
+       streamrec bench trainer --nproc-per-node 1 2 4 [--samples ...] [--batch 4096] [--steps 600] [--device cuda] [--no-split]
 (without --samples: 60 s of generated traffic, made into samples by the reference pipeline)
-Writes bench/out/trainer-<device>-<time>.json.
+Writes var/bench/trainer-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -528,16 +528,17 @@ def make_samples(run: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", help="a `pipeline offline` run dir or samples.parquet (default: generate 60 s of traffic)")
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=1024, help="samples per training step (per rank with --nproc-per-node; default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=60, help="timed training steps of each run (default: %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu | cuda[:N] (default: %(default)s, CUDA when present)")
     parser.add_argument("--publish-interval", type=float, default=5.0)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs for the dense model, ours and the baseline's")
     parser.add_argument("--per-table", action="store_true",
                         help="ours pulls and pushes table by table, not table-batched (ps/grouped.py): the A/B of that")
     parser.add_argument("--stall-rows", type=int, default=1_000_000)
     parser.add_argument("--stall-rows-per-step", type=int, default=262144)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    parser.add_argument("--out", default="var/bench", help="directory of the JSON result (default: ./var/bench, under the current directory)")
     parser.add_argument("--nproc-per-node", type=int, nargs="+", default=[], metavar="N",
                         help="scaling: 1 rank, then N ranks of `streamrec train` (see above)")
     parser.add_argument("--reps", type=int, default=1,

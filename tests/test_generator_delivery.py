@@ -114,9 +114,9 @@ def test_events_lost_in_a_broker_outage_fail_the_run(tmp_path: Path, atomic: boo
     assert lost[3] == ("the run's transaction was not committed: read_committed consumers see none of its events" if atomic
                        else f"they are missing from {EVENTS_TOPIC}")
     # the progress line said so before the run ended, with the delivered count apart from the sent one
-    progress = re.findall(r"generate -> Kafka .*: (\d+) events sent, (\d+) delivered \(\d+ events/s\), (\d+) failed", err)
-    assert progress and int(progress[-1][2]) > 0, err[-3000:]
-    sent_then, delivered_then, failed_then = map(int, progress[-1])
+    progress = re.findall(r"generate -> Kafka .*?, ([\d,]+) events sent, ([\d,]+) delivered \([\d,]+ events/s\), ([\d,]+) failed", err)
+    assert progress and _number(progress[-1][2]) > 0, err[-3000:]
+    sent_then, delivered_then, failed_then = map(_number, progress[-1])
     assert delivered_then + failed_then <= sent_then and delivered_then < sent_then
     assert "impressions" not in out  # no success summary
     # the delivery timeout (12 s), a tick, the rest of what was in flight; atomic: the abort's 5 s

@@ -12,7 +12,6 @@ imports what it needs when it runs, so that the command line starts fast.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tomllib
 
@@ -20,6 +19,7 @@ from streamrec import __version__
 from streamrec.cli import bench, demo, experiments, generate, kafka, pipeline, serve, setup, store, train
 from streamrec.cli.common import Commands, add_common_flags, config_from
 from streamrec.plumbing.config import ConfigError, default_config_text
+from streamrec.plumbing.logs import configure_logging
 
 EPILOG = """\
 configuration: packaged defaults < --config FILE (or $STREAMREC_CONFIG, or ./streamrec.toml)
@@ -54,12 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # `train --nproc-per-node` starts its ranks with the same arguments
-    logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # kafka-python logs every connection retry at ERROR; our own errors say what matters.
-    logging.getLogger("kafka").setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.CRITICAL)
+    configure_logging(verbose=getattr(args, "verbose", False))
     from streamrec.modelstore.store import CorruptVersion
     from streamrec.plumbing.bus.broker import BrokerError
     from streamrec.plumbing.bus.clients import BusUnavailable

@@ -121,14 +121,20 @@ def _sink(args: argparse.Namespace, cfg: Config, traffic, transaction_timeout_ms
     return sink, not args.fast, f"Kafka {k.bootstrap_servers} topic {cfg.topics.events}"
 
 
+PROGRESS_EVERY_S = 10.0  # a progress line this often when stderr is not a terminal
+
+
 def run_with_progress(traffic, sink, duration: float, pace: bool, label: str, stop: threading.Event | None = None):
-    """Run the generator with a progress bar on a terminal (a log line per 10 s otherwise,
-    and at once when the sink gives up on events). Rates count delivered events only.
+    """Run the generator with a progress bar on a terminal (a log line per PROGRESS_EVERY_S
+    otherwise, and at once when the sink gives up on events). Rates count delivered events only.
     ``stop`` set (SIGTERM, Ctrl-C): the run ends after its current tick, complete."""
     from tqdm import tqdm
 
     from streamrec.generator.runner import generate
 
+    rate = traffic.config.rate
+    log.info("%s: %s s of traffic at %s events/s (about %s events), %s", label, f"{duration:,g}", f"{rate:,g}",
+             f"{round(duration * rate):,}", "paced to the clock" if pace else "as fast as it goes")
     interactive = sys.stderr.isatty()
     bar = tqdm(total=round(duration), unit="sim-s", desc=label, disable=not interactive, file=sys.stderr)
     last_log = [time.monotonic()]
@@ -137,16 +143,27 @@ def run_with_progress(traffic, sink, duration: float, pace: bool, label: str, st
         bar.update(round((batch.end_ms - batch.start_ms) / 1000))
         bar.set_postfix(sent=summary.events, delivered=summary.delivered, failed=summary.failed,
                         ev_s=f"{summary.delivered_per_s:,.0f}")
-        if not interactive and (summary.failed or time.monotonic() - last_log[0] >= 10):
+        if not interactive and (summary.failed or time.monotonic() - last_log[0] >= PROGRESS_EVERY_S):
             last_log[0] = time.monotonic()
-            log.log(logging.ERROR if summary.failed else logging.INFO,
-                    "%s: %d events sent, %d delivered (%.0f events/s), %d failed",
-                    label, summary.events, summary.delivered, summary.delivered_per_s, summary.failed)
+            log.log(logging.ERROR if summary.failed else logging.INFO, "%s: %s", label, progress_line(summary, duration))
 
     try:
         return generate(traffic, sink, duration, pace, on_tick, stop)
     finally:
         bar.close()
+
+
+def progress_line(summary, duration: float) -> str:
+    """How far a run got, in words: simulated seconds done, events, rate, time left."""
+    done = (summary.end_ms - summary.start_ms) / 1000
+    left_s = summary.wall_s * (duration - done) / done if done > 0 else float("nan")
+    left = f", about {_duration(left_s)} left" if done < duration and left_s == left_s else ""
+    return (f"{done:,.0f} of {duration:,.0f} s ({done / duration:.0%}), {summary.events:,} events sent, "
+            f"{summary.delivered:,} delivered ({summary.delivered_per_s:,.0f} events/s), {summary.failed:,} failed{left}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def print_generate_summary(s) -> None:

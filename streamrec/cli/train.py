@@ -20,7 +20,9 @@ def add_parser(commands: Commands) -> None:
                        help="train from these sample files or `pipeline offline` run dirs instead of the samples topic")
     train.add_argument("--truth", metavar="PATH|topic",
                        help="score the Bayes-optimal truth alongside: a generator run dir / truth.parquet, or 'topic'")
-    train.add_argument("--max-samples", type=int, default=0, help="stop after this many samples")
+    train.add_argument("--max-samples", type=int, default=0, metavar="N",
+                       help="stop once at least N samples are trained; a step trains a whole batch (--batch-size), "
+                            "so 60000 at 1024 trains 61,440")
     train.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds")
     train.add_argument("--idle-exit", type=float, default=0.0, metavar="S", help="stop after S seconds without samples")
     train.add_argument("--fresh", action="store_true", help="start over (earlier checkpoints are moved aside, not deleted)")
@@ -40,7 +42,12 @@ def add_parser(commands: Commands) -> None:
     train.add_argument("--device", help=f"auto | cpu | cuda[:N] (trainer.device: {t['device']})")
     train.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (trainer.metrics_port)")
     train.add_argument("--no-frozen", action="store_true", help="don't keep a frozen baseline (trainer.frozen_baseline)")
-    train.add_argument("--no-announce", action="store_true", help="don't announce versions on the model-updates topic")
+    announce = train.add_mutually_exclusive_group()
+    announce.add_argument("--announce", dest="announce", action="store_const", const=True,
+                          help="announce versions on the model-updates topic when training from --samples too (needs Kafka; "
+                               "the default when reading the samples topic)")
+    announce.add_argument("--no-announce", dest="announce", action="store_const", const=False,
+                          help="don't announce versions (the default with --samples: serving nodes find them by polling the store)")
     train.add_argument("--json", action="store_true", help="print the final summary as JSON")
     train.add_argument("--sync-timings", action="store_true",
                        help="wait for the device between the step's phases: exact ms per phase in the summary, slower steps (benchmarks)")
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
     if args.nproc_per_node > 1 and not os.environ.get(WORKER_ENV):
         return launch(args.nproc_per_node, without_option(args.argv, "--nproc-per-node"))
     opts = TrainOptions(files=args.samples or [], truth=args.truth, max_samples=args.max_samples, max_seconds=args.max_seconds,
-                        idle_exit_s=args.idle_exit, fresh=args.fresh, announce=False if args.no_announce else None,
+                        idle_exit_s=args.idle_exit, fresh=args.fresh, announce=args.announce,
                         loop_files=args.loop, sync_timings=args.sync_timings)
     summary = train(cfg, opts)
     if int(os.environ.get("RANK", "0")) != 0:

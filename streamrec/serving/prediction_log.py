@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamrec.contracts.predictions import Prediction, encode_prediction, prediction_key
+from streamrec.plumbing.logs import configure_logging
 from streamrec.plumbing.processes import python_env
 
 if TYPE_CHECKING:
@@ -246,8 +247,11 @@ class KafkaSender:
         from streamrec.plumbing.bus.clients import BusUnavailable, make_producer
 
         try:
+            # acks=all like every producer (docs/kafka.md); at least once, not kafka-python's idempotent
+            # producer, whose close() does not finish while the broker is away: a retried batch may be
+            # logged twice, which grading's join of the latest prediction does not count twice.
             self._producer = make_producer(
-                self.bootstrap, timeout_s=self.connect_timeout_s, acks=1, linger_ms=self.linger_ms,
+                self.bootstrap, timeout_s=self.connect_timeout_s, enable_idempotence=False, linger_ms=self.linger_ms,
                 max_block_ms=1000)  # a full producer buffer fails one send after 1 s, it never holds up close()
         except BusUnavailable as exc:
             self._note_error(exc)
@@ -342,7 +346,7 @@ def main() -> None:
     parser.add_argument("--linger-ms", type=int, required=True)
     parser.add_argument("--close-timeout-s", type=float, default=5.0)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s prediction-log %(process)d %(levelname)s %(message)s")
+    configure_logging(level=logging.WARNING, fmt="%(asctime)s prediction-log %(process)d %(levelname)s %(message)s")
     with open(args.counters, "r+b") as f:
         shared = mmap.mmap(f.fileno(), _COUNTERS.size)
     sender = KafkaSender(args.bootstrap, args.topic, args.queue_size, args.connect_timeout_s, args.retry_s, args.linger_ms)

@@ -7,6 +7,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,7 +40,21 @@ log = logging.getLogger("streamrec.serving")
 
 class _Server(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies
-    by the signal); we stop the watcher and release the model first, and exit 0."""
+    by the signal); we stop the watcher and release the model first, and exit 0. uvicorn's
+    own lines are off (log_level "warning"): this one says where it listens and when it stops."""
+
+    def __init__(self, config: uvicorn.Config, listening: str) -> None:
+        super().__init__(config)
+        self.listening = listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("%s", self.listening)
+
+    async def shutdown(self, sockets=None) -> None:
+        log.info("stopping: no new connections; requests in flight finish (up to %d s)", self.config.timeout_graceful_shutdown)
+        await super().shutdown(sockets)
 
     @contextmanager
     def capture_signals(self):
@@ -54,6 +69,7 @@ class _Server(uvicorn.Server):
 def serve(cfg: Config) -> None:
     """Blocks until SIGINT/SIGTERM; uvicorn then stops accepting and drains in-flight requests."""
     s = cfg.serving
+    started = time.monotonic()
     sys.setswitchinterval(s.switch_interval_us / 1e6)
     throttle_logs()
     device = pick_device(s.device, "serving.device")
@@ -94,13 +110,29 @@ def serve(cfg: Config) -> None:
         # With front-ends they own the public port and this process listens on the loopback only.
         host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
         _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                               lifespan="on", proxy_headers=False, **limits.uvicorn_options())).run()
+                               lifespan="on", proxy_headers=False, **limits.uvicorn_options()),
+                listening_line(list(stores), s.host, s.port, s.frontends)).run()
     finally:
         for watcher in watchers:
             watcher.stop()
         node.close()
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+        log.info("stopped after %.0f s: %s predict requests answered", time.monotonic() - started, f"{answered(metrics):,.0f}")
+
+
+def listening_line(models: list[str], host: str, port: int, frontends: int) -> str:
+    """What the node says once its port is open: where to send requests, and how to stop it."""
+    address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    through = f" through {frontends} HTTP front-end{'s' if frontends != 1 else ''}" if frontends else ""
+    return (f"serving {', '.join(models)} on {address}{through} (predict: POST /v1/models/{models[0]}:predict; "
+            "Ctrl-C or SIGTERM stops it)")
+
+
+def answered(metrics: ServingMetrics) -> float:
+    """Predict requests answered so far, whatever their status, over every model."""
+    return sum(sample.value for family in metrics.requests.collect() for sample in family.samples
+               if sample.name.endswith("_total"))
 
 
 def model_access(cfg: Config, metrics: ServingMetrics) -> dict:

@@ -47,6 +47,7 @@ from streamrec.embedding.sharded import ShardedCollection
 from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_names
 from streamrec.model.network import inference_cache_rows
 from streamrec.model.sparse import SparseFeatures
+from streamrec.plumbing.config import Config
 from streamrec.plumbing.gc_pauses import GcPauses, freeze_heap, thaw_heap
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
@@ -55,7 +56,7 @@ from streamrec.trainer.prefetch import END, Skipped
 from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
 from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
 from streamrec.trainer.publisher import ChainPosition, PoisonedModel, PublishFailed, Publisher, PublishSettings, TopicAnnouncer
-from streamrec.trainer.session import TrainingSession
+from streamrec.trainer.session import TrainingSession, TrainOptions
 
 log = logging.getLogger("streamrec.trainer")
 PHASES = ("input", "agree", "lookup", "forward_backward", "all_reduce", "update", "evaluate", "publish")
@@ -153,9 +154,7 @@ class TrainingLoop:
         truth = open_truth(opts.truth, cfg.kafka.bootstrap_servers, cfg.topics.truth, cfg.kafka.connect_timeout_s)
         self.evaluation = OnlineEvaluation(tcfg.eval_window, truth, session.model_store, self.device,
                                            inference_cache_rows(cfg.model, cfg.ps))
-        announce = (opts.announce if opts.announce is not None else not opts.files) and ranks.rank == 0
-        self.announcer = TopicAnnouncer(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name,
-                                        cfg.kafka.connect_timeout_s) if announce else None
+        self.announcer = _announcer(cfg, opts) if ranks.rank == 0 else None
         self.publisher = Publisher(self.embeddings, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
                                    ChainPosition.from_state(self.state), self.announcer,
                                    ShardedVersionWriter(ranks, self.embeddings, session.placement) if ranks.distributed else None)
@@ -503,3 +502,16 @@ class TrainingLoop:
         self.evaluation.close()
         if self.announcer is not None:
             self.announcer.close()
+
+
+def _announcer(cfg: Config, opts: TrainOptions) -> TopicAnnouncer | None:
+    """The model-updates announcer: on when reading the topic, off from sample files (which
+    need no Kafka at all) unless ``--announce``; serving nodes find every version by polling
+    LATEST either way, an announcement only saves them the wait."""
+    if opts.announce is False:
+        return None
+    if opts.announce is None and opts.files:
+        log.info("training from files: versions are not announced on %s (serving nodes find them by polling the store's "
+                 "LATEST); --announce announces them", cfg.topics.model_updates)
+        return None
+    return TopicAnnouncer(cfg.kafka.bootstrap_servers, cfg.topics.model_updates, cfg.model.name, cfg.kafka.connect_timeout_s)

@@ -1,4 +1,4 @@
-"""What the trainer tells people: a progress line on a terminal, JSON lines otherwise,
+"""What the trainer tells people: a progress line (in place on a terminal, logged otherwise),
 Prometheus metrics on request, and an evaluation log (``eval.jsonl``) for reports.
 
 A row of ``eval.jsonl`` that cannot be written (a full disk) ends the run like any other
@@ -71,8 +71,22 @@ def _tier_rows(status: dict[str, Any]) -> str:
     return "rows " + " ".join(f"{tier} {rows:,}" for tier, rows in totals.items()) if totals else ""
 
 
+def status_line(status: dict[str, Any]) -> str:
+    """One status in words: samples, speed, loss, AUCs, lag, version, rows per tier."""
+    def number(key: str) -> str:
+        v = status.get(key)
+        return "-" if v is None else f"{v:.4f}"
+
+    lag = status.get("lag")
+    parts = (f"{status['samples']:,} samples", f"{status['samples_per_s']:,.0f}/s", f"loss {number('loss')}",
+             f"AUC online {number('auc_online')} frozen {number('auc_frozen')} bayes {number('auc_bayes')}",
+             f"lag {'-' if lag is None else f'{lag:,}'}", f"version {status.get('version') or '-'}", _tier_rows(status))
+    return "  ".join(part for part in parts if part)
+
+
 class ProgressReporter:
-    """Every ``interval_s``: one status line (TTY) or one JSON log line; and a row in eval.jsonl."""
+    """Every ``interval_s``: one status line, rewritten in place on a terminal, logged
+    otherwise (a log is read by people too: the JSON is in eval.jsonl); and a row in eval.jsonl."""
 
     def __init__(self, interval_s: float, eval_log: Path | None, stream=None) -> None:
         self.interval_s = interval_s
@@ -93,18 +107,10 @@ class ProgressReporter:
         if self.eval_log is not None:
             self.eval_log.append(json.dumps(status).encode() + b"\n")
         if self.tty:
-            def f(key: str) -> str:
-                v = status.get(key)
-                return "-" if v is None else f"{v:.4f}"
-            lag = status.get("lag")
-            self.stream.write(
-                f"\r{status['samples']:>11,} samples {status['samples_per_s']:>8,.0f}/s  loss {status.get('loss', float('nan')):.4f}  "
-                f"AUC online {f('auc_online')} frozen {f('auc_frozen')} bayes {f('auc_bayes')}  "
-                f"lag {'-' if lag is None else f'{lag:,}'}  version {status.get('version') or '-'}  {_tier_rows(status)}   "
-            )
+            self.stream.write(f"\r{status_line(status)}   ")
             self.stream.flush()
         else:
-            log.info(json.dumps(status))
+            log.info("%s", status_line(status))
 
     def close(self) -> None:
         if self.eval_log is not None:

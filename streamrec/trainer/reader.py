@@ -44,6 +44,7 @@ import torch
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import SampleBatch
+from streamrec.plumbing.logs import configure_logging
 from streamrec.plumbing.processes import python_env
 from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
 
@@ -445,8 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True, help="this end of the trainer's socket")
     parser.add_argument("--slots-fd", type=int, required=True, help="the shared file of the batch slots")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # every reconnect at INFO/ERROR: the trainer says what matters
+    configure_logging()
     _child_main(Connection(args.fd), args.slots_fd)
 
 

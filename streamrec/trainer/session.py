@@ -47,11 +47,11 @@ class TrainOptions:
 
     files: list[str] = field(default_factory=list)  # sample files/dirs; empty = the samples topic
     truth: str | None = None  # generator run dir / truth file, "topic", or None
-    max_samples: int = 0  # stop after this many samples (0 = no limit)
+    max_samples: int = 0  # stop once this many are trained, in whole batches (0 = no limit)
     max_seconds: float = 0.0
     idle_exit_s: float = 0.0  # stop after this long without samples (0 = wait forever)
     fresh: bool = False  # ignore existing checkpoints (moved aside, never deleted)
-    announce: bool | None = None  # announce versions on the topic; None = when reading Kafka
+    announce: bool | None = None  # announce versions on the topic; None = when reading the topic, not files
     loop_files: bool = False  # benchmarks: read the files again and again
     sync_timings: bool = False  # synchronize the device between phases (exact phase times; slower)
     progress: bool = True
