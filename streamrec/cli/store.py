@@ -21,7 +21,7 @@ def add_parser(commands: Commands) -> None:
                          ("verify", "check every version's files (size, sha256, Arrow, finite values) and chain; "
                                     "exit 1 on any problem"),
                          ("pin", "hold every serving node on VERSION until `store unpin` (or :reload)"),
-                         ("unpin", "release the pin: serving nodes follow LATEST again")):
+                         ("unpin", "release the pin (or remove a PIN file that does not parse): serving nodes follow LATEST again")):
         p = add_action(actions, action, text)
         p.add_argument("--model", help="model name (model.name)")
         p.add_argument("--model-store", help=f"model store root or URI (trainer.model_store: {t['model_store']})")
@@ -52,8 +52,21 @@ def run(args: argparse.Namespace, cfg: Config) -> int:
         pin = store.pin(args.version, f"{getpass.getuser()}@{socket.gethostname()} (streamrec store pin)", args.reason)
         print(f"pinned version {pin.version} of {store.model}: every serving node serves it within its poll interval")
         return 0
-    released = store.unpin()
-    print(f"released the pin to version {released.version}" if released else f"{store.model} had no pin")
+    return _unpin(store)
+
+
+def _unpin(store) -> int:
+    """Release the pin; a PIN file that does not parse is removed too (what its error says to do)."""
+    from streamrec.modelstore.store import CorruptVersion
+
+    try:
+        held = store.pinned()
+    except CorruptVersion:
+        store.unpin()
+        print(f"removed {store.base}/PIN, which was not a valid pin: serving nodes follow LATEST again")
+        return 0
+    store.unpin()
+    print(f"released the pin to version {held.version}" if held else f"{store.model} had no pin")
     return 0
 
 
@@ -69,8 +82,21 @@ def _verify(args: argparse.Namespace, store) -> int:
             for problem in problems:
                 print(f"{where}: {problem}")
         verdict = "all sound" if report["ok"] else f"{len(report['problems'])} with problems"
-        print(f"{report['root']}: {report['checked']} version(s) checked, {verdict}")
+        print(f"{report['root']}: {len(report['checked'])} version(s) checked ({_ranges(report['checked']) or 'none'}), {verdict}")
+        if report["deleted_during_check"]:
+            print(f"deleted while being checked (retention or compaction), not problems: {_ranges(report['deleted_during_check'])}")
     return 0 if report["ok"] else 1
+
+
+def _ranges(versions: list[int]) -> str:
+    """Ascending versions as runs: 1-4, 7, 9-12."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1][-1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _store_table(report: dict) -> str:

@@ -24,7 +24,8 @@ def describe(store: ModelStore) -> dict[str, Any]:
         try:
             m = store.manifest(v)
         except CorruptVersion as exc:
-            versions.append({"version": v, "problem": str(exc)})
+            if store.has_version(v):  # else deleted since it was listed (retention): not a problem
+                versions.append({"version": v, "problem": str(exc)})
             continue
         versions.append({"version": v, "kind": m["kind"], "parent": m["parent"], "created_at": m.get("created_at"),
                          "trained_through_ms": m.get("trained_through_ms"), "shards": m.get("shards", 1),
@@ -40,35 +41,84 @@ def describe(store: ModelStore) -> dict[str, Any]:
 
 def verify(store: ModelStore, versions: list[int] | None = None) -> dict[str, Any]:
     """Check each version's files (sizes, checksums, Arrow, finite values) and the chain it
-    needs; LATEST and the pin must name versions that load. ``ok`` is False on any problem."""
+    needs, as a node loading it would read them; LATEST and the pin must name versions that
+    load. ``ok`` is False on any problem. On a live store, retention and compaction delete
+    versions while this runs: a version there at the start and gone at the end is no problem
+    (listed in ``deleted_during_check``), and a chain is walked again when a version it
+    needed went (it starts at a newer image now)."""
     described = describe(store)
-    checked = versions if versions is not None else [v["version"] for v in described["versions"]]
-    for name, target in (("LATEST", described["latest"]), ("PIN", (described["pin"] or {}).get("version"))):
-        if target is not None and target not in checked:
-            checked.append(target)
-    own: dict[int, str | None] = {}  # each version's files, read once however many chains need them
-
-    def files_problem(v: int) -> str | None:
-        if v not in own:
-            try:
-                store.read_version(v)
-                own[v] = None
-            except CorruptVersion as exc:
-                own[v] = str(exc)
-        return own[v]
-
+    present = [v["version"] for v in described["versions"]]
+    pinned = (described["pin"] or {}).get("version")
+    targets = list(versions) if versions is not None else list(present)
+    targets += [v for v in (described["latest"], pinned) if v is not None and v not in targets]
+    files = _FileChecks(store)
     problems: dict[str, list[str]] = {}
-    for v in checked:
-        try:
-            chain = store.chain(v)
-        except CorruptVersion as exc:
-            problems[str(v)] = [str(exc)]
+    checked, gone = [], []
+    for v in targets:
+        found = _problems(store, v, files, v in present)
+        if found is None:
+            gone.append(v)
             continue
-        found = [f"needs version {c}: {files_problem(c)}" if c != v else files_problem(c) for c in chain if files_problem(c)]
+        checked.append(v)
         if found:
             problems[str(v)] = found
     if described["latest_problem"]:
         problems["LATEST"] = [described["latest_problem"]]
     if described["pin_problem"]:
         problems["PIN"] = [described["pin_problem"]]
-    return {"model": store.model, "root": store.base, "checked": len(checked), "ok": not problems, "problems": problems}
+    elif str(pinned) in problems:
+        problems["PIN"] = [f"{store.base}/PIN names version {pinned}, which does not load (above): remove the pin "
+                           "(streamrec store unpin) or pin a version that loads"]
+    return {"model": store.model, "root": store.base, "checked": sorted(checked), "deleted_during_check": sorted(gone),
+            "ok": not problems, "problems": problems}
+
+
+class _FileChecks:
+    """Each version's (or image's) files, read and checked once however many chains need them."""
+
+    def __init__(self, store: ModelStore) -> None:
+        self.store = store
+        self.found: dict[tuple[int, bool], str | None] = {}
+
+    def problem(self, version: int, image: bool = False) -> str | None:
+        key = (version, image)
+        if key not in self.found:
+            try:
+                self.store.read_version(version, image)
+                self.found[key] = None
+            except CorruptVersion as exc:
+                self.found[key] = str(exc)
+        return self.found[key]
+
+    def forget_gone(self) -> None:
+        """Drop the failures of versions deleted since they were read (not problems)."""
+        self.found = {(v, image): p for (v, image), p in self.found.items() if p is None or self.store.has_version(v, image)}
+
+
+def _problems(store: ModelStore, version: int, files: _FileChecks, was_present: bool) -> list[str] | None:
+    """What keeps ``version`` from loading ([]: nothing); None when it was there at the start
+    and has been deleted since."""
+    found: list[str] = []
+    for _ in range(2):  # once more after a version the chain needed was deleted
+        found = _chain_problems(store, version, files)
+        if not found:
+            return []
+        if was_present and not store.has_version(version):
+            return None
+        files.forget_gone()
+    return found
+
+
+def _chain_problems(store: ModelStore, version: int, files: _FileChecks) -> list[str]:
+    try:
+        from_image, chain = store.load_plan(version)
+    except CorruptVersion as exc:
+        return [str(exc)]
+    found = [problem] if (problem := files.problem(version)) else []
+    for i, v in enumerate(chain):
+        image = from_image and i == 0
+        if v == version and not image:
+            continue
+        if problem := files.problem(v, image):
+            found.append(f"needs {'the compacted image of ' if image else ''}version {v}: {problem}")
+    return found

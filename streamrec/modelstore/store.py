@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,12 @@ class Lease(Protocol):
 
 class CorruptVersion(RuntimeError):
     """A version is incomplete, fails its checksums, or breaks the format."""
+
+
+# Version numbers as the store writes them: ASCII digits only (str.isdigit() also takes '²'),
+# at most the 12 of a version directory's name.
+_VERSION_NUMBER = re.compile(r"[0-9]{1,12}")
+_SHOWN_BYTES = 60  # of a file that does not parse, shown in its error
 
 
 @dataclass(frozen=True)
@@ -148,13 +155,21 @@ class ModelStore:
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> int | None:
+        """LATEST's version; CorruptVersion naming the file when it holds anything but one
+        number in ASCII digits (any bytes, any encoding)."""
+        path = f"{self.base}/LATEST"
         try:
-            text = self._read(f"{self.base}/LATEST").decode().strip()
+            data = self._read(path)
         except (FileNotFoundError, OSError):
             return None
-        if not text.isdigit():
-            raise CorruptVersion(f"{self.base}/LATEST holds {text!r}, not a version number")
+        text = data.strip()
+        if not _VERSION_NUMBER.fullmatch(text.decode("ascii", "replace")):
+            raise CorruptVersion(f"{path} holds {_shown(text)}, not a version number (ASCII digits)")
         return int(text)
+
+    def has_version(self, version: int, image: bool = False) -> bool:
+        """Whether ``version`` (or its compacted image) is in the store now, manifest included."""
+        return self._exists(f"{self._vdir(version, image)}/{MANIFEST}")
 
     def versions(self) -> list[int]:
         """Complete versions present (those with a manifest), ascending."""
@@ -170,7 +185,7 @@ class ModelStore:
         out = []
         for info in self.fs.get_file_info(pafs.FileSelector(directory)):
             name = info.base_name
-            if info.type == pafs.FileType.Directory and name.isdigit() and self._exists(f"{info.path}/{MANIFEST}"):
+            if info.type == pafs.FileType.Directory and _VERSION_NUMBER.fullmatch(name) and self._exists(f"{info.path}/{MANIFEST}"):
                 out.append(int(name))
         return sorted(out)
 
@@ -182,7 +197,7 @@ class ModelStore:
         except CorruptVersion as exc:
             problem = str(exc)
         else:
-            if latest is None or self._exists(f"{self._vdir(latest)}/{MANIFEST}"):
+            if latest is None or self.has_version(latest):
                 return latest, None
             problem = f"{self.base}/LATEST names version {latest}, which does not exist"
         versions = self.versions()
@@ -197,21 +212,29 @@ class ModelStore:
         return pin
 
     def unpin(self) -> Pin | None:
-        """Release the pin; returns the one released."""
-        pin = self.pinned()
+        """Release the pin; returns the one released (None when there was none, or when the
+        PIN file did not parse: it is removed all the same, that being how to fix it)."""
+        try:
+            pin = self.pinned()
+        except CorruptVersion:
+            pin = None
         if self._exists(f"{self.base}/PIN"):
             self.fs.delete_file(f"{self.base}/PIN")
         return pin
 
     def pinned(self) -> Pin | None:
         """The pin in force, if any (a PIN file that does not parse raises CorruptVersion)."""
+        path = f"{self.base}/PIN"
         try:
-            data = json.loads(self._read(f"{self.base}/PIN"))
-            return Pin(int(data["version"]), str(data["by"]), float(data["at"]), str(data.get("reason", "")))
+            data = self._read(path)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptVersion(f"{self.base}/PIN is not a valid pin ({exc}): fix or delete it (streamrec store unpin)") from None
+        try:
+            return _parse_pin(data)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            why = {RecursionError: "nested too deeply", KeyError: f"it lacks {exc}"}.get(type(exc), str(exc))
+            raise CorruptVersion(f"{path} is not a valid pin: {why} (it holds {_shown(data)}); remove it "
+                                 "(streamrec store unpin, or :reload {} on a serving node) or pin a version") from None
 
     def manifest(self, version: int, image: bool = False) -> dict:
         path = f"{self._vdir(version, image)}/{MANIFEST}"
@@ -220,13 +243,16 @@ class ModelStore:
         except FileNotFoundError:
             what = "compacted image" if image else "version"
             raise CorruptVersion(f"{what} {version} of {self.model} has no manifest (incomplete or absent)") from None
-        except ValueError as exc:
-            raise CorruptVersion(f"{path} is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise CorruptVersion(f"{path} is not valid JSON: {'nested too deeply' if isinstance(exc, RecursionError) else exc}") from None
+        if not isinstance(manifest, dict):
+            raise CorruptVersion(f"{path} holds a JSON {type(manifest).__name__}, not an object")
         for key in ("format_version", "version", "kind", "parent", "files", "tables"):
             if key not in manifest:
                 raise CorruptVersion(f"{path} lacks '{key}'")
         if manifest["format_version"] != FORMAT_VERSION:
             raise CorruptVersion(f"{path}: format_version {manifest['format_version']} is not supported (expected {FORMAT_VERSION})")
+        _check_lineage(path, version, manifest)
         return manifest
 
     # ------------------------------------------------------------------ writing
@@ -360,7 +386,14 @@ class ModelStore:
         before ``version`` (``load`` reads the first one's image when it has one), then deltas."""
         return self._chain(version)[1]
 
+    def load_plan(self, version: int) -> tuple[bool, list[int]]:
+        """What :meth:`load` reads for ``version``: (whether the first of the chain is read
+        from its compacted image, the chain oldest first)."""
+        return self._chain(version)
+
     def _chain(self, version: int) -> tuple[bool, list[int]]:
+        """Walk parents down to a full version or an image. The walk ends: :meth:`manifest`
+        refuses a delta whose parent is not an earlier version, so no chain can loop."""
         images = set(self.images())
         out = [version]
         if version in images:
@@ -472,10 +505,47 @@ class ModelStore:
                      *self.fs.get_file_info(pafs.FileSelector(self.compacted_dir, allow_not_found=True))]:
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
                 self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
-            elif info.base_name.isdigit() and int(info.base_name) < horizon and int(info.base_name) not in pinned \
+            elif _VERSION_NUMBER.fullmatch(info.base_name) and int(info.base_name) < horizon and int(info.base_name) not in pinned \
                     and info.type == pafs.FileType.Directory:
                 self.fs.delete_dir(info.path)  # an image behind the horizon, or a version without a manifest (a crashed writer's, on an object store)
         return doomed
+
+
+def _shown(data: bytes) -> str:
+    """A file's bytes as an error shows them: the text when it is UTF-8, else the bytes."""
+    head = data[:_SHOWN_BYTES]
+    try:
+        shown = repr(head.decode())
+    except UnicodeDecodeError:
+        shown = repr(head)
+    return shown if len(data) <= _SHOWN_BYTES else f"{shown}... ({len(data)} bytes)"
+
+
+def _parse_pin(data: bytes) -> Pin:
+    """A PIN file's pin; ValueError, KeyError or TypeError saying what is wrong."""
+    fields = json.loads(data)
+    if not isinstance(fields, dict):
+        raise TypeError(f"a JSON {type(fields).__name__}, not an object")
+    version = fields["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"'version' is {version!r}, not a version number")
+    return Pin(version, str(fields["by"]), float(fields["at"]), str(fields.get("reason", "")))
+
+
+def _check_lineage(path: str, version: int, manifest: dict) -> None:
+    """A manifest's kind, and a delta's parent: an earlier version, so that every chain ends."""
+    kind, parent = manifest["kind"], manifest["parent"]
+    if kind not in ("full", "delta"):
+        raise CorruptVersion(f"{path}: kind {kind!r} is neither 'full' nor 'delta'")
+    if kind == "delta" and parent is not None:
+        if isinstance(parent, bool) or not isinstance(parent, int) or not 1 <= parent < version:
+            raise CorruptVersion(f"{path}: a delta's parent must be an earlier version than {version}, not {parent!r} "
+                                 "(its chain would loop or leave the store)")
+    if not isinstance(manifest["files"], dict) or not isinstance(manifest["tables"], dict):
+        raise CorruptVersion(f"{path}: 'files' and 'tables' must be JSON objects")
+    for rel, info in manifest["files"].items():
+        if not isinstance(info, dict) or not all(key in info for key in ("sha256", "bytes", "rows")):
+            raise CorruptVersion(f"{path}: the entry of {rel} lacks its sha256, bytes or rows")
 
 
 def _all_finite(values: pa.ChunkedArray) -> bool:

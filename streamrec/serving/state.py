@@ -15,7 +15,10 @@ version whose whole chain is in the store (``ModelStore.check_present``). Every 
 the store's pin at its next look (``catch_up``), a node started later included, until
 ``:reload`` without a version (or ``streamrec store unpin``) removes it. A garbage or
 dangling ``LATEST`` never stops a node: it follows the newest version that verifies and
-says why in ``latest_problem``.
+says why in ``latest_problem``. Nor does a pin it cannot follow (unreadable, or naming a
+version that does not load): a node stays where it is, one that serves nothing yet follows
+LATEST, and both say why. A node whose served version's files are damaged in the store
+after it loaded them keeps serving it from memory and says that no node starting now can.
 
 Consistency: every batch runs under a shared lock and every apply/rollback mutates under
 the exclusive one, so a batch sees exactly one version (never sparse rows of N with
@@ -48,6 +51,7 @@ from streamrec.serving.runner import RuntimeConfig
 from streamrec.serving.version import DenseOnDevice, ServedVersion
 
 log = logging.getLogger(__name__)
+FILES_CHECK_INTERVAL_S = 10.0  # how often a node checks that the store still holds the files of what it serves
 
 
 @dataclass
@@ -112,7 +116,10 @@ class ServedModel:
         self.current: ServedVersion | None = None
         self.undo: list[UndoRecord] = []
         self.pin: Pin | None = None  # the store's pin this node follows: automatic applies stop until it is released
-        self.latest_problem: str | None = None  # why LATEST is not served (garbage, dangling, broken chain, unreadable pin)
+        self._latest_problem: str | None = None  # why LATEST or the pin is not followed (garbage, dangling, broken chain)
+        self._damaged: tuple[int, str] | None = None  # a served version whose files the store no longer holds, and how
+        self.files_check_interval_s = FILES_CHECK_INTERVAL_S
+        self._next_files_check = 0.0
         self.applied_at: dict[int, float] = {}
         self.recent_applies: deque[ApplyReport] = deque(maxlen=32)  # what each change cost (status: "applies")
         self.refused: dict[int, str] = {}  # version -> why it was not applied
@@ -124,6 +131,17 @@ class ServedModel:
     @property
     def pinned(self) -> bool:
         return self.pin is not None
+
+    @property
+    def served_problem(self) -> str | None:
+        """Why a node starting now could not load the served version, as the last check found."""
+        return self._damaged[1] if self._damaged is not None and self._damaged[0] == self.version else None
+
+    @property
+    def latest_problem(self) -> str | None:
+        """Why this node does not serve what the store says (LATEST or the pin unusable), or
+        why a node starting now could not serve what it does (its files damaged since)."""
+        return "; ".join(p for p in (self._latest_problem, self.served_problem) if p) or None
 
     # ------------------------------------------------------------------ serving
     def predict(self, batch: SampleBatch, now_ms: int | None = None, dense: DenseOnDevice | None = None) -> tuple[int, np.ndarray]:
@@ -181,20 +199,31 @@ class ServedModel:
 
     @_one_change_at_a_time
     def catch_up(self) -> list[ApplyReport]:
-        """Apply every version after the current one up to LATEST, in order (the watcher's job).
+        """Apply every version after the current one up to LATEST, in order (the watcher's job),
+        or the store's pin; then, every ``files_check_interval_s``, whether the served version's
+        files are still in the store.
 
         Never raises for a bad version: it is recorded in ``refused`` (and logged) and the
         served version stays. Deltas that depend on a refused version cannot apply; the next
         full version (or a loadable LATEST chain) gets the server going again.
         """
-        pinned = self._follow_pin()
-        if pinned is not None:
-            return pinned
-        latest, self.latest_problem = self.model_store.resolve_latest()
-        if self.latest_problem:
-            log.error("%s; following version %s, the newest in the store", self.latest_problem, latest)
+        reports, pin_problem = self._follow_pin()
+        if pin_problem and pin_problem not in (self._latest_problem or ""):
+            log.error("%s", pin_problem)
+        latest_problem = None
+        if reports is None:
+            reports, latest_problem = self._follow_latest()
+        self._latest_problem = "; ".join(p for p in (pin_problem, latest_problem) if p) or None
+        self._check_served_files()
+        return reports
+
+    def _follow_latest(self) -> tuple[list[ApplyReport], str | None]:
+        """(what was applied, why LATEST itself is not served)."""
+        latest, problem = self.model_store.resolve_latest()
+        if problem:
+            log.error("%s; following version %s, the newest in the store", problem, latest)
         if latest is None or (self.version is not None and latest <= self.version):
-            return []
+            return [], problem
         reports = []
         if self.version is not None:
             for v in [v for v in self.model_store.versions() if self.version < v <= latest and v not in self.refused]:
@@ -222,32 +251,70 @@ class ServedModel:
                         break
                     except CorruptVersion as exc:
                         self._refuse(v, exc)
-        if latest in self.refused and self.version != latest and not self.latest_problem:  # e.g. a delta of its chain is gone
-            self.latest_problem = (f"LATEST (version {latest}) cannot be served: {self.refused[latest]}; serving version "
-                                   f"{self.version} until a version that loads (a full one) is published")
-        return reports
+        if latest in self.refused and self.version != latest and not problem:  # e.g. a delta of its chain is gone
+            problem = (f"LATEST (version {latest}) cannot be served: {self.refused[latest]}; serving version "
+                       f"{self.version} until a version that loads (a full one) is published")
+        return reports, problem
 
-    def _follow_pin(self) -> list[ApplyReport] | None:
-        """Reports when the store's pin decides what is served (None: follow LATEST). A pin
-        released elsewhere (another node's :reload, `streamrec store unpin`) releases it here."""
+    def _follow_pin(self) -> tuple[list[ApplyReport] | None, str | None]:
+        """(reports when the store's pin decides what is served, None to follow LATEST; why the
+        pin cannot be followed). A pin released elsewhere (another node's :reload, `streamrec
+        store unpin`) releases it here. A pin that cannot be followed (unreadable, or naming a
+        version that does not load) keeps a node where it is, and a node that serves nothing
+        yet follows LATEST rather than serve nothing."""
         try:
             pin = self.model_store.pinned()
-        except CorruptVersion as exc:  # an unreadable pin: stay where we are until it is fixed
-            self.latest_problem = str(exc)
-            return []
+        except CorruptVersion as exc:
+            return self._pin_unusable(str(exc))
         if pin is None:
             if self.pin is not None:
                 log.warning("pin to version %d released: following LATEST again", self.pin.version)
             self.pin = None
-            return None
-        self.pin = pin
-        if pin.version == self.version or pin.version in self.refused:
-            return []
+            return None, None
+        if pin.version != self.version and pin.version not in self.refused:
+            try:
+                reports = [self._go_to(pin.version)]
+            except CorruptVersion as exc:
+                self._refuse(pin.version, exc)
+            else:
+                self.pin = pin
+                return reports, None
+        if pin.version == self.version:
+            self.pin = pin
+            return [], None
+        return self._pin_unusable(f"{self.model_store.base}/PIN names version {pin.version}, which cannot be served "
+                                  f"({self.refused[pin.version]}); remove the pin (streamrec store unpin, or :reload {{}} "
+                                  "on a serving node) or pin a version that loads")
+
+    def _pin_unusable(self, why: str) -> tuple[list[ApplyReport] | None, str]:
+        """Stay on the served version; with none, follow LATEST (None). Says which."""
+        if self.version is None:
+            return None, f"{why}; following LATEST meanwhile"
+        return [], f"{why}; this node stays on version {self.version} meanwhile"
+
+    def _check_served_files(self) -> None:
+        """Whether a node starting now could load the served version: its files damaged after
+        this node loaded them leave it serving from memory what no other node can, which it
+        says (``served_problem``). Sizes only (``ModelStore.check_present``), and at most
+        every ``files_check_interval_s``: rereading every file would cost a load."""
+        now = time.monotonic()
+        if self.version is None or now < self._next_files_check:
+            return
+        self._next_files_check = now + self.files_check_interval_s
+        version = self.version
         try:
-            return [self._go_to(pin.version)]
+            self.model_store.check_present(version)
         except CorruptVersion as exc:
-            self._refuse(pin.version, exc)
-            return []
+            if self.served_problem is None:
+                log.error("the files of version %d, which this node serves, are damaged in the store: %s", version, exc)
+            self._damaged = (version, f"version {version}, which this node serves from memory, cannot be loaded from the "
+                                      f"store any more ({exc}): a node starting now cannot serve it; publish a full version "
+                                      "(a trainer's next start does) or roll back to a version that loads")
+            return
+        except OSError as exc:  # the store unreachable: nothing learnt about the files
+            log.warning("could not check the files of version %d: %s", version, exc)
+            return
+        self._damaged = None
 
     def _go_to(self, version: int) -> ApplyReport:
         """Serve ``version``: from the undo records when they reach it, else loaded from the store."""
