@@ -209,6 +209,7 @@ def test_ten_kill_9s_of_the_broker_lose_nothing_and_every_process_recovers(tmp_p
         assert _distinct_events(bootstrap, f"{name}.events") == acknowledged
 
         assert _assert_exact_samples(bootstrap, name, job, tmp_path / "flink-log") > 5000
+        print("hanging transactions the runner aborted:", _job_output(job).count("aborted a hanging Kafka transaction"))
         store = ModelStore(env["STREAMREC_TRAINER__MODEL_STORE"], "ctr")
         _wait_for(lambda: any(store.manifest(v)["created_at"] > last_up for v in store.versions()), 120,
                   "a version published after the last restart", lambda: (tmp_path / "trainer.log").read_text()[-2000:])

@@ -25,6 +25,7 @@ from streamrec.pipelines.embedded_state import (ENDED, PID_FILE, RECORD_FILE, SU
                                                 release_pid_file, remove_stale_pid_file, write_pid)
 from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
 from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, flink_log_file, submit
+from streamrec.pipelines.hanging import HangingTransactionSweeper
 from streamrec.pipelines.job import JobSpec
 
 log = logging.getLogger("streamrec.pipeline")
@@ -94,6 +95,8 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     threading.Thread(target=wait_for_job, name="flink-job", daemon=True).start()
+    sweeper = (HangingTransactionSweeper(spec.bootstrap, [spec.samples_topic, spec.dlq_topic, spec.features_topic]).start()
+               if spec.exactly_once else None)
     last_look = last_print = time.monotonic()
     try:
         while not done.wait(0.5):
@@ -112,6 +115,8 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
                     last_print = time.monotonic()
                     print(_progress(job.seen, job.started), flush=True)
     finally:
+        if sweeper is not None:
+            sweeper.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return job.end(stop.is_set(), outcome.get("error"), spec)

@@ -27,18 +27,24 @@ log = logging.getLogger(__name__)
 
 
 def _answered(call: Callable, timeout_s: float):
-    """``call()``, retried through a broker that is briefly away (restarting, a leader moving)
-    for up to ``timeout_s``: a trainer that starts during an outage waits it out."""
+    """``call()``, retried through a broker that is away (restarting, a leader moving) for up
+    to ``DELIVERY_TIMEOUTS × timeout_s``, the window a producer rides out too: a trainer that
+    starts during a broker restart waits it out, one that cannot reach Kafka at all says so."""
     from kafka.errors import KafkaError
 
-    deadline = time.monotonic() + timeout_s
+    from streamrec.plumbing.bus.clients import DELIVERY_TIMEOUTS, BusUnavailable
+
+    window_s = DELIVERY_TIMEOUTS * timeout_s
+    deadline, said = time.monotonic() + window_s, 0.0
     while True:
         try:
             return call()
-        except KafkaError as exc:
-            if not exc.retriable or time.monotonic() > deadline:
+        except (KafkaError, BusUnavailable) as exc:
+            if (isinstance(exc, KafkaError) and not exc.retriable) or time.monotonic() > deadline:
                 raise
-            log.info("Kafka did not answer (%s); trying again", exc)
+            if time.monotonic() - said >= 5:
+                said = time.monotonic()
+                log.info("Kafka did not answer (%s); trying again for up to %.0f s", exc, deadline - said)
             time.sleep(0.5)
 
 
@@ -198,9 +204,9 @@ class KafkaSampleSource:
 
         self.topic, self.spec, self.poll_ms, self.max_records = topic, spec, poll_ms, max_records
         self.rejected_log = rejected_log  # refused messages are kept there, not only counted
-        self.consumer = make_consumer(bootstrap, group_id=group, timeout_s=timeout_s, auto_offset_reset="earliest",
-                                      isolation_level="read_committed",  # the pipeline writes in transactions
-                                      max_poll_records=max_records)
+        self.consumer = _answered(lambda: make_consumer(bootstrap, group_id=group, timeout_s=timeout_s, auto_offset_reset="earliest",
+                                                        isolation_level="read_committed",  # the pipeline writes in transactions
+                                                        max_poll_records=max_records), timeout_s)
         partitions = _answered(lambda: self.consumer.partitions_for_topic(topic), timeout_s)
         if not partitions:
             self.consumer.close()
