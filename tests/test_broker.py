@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from streamrec.plumbing.bus.broker import EmbeddedBroker, _alive
+from streamrec.plumbing.bus.broker import EmbeddedBroker
+from streamrec.plumbing.processes import process_alive
 from streamrec.plumbing.bus.clients import BusUnavailable, make_admin, make_consumer, make_producer
 from tests.conftest import CheckedProducer, free_port, read_topic, run_cli
 
@@ -23,7 +24,7 @@ def test_up_status_down_cycle(tmp_path):
     assert "topic streamrec.events: created" in up.stdout
     try:
         pid = json.loads((data / "node-1" / "broker.pid").read_text())["pid"]
-        assert _alive(pid)
+        assert process_alive(pid)
         again = run_cli("kafka", "up", *_flags(port, data))
         assert again.returncode == 0 and "already running" in again.stdout and "exists" in again.stdout
 
@@ -39,7 +40,7 @@ def test_up_status_down_cycle(tmp_path):
     finally:
         down = run_cli("kafka", "down", *_flags(port, data))
     assert down.returncode == 0 and "stopped" in down.stdout
-    assert not _alive(pid)
+    assert not process_alive(pid)
     assert not (data / "node-1" / "broker.pid").exists()
     with socket.socket() as sock:  # the port is free again
         sock.bind(("127.0.0.1", port))

@@ -21,7 +21,8 @@ import orjson
 import pytest
 from kafka import TopicPartition
 
-from streamrec.plumbing.bus.broker import EmbeddedBroker, _alive, free_port
+from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port
+from streamrec.plumbing.processes import process_alive
 from streamrec.plumbing.bus.clients import make_consumer
 from tests.conftest import REPO, read_topic
 
@@ -79,7 +80,7 @@ def _generating(tmp_path, duration_s: int, *flags: str, connect_timeout_s: float
 
 def _kill(state) -> None:
     os.killpg(state.pid, signal.SIGKILL)  # the broker's whole process group
-    while _alive(state.pid):
+    while process_alive(state.pid):
         time.sleep(0.05)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import free_port
 from streamrec.demo.resources import process_tree
-from streamrec.pipelines.embedded_state import process_alive
+from streamrec.plumbing.processes import process_alive
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

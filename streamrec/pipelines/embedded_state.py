@@ -15,6 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from streamrec.pipelines.flink_rest import JobInfo
+from streamrec.plumbing.processes import process_alive
 
 STATE_DIR = Path("var/flink")
 LOG_DIR = STATE_DIR / "log"  # the Flink log of the mini-cluster and the PyFlink gateway (FLINK_LOG_DIR)
@@ -23,22 +24,6 @@ SUBMIT_LOG = STATE_DIR / "pipeline.log"  # that process's output
 RECORD_FILE = STATE_DIR / "last-job.json"
 ENDED = {"FINISHED", "CANCELED", "FAILED"}
 UNKNOWN = "UNKNOWN"  # the record says running, but its process is gone (killed before it could say how the job ended)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, ended but not reaped yet, does not)."""
-    if pid <= 0:
-        return False  # os.kill(0, ...) would ask about this process group
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc: os.kill's answer stands
 
 
 def write_pid(pid: int) -> None:

@@ -26,3 +26,26 @@ def find_tool(name: str) -> str | None:
         candidate = Path(os.environ["JAVA_HOME"]) / "bin" / name
         found = str(candidate) if candidate.is_file() else None
     return found
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone; a zombie child of ours is reaped)."""
+    if pid <= 0:
+        return False  # 0 and -1 would ask about a process group, not a process
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child: fall through to the signal check
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: os.kill's answer stands

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamrec.plumbing.bus.clients import make_admin
+from streamrec.plumbing.processes import process_alive
 from streamrec.plumbing.bus.kafka_dist import KAFKA_VERSION, KafkaJarsError, default_jars_dir, java_binary, verify_kafka_jars
 
 
@@ -89,27 +90,6 @@ def port_in_use(host: str, port: int) -> bool:
                 return True
             raise BrokerError(f"cannot use {host}:{port}: {exc}") from None
     return False
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie child counts as gone, and is reaped)."""
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)
-        if waited == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child: fall through to the signal check
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _new_cluster_id() -> str:
@@ -261,7 +241,7 @@ class EmbeddedBroker:
             return None
         except (ValueError, KeyError, TypeError) as exc:
             raise BrokerError(f"PID file {pid_file} is unreadable ({exc}); remove it if no broker runs") from None
-        if _alive(pid):
+        if process_alive(pid):
             return pid
         pid_file.unlink(missing_ok=True)
         return None
@@ -344,7 +324,7 @@ class EmbeddedBroker:
             raise BrokerError(f"Kafka node {node_id} is not running")
         os.killpg(pid, sig)
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         return pid
 
@@ -374,7 +354,7 @@ class EmbeddedBroker:
                 return
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline:
-                if not _alive(pid):
+                if not process_alive(pid):
                     return
                 time.sleep(0.05)
         raise BrokerError(f"Kafka process {pid} survived SIGKILL")
