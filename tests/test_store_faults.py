@@ -315,6 +315,10 @@ def test_store_verify_says_which_versions_it_checked(tmp_path):
     assert verified.returncode == 0 and "5 version(s) checked (1-5), all sound" in verified.stdout, verified.stdout
     missing = run_cli("store", "verify", "--model-store", str(root), "--version", "9")  # named, never there: a problem
     assert missing.returncode == 1 and "9: version 9 of ctr has no manifest" in missing.stdout, missing.stdout
+    some = run_cli("store", "verify", "--model-store", str(root), "--version", "2", "4", "--version", "3", "--json")
+    assert some.returncode == 0 and json.loads(some.stdout)["checked"] == [2, 3, 4], some.stdout + some.stderr
+    one = run_cli("store", "verify", "--model-store", str(root), "--version", "2")  # not LATEST (5) too
+    assert one.returncode == 0 and "1 version(s) checked (2), all sound" in one.stdout, one.stdout
 
 
 # ---------------------------------------------------------------- 9: the served version's files damaged later

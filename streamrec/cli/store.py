@@ -28,7 +28,8 @@ def add_parser(commands: Commands) -> None:
         if action in ("ls", "verify"):
             p.add_argument("--json", action="store_true", help="print JSON")
         if action == "verify":
-            p.add_argument("--version", type=int, action="append", help="check only this version (repeatable)")
+            p.add_argument("--version", type=int, nargs="+", action="extend", metavar="N",
+                           help="check only these versions (and the chains they need): --version 3 5, or repeated")
         if action == "pin":
             p.add_argument("version", type=int, help="the version to serve")
             p.add_argument("--reason", default="", help="why (recorded with the pin)")

@@ -42,15 +42,17 @@ def describe(store: ModelStore) -> dict[str, Any]:
 def verify(store: ModelStore, versions: list[int] | None = None) -> dict[str, Any]:
     """Check each version's files (sizes, checksums, Arrow, finite values) and the chain it
     needs, as a node loading it would read them; LATEST and the pin must name versions that
-    load. ``ok`` is False on any problem. On a live store, retention and compaction delete
+    load (``versions``: check those alone). ``ok`` is False on any problem. On a live store, retention and compaction delete
     versions while this runs: a version there at the start and gone at the end is no problem
     (listed in ``deleted_during_check``), and a chain is walked again when a version it
     needed went (it starts at a newer image now)."""
     described = describe(store)
     present = [v["version"] for v in described["versions"]]
     pinned = (described["pin"] or {}).get("version")
-    targets = list(versions) if versions is not None else list(present)
-    targets += [v for v in (described["latest"], pinned) if v is not None and v not in targets]
+    # asked for some versions: those alone (LATEST's and the pin's own problems are still said)
+    targets = list(dict.fromkeys(versions)) if versions is not None else list(present)
+    if versions is None:
+        targets += [v for v in (described["latest"], pinned) if v is not None and v not in targets]
     files = _FileChecks(store)
     problems: dict[str, list[str]] = {}
     checked, gone = [], []
