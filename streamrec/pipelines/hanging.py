@@ -25,8 +25,9 @@ class HangingTransactionSweeper:
     """Every ``SWEEP_INTERVAL_S``, abort the hanging transactions of ``topics``; ``aborted``
     keeps what was aborted (partition, producer, first offset)."""
 
-    def __init__(self, bootstrap: str, topics: list[str]) -> None:
-        self.bootstrap, self.topics = bootstrap, topics
+    def __init__(self, bootstrap: str, topics: list[str], jars: list[str]) -> None:
+        """``jars``: the job's jar URLs, loaded before each sweep's call (below)."""
+        self.bootstrap, self.topics, self.jars = bootstrap, topics, jars
         self.aborted: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hanging-transactions", daemon=True)
@@ -43,13 +44,17 @@ class HangingTransactionSweeper:
             try:
                 self.sweep()
             except Exception as exc:  # noqa: BLE001 - the broker away, a topic not there yet: next sweep
-                log.debug("hanging-transaction sweep skipped: %s", exc)
+                log.info("hanging-transaction sweep skipped: %s", str(exc).splitlines()[0][:300])
 
     def sweep(self) -> list[str]:
         """One sweep; returns what it aborted."""
         from py4j.java_collections import ListConverter
         from pyflink.java_gateway import get_gateway
+        from pyflink.util.java_utils import add_jars_to_context_class_loader
 
+        # the Java thread serving this call may be a new one: py4j gives a thread whichever pooled
+        # connection is free, and the job's classes are on the class loader of the thread that loaded them
+        add_jars_to_context_class_loader(self.jars)
         gateway = get_gateway()
         topics = ListConverter().convert(self.topics, gateway._gateway_client)
         started = time.monotonic()

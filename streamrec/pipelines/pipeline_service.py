@@ -24,7 +24,7 @@ from streamrec.pipelines.checkpoints import checkpoint_uri, is_local
 from streamrec.pipelines.embedded_state import (ENDED, PID_FILE, RECORD_FILE, SUBMIT_LOG, UNKNOWN, record_job, recorded_job,
                                                 release_pid_file, remove_stale_pid_file, write_pid)
 from streamrec.pipelines.flink_rest import FlinkRest, FlinkUnreachable, JobInfo
-from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, flink_log_file, submit
+from streamrec.pipelines.flink_runner import RunOptions, TaskManagerKeeper, flink_log_file, job_jars, submit
 from streamrec.pipelines.hanging import HangingTransactionSweeper
 from streamrec.pipelines.job import JobSpec
 
@@ -95,8 +95,8 @@ def run_embedded(cfg, spec: JobSpec, opts: RunOptions, interval_s: float = 10.0)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     threading.Thread(target=wait_for_job, name="flink-job", daemon=True).start()
-    sweeper = (HangingTransactionSweeper(spec.bootstrap, [spec.samples_topic, spec.dlq_topic, spec.features_topic]).start()
-               if spec.exactly_once else None)
+    sweeper = (HangingTransactionSweeper(spec.bootstrap, [spec.samples_topic, spec.dlq_topic, spec.features_topic],
+                                         job_jars(opts)).start() if spec.exactly_once else None)
     last_look = last_print = time.monotonic()
     try:
         while not done.wait(0.5):
