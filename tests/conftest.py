@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import pyarrow.parquet as pq
 import pytest
@@ -40,8 +41,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until the serving node at ``base`` answers ``/readyz`` with 200; its output if it exits first."""
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 120, output: Callable[[], str] | None = None) -> None:
+    """Until the serving node at ``base`` answers ``/readyz`` with 200; its output if it exits
+    first (``output()``: what a reader thread of its stdout has collected, if one does)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -50,7 +52,8 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float = 120) -> Non
                     return
         except (urllib.error.URLError, ConnectionError):
             pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "not ready"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            output() if output else proc.stdout.read() if proc.poll() is not None else "not ready")
         time.sleep(0.2)
 
 

@@ -25,9 +25,9 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, copy_store, free_port, run_cli
+from conftest import REPO, copy_store, free_port, run_cli, wait_ready
 from streamrec.plumbing.config import ConfigError, load_config
-from test_serving_http import TOKEN, call
+from test_serving_http import TOKEN
 
 pytestmark = pytest.mark.slow
 
@@ -68,15 +68,7 @@ class Node:
         self.reader.start()
 
     def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if call(self.base, "GET", "/readyz")[0] == 200:
-                    return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.output)[-3000:]
-            time.sleep(0.2)
+        wait_ready(self.base, self.proc, timeout_s, output=lambda: "".join(self.output)[-3000:])
 
     def stop(self) -> str:
         self.proc.terminate()

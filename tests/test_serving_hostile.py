@@ -28,7 +28,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, copy_store, free_port
+from conftest import REPO, copy_store, free_port, wait_ready
 from streamrec.serving.guard import LogThrottle
 from test_serving_http import TOKEN, call
 
@@ -54,15 +54,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.output: list[str] = []
         threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if call(self.base, "GET", "/readyz")[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.output)[-3000:]
-            time.sleep(0.2)
+        wait_ready(self.base, self.proc, 120, output=lambda: "".join(self.output)[-3000:])
 
     def stop(self) -> str:
         self.proc.terminate()
