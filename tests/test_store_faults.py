@@ -16,14 +16,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import orjson
 import pytest
 import torch
 
 from conftest import REPO, copy_store, free_port, run_cli
+from test_store_safety import TOKEN, http
+from test_store_safety import start_node as serve_store
 from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
 
-TOKEN = "store-faults-token"
 BAD_LATEST = {"non-utf8": (b"\xff\xfe", r"b'\xff\xfe'"), "superscript-two": ("²\n".encode(), "'²'")}
 
 
@@ -48,29 +48,13 @@ def start_node(store_root: Path) -> tuple[subprocess.Popen, str]:
     """A real `streamrec serve` on CPU polling LATEST every 0.2 s, admin routes on, without
     online features or a model-updates topic: (process, base URL)."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrec.cli", "serve", "--model-store", str(store_root), "--port", str(port), "--device", "cpu",
-         "--poll-interval", "0.2", "--compile", "eager"],
-        cwd=REPO, env={**os.environ, "STREAMREC_SERVING__ADMIN_TOKEN": TOKEN, "STREAMREC_SERVING__FEATURE_STORE": "false",
-                       "STREAMREC_SERVING__FOLLOW_UPDATES": "false"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, f"http://127.0.0.1:{port}"
+    return serve_store(store_root, port), f"http://127.0.0.1:{port}"
 
 
 def stop_node(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
-
-
-def http(base: str, method: str, path: str, body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(base + path, data=orjson.dumps(body) if body is not None else None, method=method,
-                                     headers={"content-type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, orjson.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, orjson.loads(exc.read())
 
 
 def wait_until(check, what: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
