@@ -914,8 +914,8 @@ def test_a_hung_rank_stops_the_others_once_they_waited_the_collective_timeout(sa
     """docs/distributed.md, a rank that hangs: rank 1 frozen mid-run (SIGSTOP: its connections
     stay open, so only the timeout can tell) stops rank 0 at its next collective once that has
     waited ``collective_timeout_s``, with an error naming rank 0 and the timeout, exit 3; the
-    launcher then kills the frozen rank (SIGTERM cannot stop it: SIGKILL after torch's 30 s
-    shutdown timeout) and exits 1."""
+    launcher then kills the frozen rank (SIGTERM cannot stop it: SIGKILL after torch's shutdown
+    timeout, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s unless set: 2 s here) and exits 1."""
     timeout_s = 10  # above any step or publish on a loaded machine, so only the hang trips it
     log = tmp_path / "launcher.log"  # a file, not a pipe: a rank blocked on a full pipe would hang too
     args = [sys.executable, "-m", "streamrec.cli", "train", "--samples", str(same_steps_run), "--loop", "--model-store",
@@ -923,7 +923,8 @@ def test_a_hung_rank_stops_the_others_once_they_waited_the_collective_timeout(sa
             "--publish-interval", "0.5", "--batch-size", "512", "--nproc-per-node", "2"]
     store, pids = ModelStore(str(tmp_path / "models"), "ctr"), {}
     with open(log, "w") as sink:
-        launcher = subprocess.Popen(args, cwd=REPO, env={**os.environ, "STREAMREC_TRAINER__COLLECTIVE_TIMEOUT_S": str(timeout_s)},
+        launcher = subprocess.Popen(args, cwd=REPO, env={**os.environ, "STREAMREC_TRAINER__COLLECTIVE_TIMEOUT_S": str(timeout_s),
+                                                                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"},
                                     stdout=subprocess.DEVNULL, stderr=sink)
     try:
         deadline = time.monotonic() + 300

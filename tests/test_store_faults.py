@@ -240,14 +240,14 @@ GATED_CLI = """
 import os, runpy, sys, time
 from pathlib import Path
 from streamrec.modelstore.store import ModelStore
-gate, read = Path(os.environ["STORE_FAULTS_GATE"]), ModelStore.read_version
+gate, read = Path(os.environ["STORE_FAULTS_GATE"]), ModelStore.check_version
 def gated(self, *args, **kwargs):  # the first read waits until the test has run retention
     if not (gate / "go").exists():
         (gate / "waiting").touch()
         while not (gate / "go").exists():
             time.sleep(0.01)
     return read(self, *args, **kwargs)
-ModelStore.read_version = gated
+ModelStore.check_version = gated
 sys.argv[0] = "streamrec"
 runpy.run_module("streamrec.cli", run_name="__main__")
 """

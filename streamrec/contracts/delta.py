@@ -11,11 +11,13 @@ Arrow IPC file per sparse table (or per table and shard) and ``dense.arrow``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 import pyarrow as pa
-import torch
+
+if TYPE_CHECKING:  # the tensors come from the caller: readers of the files need no torch
+    import torch
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -27,7 +29,13 @@ class SparseDelta:
 
     keys: torch.Tensor
     values: torch.Tensor
-    deleted: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    deleted: torch.Tensor = field(default_factory=lambda: _no_keys())
+
+
+def _no_keys() -> torch.Tensor:
+    import torch
+
+    return torch.empty(0, dtype=torch.int64)
 
 
 def sparse_table(delta: SparseDelta, dim: int) -> pa.Table:

@@ -86,7 +86,7 @@ class _FileChecks:
         key = (version, image)
         if key not in self.found:
             try:
-                self.store.read_version(version, image)
+                self.store.check_version(version, image)
                 self.found[key] = None
             except CorruptVersion as exc:
                 self.found[key] = str(exc)

@@ -41,14 +41,16 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, SparseDelta, dense_table, sparse_arrays, sparse_table
 
@@ -368,6 +370,8 @@ class ModelStore:
         staging = f"{self.compacted_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else image
         staged = StagedVersion(version, "full", None, staging)
         dims = {name: loaded.manifest["tables"][name]["dim"] for name in loaded.tables}
+        import torch
+
         tables = {name: SparseDelta(torch.from_numpy(keys), torch.from_numpy(values)) for name, (keys, values) in loaded.tables.items()}
         self._seal(staged, self.write_shard(staged, tables, dims), loaded.dense, meta)
         if self.renames_dirs:
@@ -427,11 +431,19 @@ class ModelStore:
 
     def read_version(self, version: int, image: bool = False) -> tuple[dict, dict[str, pa.Table], dict[str, torch.Tensor]]:
         """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense tensors)."""
+        import torch  # here, not at the top: the store tools (`streamrec store`) start without it
+
+        manifest, sparse, dense = self.check_version(version, image)
+        return manifest, sparse, {name: torch.from_numpy(values) for name, values in dense.items()}
+
+    def check_version(self, version: int, image: bool = False) -> tuple[dict, dict[str, pa.Table], dict[str, np.ndarray]]:
+        """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense
+        arrays). Raises CorruptVersion naming the first file that fails."""
         manifest = self.manifest(version, image)
         vdir = self._vdir(version, image)
         sparse: dict[str, pa.Table] = {}
         shards: dict[str, list[pa.Table]] = {}
-        dense: dict[str, torch.Tensor] = {}
+        dense: dict[str, np.ndarray] = {}
         for rel, info in manifest["files"].items():
             try:
                 data = self._read(f"{vdir}/{rel}")
@@ -447,8 +459,8 @@ class ModelStore:
                 raise CorruptVersion(f"version {version}: {rel} has {table.num_rows} rows, manifest says {info['rows']}")
             if rel == "dense.arrow":
                 for name, shape, values in zip(table["name"].to_pylist(), table["shape"].to_pylist(), table["values"].to_numpy(zero_copy_only=False)):
-                    dense[name] = torch.from_numpy(np.asarray(values, dtype=np.float32).copy()).reshape(shape)
-                    if not bool(torch.isfinite(dense[name]).all()):
+                    dense[name] = np.asarray(values, dtype=np.float32).copy().reshape(shape)
+                    if not np.isfinite(dense[name]).all():
                         raise CorruptVersion(f"version {version}: dense parameter {name} holds non-finite values")
             else:  # a table's shards (disjoint keys) read as one table
                 if table.num_rows and not _all_finite(table["value"]):
