@@ -34,8 +34,6 @@ from streamrec.plumbing.bus.clients import make_admin
 from streamrec.plumbing.processes import process_alive
 from streamrec.plumbing.bus.kafka_dist import KAFKA_VERSION, KafkaJarsError, default_jars_dir, java_binary, verify_kafka_jars
 
-TRANSACTION_VERSION = 1  # Kafka's transaction protocol on a new embedded cluster (see _format)
-
 
 class BrokerError(RuntimeError):
     """The embedded Kafka could not be started, found or stopped."""
@@ -223,19 +221,16 @@ class EmbeddedBroker:
 
     def _java(self, *args: str) -> list[str]:
         """A JVM command line for Kafka's ``args``; ``$KAFKA_OPTS`` adds JVM options, as in
-        Kafka's own scripts (the test suite's: ``-XX:TieredStopAtLevel=1``, quicker starts)."""
+        Kafka's own scripts (``-XX:TieredStopAtLevel=1``, say: quicker starts, slower peak)."""
         return [java_binary(), f"-Xmx{self.heap_mb}m", "-Xms64m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
                 "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true",
                 f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.yaml'}", *shlex.split(os.environ.get("KAFKA_OPTS", "")),
                 "-cp", str(self.jars_dir / "*"), *args]
 
     def _format(self, cluster_id: str, node_dir: Path) -> None:
-        # one argument each: a cluster id may start with "-" (URL-safe base64). Transactions of
-        # version 1: the Flink job's exactly-once sinks commit a checkpoint's transaction after a
-        # restart by resuming its producer id and epoch, which version 2's per-transaction epoch
-        # bump breaks (FLINK-40689: under broker restarts, transactions left open on partitions)
+        # one argument each: a cluster id may start with "-" (URL-safe base64)
         cmd = self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-                         f"--config={node_dir / 'server.properties'}", f"--feature=transaction.version={TRANSACTION_VERSION}")
+                         f"--config={node_dir / 'server.properties'}")
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise BrokerError(f"formatting Kafka's storage in {node_dir} failed:\n{(result.stdout + result.stderr).strip()[-2000:]}")
