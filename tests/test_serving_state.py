@@ -161,3 +161,20 @@ def test_a_version_with_an_unreadable_feature_spec_is_refused_not_fatal(publishe
         unchecked.load(versions[-1])
     checked.close()
     unchecked.close()
+
+
+def test_a_garbage_latest_is_logged_once_not_at_every_poll_and_its_end_too(published, tmp_path, caplog):
+    shared, versions = published
+    root = copy_store(shared, tmp_path / "models")
+    served = ServedModel(ModelStore(str(root), "ctr"))
+    (root / "ctr" / "LATEST").write_text("garbage\n")
+    with caplog.at_level("INFO", logger="streamrec"):
+        for _ in range(3):  # three polls of the watcher
+            served.catch_up()
+        assert served.version == versions[-1]  # the newest version, LATEST aside
+        assert len([r for r in caplog.records if r.levelname == "ERROR" and "garbage" in r.getMessage()]) == 1
+        (root / "ctr" / "LATEST").write_text(f"{versions[-1]}\n")
+        served.catch_up()
+        served.catch_up()
+    assert served.latest_problem is None
+    assert [r.getMessage() for r in caplog.records].count("the store's LATEST and PIN are sound again") == 1

@@ -213,14 +213,17 @@ class ServedModel:
         latest_problem = None
         if reports is None:
             reports, latest_problem = self._follow_latest()
-        self._latest_problem = "; ".join(p for p in (pin_problem, latest_problem) if p) or None
+        problems = "; ".join(p for p in (pin_problem, latest_problem) if p) or None
+        if self._latest_problem and not problems:
+            log.info("the store's LATEST and PIN are sound again")
+        self._latest_problem = problems
         self._check_served_files()
         return reports
 
     def _follow_latest(self) -> tuple[list[ApplyReport], str | None]:
         """(what was applied, why LATEST itself is not served)."""
         latest, problem = self.model_store.resolve_latest()
-        if problem:
+        if problem and problem not in (self._latest_problem or ""):  # once, not at every poll
             log.error("%s; following version %s, the newest in the store", problem, latest)
         if latest is None or (self.version is not None and latest <= self.version):
             return [], problem
