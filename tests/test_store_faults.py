@@ -162,6 +162,30 @@ def test_store_unpin_removes_an_unreadable_pin(tmp_path, pin):
     assert run_cli("store", "verify", "--model-store", str(root)).returncode == 0
 
 
+class _FailingMoves:
+    """A store's filesystem whose renames fail, as on a full disk; everything else real."""
+
+    def __init__(self, fs) -> None:
+        self._fs = fs
+
+    def move(self, src: str, dest: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name: str):
+        return getattr(self._fs, name)
+
+
+def test_a_pin_that_cannot_be_written_leaves_no_temp_file_and_the_old_pin(tmp_path):
+    root = tmp_path / "models"
+    store = small_store(root)
+    store.pin(2, by="first")
+    store.fs = _FailingMoves(store.fs)
+    with pytest.raises(OSError, match="No space left"):
+        store.pin(3, by="second")
+    assert sorted(p.name for p in (root / "ctr").iterdir() if p.name.startswith(".")) == []
+    assert store.pinned().version == 2
+
+
 @pytest.mark.parametrize("pin", ["garbage", "dangling"])
 def test_a_node_started_on_an_unusable_pin_serves_latest_and_reload_removes_the_pin(published_model, tmp_path, pin):
     shared, versions = published_model

@@ -152,8 +152,15 @@ class ModelStore:
             self._write(path, data)
             return
         tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex[:8]}"
-        self._write(tmp, data)
-        self.fs.move(tmp, path)
+        try:
+            self._write(tmp, data)
+            self.fs.move(tmp, path)
+        except BaseException:  # a full disk, say: no temp file left behind
+            try:
+                self.fs.delete_file(tmp)
+            except OSError:
+                pass
+            raise
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> int | None:
