@@ -220,3 +220,21 @@ def test_unknown_fields_are_listed_up_to_a_bound():
     extra = {f"x{k}": 1 for k in range(12)}
     message = _refusal(InstanceDecoder(SPEC, max_instances=10), [{**_valid_instance(), **extra}])
     assert ", ".join(f"unknown_field:x{k}" for k in range(10)) + ", 2 more unknown fields (schema" in message, message
+
+
+def test_a_by_ids_400_names_every_bad_field_at_once():
+    decoder = ByIdsDecoder(max_candidates=100, max_future_skew_ms=60_000)
+    body = {"user_id": "7", "context": {"device": "ios", "local_hour": 24},
+            "candidates": [{"item_id": 1, "category_id": 2, "advertiser_id": 3, "position": 0},
+                           {"item_id": 1.5, "category_id": 2, "position": -1, "colour": "red"}],
+            "return_features": "yes"}
+    with pytest.raises(ApiError) as caught:
+        decoder.decode(orjson.dumps(body), 0)
+    message = caught.value.message
+    assert caught.value.status == 400
+    for words in ("user_id: Expected `int`, got `str`", "context.local_hour: Expected `int` <= 23",
+                  "candidates[1].item_id: Expected `int`, got `float`", "candidates[1].advertiser_id: missing",
+                  "candidates[1].position: Expected `int` >= 0", "candidates[1].colour: unknown field",
+                  "return_features: Expected `bool`, got `str`"):
+        assert words in message, message
+    assert "candidates[0]" not in message
