@@ -347,7 +347,10 @@ class ByIdsDecoder:
         try:
             request = self._decoder.decode(body)
         except msgspec.ValidationError as exc:
-            problems = by_ids_problems(msgspec.json.decode(body)) or [str(exc)]
+            try:
+                problems = by_ids_problems(msgspec.json.decode(body)) or [str(exc)]
+            except NOT_JSON:  # valid JSON for the typed decode, too deep for the generic one
+                problems = [str(exc)]
             more = f" (and {len(problems) - MAX_SHOWN} more)" if len(problems) > MAX_SHOWN else ""
             raise ApiError(400, f"invalid predict-by-ids request: {'; '.join(problems[:MAX_SHOWN])}{more} (expected "
                                 f'{BY_IDS_FORM}, or {{"instances": [...]}} with every feature)') from None
