@@ -20,12 +20,15 @@ def _pct(values: np.ndarray) -> dict:
 
 def trained_on(snapshot: dict, manifests: dict[int, dict]) -> np.ndarray:
     """Mask of scored samples that the answering version had already trained on."""
-    out = np.zeros(len(snapshot["ts"]), bool)
-    for i, (v, p, o) in enumerate(zip(snapshot["version"].tolist(), snapshot["sample_partition"].tolist(),
-                                      snapshot["sample_offset"].tolist())):
-        offsets = (manifests.get(v) or {}).get("offsets") or {}
-        out[i] = int(offsets.get(str(p), 0)) > o
-    return out
+    return np.array([had_trained_on(v, p, o, manifests) for v, p, o in zip(
+        snapshot["version"].tolist(), snapshot["sample_partition"].tolist(), snapshot["sample_offset"].tolist())], bool)
+
+
+def had_trained_on(version: int, partition: int, offset: int, manifests: dict[int, dict]) -> bool:
+    """Whether ``version`` had trained on the sample at (partition, offset) of the samples topic
+    (its manifest's offsets pass it): a score it gave that sample says what it memorised."""
+    offsets = (manifests.get(version) or {}).get("offsets") or {}
+    return int(offsets.get(str(partition), 0)) > offset
 
 
 def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: float = 10.0, window_s: float = 30.0,

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from streamrec.contracts.delta import SparseDelta
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import CONFIG_ENV, LOCAL_CONFIG, Config, ConfigError
-from streamrec.serving.grading import Track, grade
+from streamrec.serving.grading import Labels, Track, grade
 from streamrec.serving.grading_input import read_for_grading
 
 if TYPE_CHECKING:
@@ -107,11 +108,19 @@ def prediction_log_counts(address: str) -> dict[str, int]:
 
 
 def grade_experiment(bootstrap: str, samples_topic: str, predictions_topic: str, spec: FeatureSpec,
-                     connect_timeout_s: float) -> dict:
+                     connect_timeout_s: float, trained_on: set[tuple[int, int, int]]) -> dict:
     """Each variant's count, AUC, log loss and calibration: the samples joined with the logged
-    predictions by the code ``streamrec experiments report`` runs."""
+    predictions by the code ``streamrec experiments report`` runs.
+
+    ``trained_on``: the (user_id, item_id, ts) of samples whose answer came from a version that
+    had already trained on them, left out. The probe sends samples after they were written, so
+    on a loaded machine a version may have learnt a sample before answering it; a live ad
+    request is answered before its sample exists."""
     labels, rows, counts = read_for_grading(bootstrap, samples_topic, predictions_topic, spec, 0.0, GRADING_WINDOW_S,
                                             connect_timeout_s, GRADING_READ_TIMEOUT_S)
+    keep = np.array([key not in trained_on for key in zip(labels.user_id.tolist(), labels.item_id.tolist(),
+                                                          labels.ts.tolist())], bool)
+    labels = Labels(*(column[keep] for column in (labels.user_id, labels.item_id, labels.ts, labels.label)))
 
     def selected(t: Track) -> bool:
         return t.experiment == EXPERIMENT and not t.shadow
@@ -120,7 +129,8 @@ def grade_experiment(bootstrap: str, samples_topic: str, predictions_topic: str,
     variants = {t.track.variant: {"model": t.track.model, "requests": t.requests, "count": t.total.count,
                                   "clicks": t.total.clicks, "auc": _round(t.total.auc), "logloss": _round(t.total.logloss),
                                   "calibration": _round(t.total.calibration)} for t in report.tracks}
-    return {"window_s": GRADING_WINDOW_S, "samples": report.samples, "predictions_read": counts.predictions,
+    return {"window_s": GRADING_WINDOW_S, "samples": report.samples, "left_out_trained_on": int((~keep).sum()),
+            "predictions_read": counts.predictions,
             "unmatched": report.unmatched, "other": report.other, "variants": variants}
 
 
@@ -133,10 +143,11 @@ def experiment_line(experiment: dict) -> str:
         g = graded["variants"].get(name)
         parts.append(f"{name} not graded" if g is None else f"{name} AUC {g['auc']} (n={g['count']:,})")
         probe.append(str((same.get(name) or {}).get("auc")))
-    ungraded = graded["unmatched"] + graded["other"]
+    ungraded, learnt = graded["unmatched"] + graded["other"], graded["left_out_trained_on"]
     return (f"live experiment {EXPERIMENT}, graded from the prediction log: " + ", ".join(parts)
             + f"; probe on the same users' samples: {' / '.join(probe)}"
-            + (f"; {ungraded:,} samples ungraded" if ungraded else ""))
+            + (f"; {ungraded:,} samples ungraded" if ungraded else "")
+            + (f"; {learnt:,} left out, answered by a version that had trained on them" if learnt else ""))
 
 
 def _round(x: float | None) -> float | None:

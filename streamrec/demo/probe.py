@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import orjson
@@ -93,6 +93,19 @@ class ServingClient:
         return self.call("POST", f"/v1/models/{self.model}:reload", b"{}", admin=True)
 
 
+class AnsweredSample(NamedTuple):
+    """A sample the experiment answered: (user_id, item_id, ts) as grading joins it, its
+    (partition, offset) in the samples topic, and the model and version that scored it."""
+
+    user_id: int
+    item_id: int
+    ts: int
+    partition: int
+    offset: int
+    model: str
+    version: int
+
+
 @dataclass
 class ExperimentRecords:
     """What the probe's experiment requests got back."""
@@ -101,6 +114,9 @@ class ExperimentRecords:
     failed_requests: int = 0
     unscored: int = 0  # samples answered 503 before both variants had answered: a model not loaded yet
     variant_of_user: dict[int, str] = field(default_factory=dict)
+    # one entry per sample a variant answered: its grading key, where it lies in the samples
+    # topic and the answering version (to leave out what that version had trained on)
+    answers: list[AnsweredSample] = field(default_factory=list)
 
 
 @dataclass
@@ -281,18 +297,23 @@ class ServingProbe(BackgroundProbe):
         A 503 because the user's variant has no version yet (the frozen model is published after
         warm-up) is start-up, not a failure."""
         requests: dict[tuple[int, int], list] = defaultdict(list)
+        items: dict[int, int] = {}  # id(record) -> its item_id
         for r in records:
             sample = orjson.loads(r.value)
             requests[(sample["user_id"], sample["ts"])].append(r)
+            items[id(r)] = sample["item_id"]
         groups = list(requests.items())
         clients = self.live.clients
         answers = self._pool.map(self._send_to_experiment, clients, [groups[i::len(clients)] for i in range(len(clients))])
         exp = self.records.experiment
-        for (user, _), group, (status, body) in [a for part in answers for a in part]:
+        for (user, ts), group, (status, body) in [a for part in answers for a in part]:
             exp.requests += 1
             if status == 200:
                 with self._lock:
                     exp.variant_of_user[user] = body["variant"]
+                    exp.answers.extend(AnsweredSample(user, items[id(r)], ts, r.partition, r.offset, body["model"],
+                                                      body["model_version"])
+                                       for r in group)
             elif status == 503 and isinstance(body, dict) and str(body.get("error", {}).get("message", "")).startswith(NOT_LOADED):
                 exp.unscored += len(group)  # the user's variant has no version yet: the frozen copy comes after warm-up
             else:
@@ -324,7 +345,7 @@ class ServingProbe(BackgroundProbe):
             out["failed_requests"], out["unscored"] = rec.failed_requests, rec.unscored
             exp = rec.experiment
             out["experiment"] = {"requests": exp.requests, "failed_requests": exp.failed_requests, "unscored": exp.unscored,
-                                 "variant_of_user": dict(exp.variant_of_user)}
+                                 "variant_of_user": dict(exp.variant_of_user), "answers": list(exp.answers)}
         return out
 
 

@@ -170,7 +170,9 @@ def _experiment(e: dict | None) -> str:
             + _table(rows, ("variant", "model", "samples graded", "clicks", "AUC", "logloss", "calibration",
                             "AUC, probe, same samples"))
             + f"<p>{g['unmatched']:,} samples had no logged prediction in the {g['window_s']:g} s window; "
-              f"{g['other']:,} were last served outside the experiment.</p>")
+              f"{g['other']:,} were last served outside the experiment; {g.get('left_out_trained_on', 0):,} were left "
+              "out because the version that answered had already trained on them (the probe sends samples after they "
+              "are written; a live request comes before its sample).</p>")
 
 
 def _skew(k: dict) -> str:

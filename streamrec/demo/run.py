@@ -28,10 +28,10 @@ from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port
 from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import delete_topics, describe_topics, ensure_topics
 from streamrec.plumbing.config import Config
-from streamrec.demo.analysis import by_variant, freshness, quality
+from streamrec.demo.analysis import by_variant, freshness, had_trained_on, quality
 from streamrec.demo.experiment import (CONNECTIONS, EXPERIMENT, LiveExperiment, check_config, experiment_line, frozen_model_name, grade_experiment,
                                        prediction_log_counts, serving_config, user_config_file)
-from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
+from streamrec.demo.probe import AnsweredSample, ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
 from streamrec.demo.resources import ResourceMonitor
@@ -271,8 +271,15 @@ def _experiment(cfg: Config, run: DemoRun, probe: ServingProbe, snapshot: dict, 
            "requests": sent["requests"], "unscored_samples": sent["unscored"], "prediction_log": logged,
            "like_for_like": by_variant(snapshot, manifests)}
     try:
+        frozen = probe.live.frozen_store.model  # a copy of the online model's version frozen_version
+
+        def source_version(a: AnsweredSample) -> int:
+            return probe.frozen_version if a.model == frozen else a.version
+
+        trained_on = {(a.user_id, a.item_id, a.ts) for a in sent["answers"]
+                      if had_trained_on(source_version(a), a.partition, a.offset, manifests)}
         out["graded"] = grade_experiment(cfg.kafka.bootstrap_servers, run.topics["samples"], run.topics["predictions"],
-                                         run.feature_spec(), cfg.kafka.connect_timeout_s)
+                                         run.feature_spec(), cfg.kafka.connect_timeout_s, trained_on)
     except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_failures)
         out["error"] = f"the experiment could not be graded: {type(exc).__name__}: {exc}"
     return out
