@@ -10,11 +10,11 @@ STAMP  := $(VENV)/.streamrec-installed
 # torch first, pinned (PyPI's build is the CUDA one, several GB): pip's cache keeps the wheel,
 # so a second virtualenv on this machine does not download it again. `setup all` resolves
 # Apache Kafka's jars and builds the Flink job with Maven, into the user cache.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(VENV)/bin/streamrec setup all
 	@touch $(STAMP)
 

@@ -63,7 +63,8 @@ def instance_struct(spec: FeatureSpec) -> type[msgspec.Struct]:
 
 
 # What msgspec raises for a body that is not JSON: bad syntax, nesting deeper than Python's
-# recursion limit, or bytes that are not UTF-8 inside a string.
+# recursion limit, or bytes that are not UTF-8 inside a string (a UnicodeDecodeError before
+# msgspec 0.23, a DecodeError naming UTF-8 since).
 NOT_JSON = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 
 
@@ -73,6 +74,8 @@ def not_json(exc: Exception) -> ApiError:
         return ApiError(400, "request body is JSON nested too deeply (over ~1,000 levels)")
     if isinstance(exc, UnicodeDecodeError):
         return ApiError(400, f"request body is not valid UTF-8: a JSON string holds byte {exc.object[exc.start]:#04x} ({exc.reason})")
+    if "UTF-8" in str(exc):  # msgspec >= 0.23 says so in a DecodeError
+        return ApiError(400, f"request body is not valid UTF-8: {exc}")
     return ApiError(400, f"request body is not valid JSON: {exc}")
 
 
