@@ -27,6 +27,13 @@ from streamrec.plumbing.config import default_config_text
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The suite's JVMs (Kafka nodes, the Flink mini-cluster of each job) live seconds to minutes on
+# small inputs: the C1 compiler alone, and for Flink the serial collector, spend about a third
+# less CPU on each than the C2 compiler and parallel GC (the defaults, for long runs at full
+# speed). Set for every process the tests start; a value from the environment wins.
+os.environ.setdefault("KAFKA_OPTS", "-XX:TieredStopAtLevel=1")
+os.environ.setdefault("STREAMREC_FLINK__JVM_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
 # With pytest-xdist workers taking whole files in collection order (`--dist loadfile
 # --no-loadscope-reorder`, README), the files that take longest come first, so no worker is
 # left with a long one at the end.
