@@ -350,9 +350,10 @@ def test_kill_and_restart_from_checkpoint_loses_and_duplicates_nothing(broker, t
         gen = subprocess.Popen([sys.executable, "-m", "streamrec.cli", "generate", "--duration", "25", "--rate", "1000",
                                 "--bad-fraction", "0.01"], cwd=REPO, env={**os.environ, **env},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        # the mini-cluster's JVM runs with flink.jvm_options (the default's parallel GC)
-        jvm_options = load_config().flink.jvm_options.encode()
-        assert any(jvm_options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in process_tree(job.pid))
+        # the mini-cluster's JVM runs with flink.jvm_options, each one an argument of its command line
+        jvm_options = load_config().flink.jvm_options.encode().split()
+        assert jvm_options and any(set(jvm_options) <= set(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+                                   for pid in process_tree(job.pid)), jvm_options
         # kill -9 mid-stream: once checkpoints have committed some 1,000 samples, while the samples
         # sink has a transaction open or pre-committed (records written, not yet committed)
         with _EndOffsets(broker, f"{name}.samples") as ends:
