@@ -17,7 +17,7 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.predictions import decode_predictions
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.plumbing.bus.clients import make_consumer
-from streamrec.serving.grading import Labels, PredictionRows, pair_keys
+from streamrec.analysis.grading import Labels, PredictionRows, pair_keys
 
 
 @dataclass
