@@ -46,9 +46,9 @@ import pyarrow as pa  # noqa: E402
 
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
 from streamrec.contracts.feature_state import ENTITIES, Watermarks  # noqa: E402
-from streamrec.serving.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot  # noqa: E402
+from streamrec.serving.features.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot  # noqa: E402
 from streamrec.serving.by_ids import ByIdsQuery  # noqa: E402
-from streamrec.serving.online_features import OnlineFeatures  # noqa: E402
+from streamrec.serving.features.online_features import OnlineFeatures  # noqa: E402
 
 SPEC = FeatureSpec()
 TOPIC = "bench.features"

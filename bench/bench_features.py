@@ -45,7 +45,7 @@ from output import write_result  # noqa: E402
 from streamrec.contracts.feature_spec import FeatureSpec  # noqa: E402
 from streamrec.contracts.feature_state import Candidate  # noqa: E402
 from streamrec.pipelines.flink_rest import FlinkRest  # noqa: E402
-from streamrec.serving.online_features import OnlineFeatures  # noqa: E402
+from streamrec.serving.features.online_features import OnlineFeatures  # noqa: E402
 from streamrec.plumbing.bus.topics import delete_topics, list_topics  # noqa: E402
 
 SPEC = FeatureSpec()

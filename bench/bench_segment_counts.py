@@ -1,5 +1,5 @@
 """Windowed counts of a serving batch's expired candidates: ``counts_until_many`` (the
-engine's recompute, serving/segment_counts.py) against a plain-numpy baseline (one
+engine's recompute, serving/features/segment_counts.py) against a plain-numpy baseline (one
 ``np.searchsorted`` per entity and list, the way a per-entity loop does it).
 
 The arena is shaped like the by-ids bench's items (bench_serving_by_ids.py): Zipf-hot
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from output import write_result  # noqa: E402
 
 from streamrec.plumbing.config import load_config  # noqa: E402
-from streamrec.serving.segment_counts import counts_until_many  # noqa: E402
-from streamrec.serving.time_lists import TimeLists  # noqa: E402
+from streamrec.serving.features.segment_counts import counts_until_many  # noqa: E402
+from streamrec.serving.features.time_lists import TimeLists  # noqa: E402
 
 
 def arena(entities: int, span_ms: int, now: int, rng: np.random.Generator) -> tuple[TimeLists, TimeLists]:

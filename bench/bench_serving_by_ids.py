@@ -1,7 +1,7 @@
 """Predict by ids over HTTP, the form an ad server sends: throughput and latency with the
 feature state of many users and items loaded into the node.
 
-The node starts from a feature snapshot (serving/feature_snapshot.py) of ``--users`` users
+The node starts from a feature snapshot (serving/features/feature_snapshot.py) of ``--users`` users
 (each with ``--history`` clicks and some impressions in the windows) and ``--items`` items
 over ``--categories`` categories (Zipf-hot: the hottest hold thousands of event times), its
 broker unreachable (it serves from the snapshot, as after a broker outage). Requests: a
@@ -47,7 +47,7 @@ from output import write_result
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import ENTITIES, Watermarks
 from streamrec.plumbing.config import load_config
-from streamrec.serving.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot
+from streamrec.serving.features.feature_snapshot import SCHEMA, SnapshotHeader, write_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,11 +1,11 @@
 """The host side of a predict request, without HTTP: body bytes to model tensors.
 
-- ours: ``serving.request.InstanceDecoder`` (msgspec typed decode per request, columns and
+- ours: ``serving.runtime.request.InstanceDecoder`` (msgspec typed decode per request, columns and
   cross-field checks per batch) + ``model.batch.batch_from_columns``;
 - baseline: the training path applied to requests: parse each body with orjson, re-encode each
   instance, ``contracts.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
   ``batch_from_table``, per batch;
-- the front-end link: one request's columns as the one int64 buffer of ``serving.ipc`` vs the
+- the front-end link: one request's columns as the one int64 buffer of ``serving.runtime.ipc`` vs the
   pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the engine).
 
 Usage: streamrec bench serving_decode [--samples RUN] [--instances 16] [--requests 1 8 64]
@@ -29,9 +29,9 @@ from output import write_result
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.columns import FeatureColumns
-from streamrec.serving.ipc import TO_ENGINE, frame, pack_columns, unpack_columns
-from streamrec.serving.messages import PredictColumns, Requests
-from streamrec.serving.request import InstanceDecoder
+from streamrec.serving.runtime.ipc import TO_ENGINE, frame, pack_columns, unpack_columns
+from streamrec.serving.runtime.messages import PredictColumns, Requests
+from streamrec.serving.runtime.request import InstanceDecoder
 from streamrec.model.batch import batch_from_columns, batch_from_table
 from streamrec.trainer.sources import sample_files
 

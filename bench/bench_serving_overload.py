@@ -22,7 +22,7 @@ With ``--mix`` (head-of-line blocking, issue 36) it measures mixed request sizes
 ``--small-clients`` send requests of ``--small-instances``, all over the same ``--seconds``,
 shedding off; the small requests' p50/p99 are reported apart from the big ones', next to their
 p50/p99 alone (one client, nothing else). Ours: the batcher's fair order (small requests in the
-next batch, streamrec/serving/batcher.py). Baseline: the same server with
+next batch, streamrec/serving/runtime/batcher.py). Baseline: the same server with
 ``RequestBatcher.fair`` off (batches in arrival order only), set in its process by a
 ``sitecustomize`` module on its PYTHONPATH.
 
@@ -223,7 +223,8 @@ def run_mix(args, rows: list[dict], store: Path, result: dict) -> None:
     result.update({"mix": True, "max_batch": args.max_batch, "max_delay_us": args.max_delay_us, "big_clients": args.big_clients,
                    "small_clients": args.small_clients, "small_instances_per_request": args.small_instances})
     with tempfile.TemporaryDirectory() as fifo:
-        Path(fifo, "sitecustomize.py").write_text("from streamrec.serving.batcher import RequestBatcher\n\nRequestBatcher.fair = False\n")
+        Path(fifo, "sitecustomize.py").write_text("from streamrec.serving.runtime.batcher import RequestBatcher\n\n"
+                                                  "RequestBatcher.fair = False\n")
         result["baseline"] = measure_mix("baseline", store, args, big, small, fifo)
     result["ours"] = measure_mix("ours", store, args, big, small, None)
     ours, base = result["ours"], result["baseline"]

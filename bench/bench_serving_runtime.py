@@ -43,8 +43,8 @@ from bench_trainer import make_samples  # bench/ is on sys.path (script dir; `st
 from output import write_result
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
-from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.version import ServedVersion
+from streamrec.serving.runtime.runner import RuntimeConfig
+from streamrec.serving.runtime.version import ServedVersion
 from streamrec.plumbing.config import load_config
 from streamrec.model.batch import SampleBatch, batch_from_table
 from streamrec.model.inference import InferenceModel

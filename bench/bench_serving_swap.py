@@ -1,4 +1,4 @@
-"""Hot-swap and rollback cost of the served model (serving/state.py).
+"""Hot-swap and rollback cost of the served model (serving/runtime/state.py).
 
 A model store gets a full version (``--full-rows`` rows in the user table, small other
 tables) and then a delta of ``--delta-rows`` user rows (half updates of existing rows,
@@ -26,7 +26,7 @@ import torch
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore, SparseDelta
-from streamrec.serving.state import ServedModel
+from streamrec.serving.runtime.state import ServedModel
 from streamrec.plumbing.config import load_config
 from streamrec.model.batch import TABLES
 from streamrec.model.inference import InferenceModel

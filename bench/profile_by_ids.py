@@ -23,10 +23,10 @@ from streamrec.model.device import pick_device
 from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
-from streamrec.serving.online_features import OnlineFeatures
-from streamrec.serving.request import ByIdsDecoder
-from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.state import ServedModel
+from streamrec.serving.features.online_features import OnlineFeatures
+from streamrec.serving.runtime.request import ByIdsDecoder
+from streamrec.serving.runtime.runner import RuntimeConfig
+from streamrec.serving.runtime.state import ServedModel
 
 
 def main() -> None:

@@ -17,12 +17,12 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
 from streamrec.serving.by_ids import ByIdsQuery
-from streamrec.serving.engine import ServingEngine
-from streamrec.serving.metrics import ModelMetrics, ServingMetrics
-from streamrec.serving.online_features import OnlineFeatures
-from streamrec.serving.request import InstanceDecoder
-from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.state import ServedModel
+from streamrec.serving.runtime.engine import ServingEngine
+from streamrec.serving.runtime.metrics import ModelMetrics, ServingMetrics
+from streamrec.serving.features.online_features import OnlineFeatures
+from streamrec.serving.runtime.request import InstanceDecoder
+from streamrec.serving.runtime.runner import RuntimeConfig
+from streamrec.serving.runtime.state import ServedModel
 
 SPEC = FeatureSpec()
 
@@ -148,7 +148,7 @@ def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published
 def test_a_device_path_that_cannot_start_leaves_the_node_counting_on_the_host(published_model, sample_run, tmp_path, monkeypatch):
     """A kernel that does not compile (a GPU or driver Triton cannot use) must not take the
     node out: it counts on the host, and says why in its status."""
-    from streamrec.serving.device_counts import DeviceCounts
+    from streamrec.serving.features.device_counts import DeviceCounts
 
     def broken(self):
         raise RuntimeError("no kernel for this GPU")

@@ -82,7 +82,7 @@ def test_settings_objects_built_from_the_defaults_agree_with_their_constructor_d
     from streamrec.model.network import ModelSpec, table_configs
     from streamrec.pipelines.flink_runner import RunOptions
     from streamrec.pipelines.job import JobSpec
-    from streamrec.serving.runner import RuntimeConfig
+    from streamrec.serving.runtime.runner import RuntimeConfig
 
     DERIVED = {("TableConfig", "gpu_cache_rows"), ("TableConfig", "dram_rows")}  # rows from [ps]'s byte budgets
     cfg = load_config(environ={})

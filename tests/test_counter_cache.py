@@ -11,7 +11,7 @@ import numpy as np
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import END_OF_INPUT, CounterBucket, EntityCounts
 from streamrec.serving.by_ids import ByIdsQuery
-from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
+from streamrec.serving.features.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 
 WINDOWS = (60_000, 600_000)
 
@@ -86,7 +86,7 @@ def test_a_batch_equals_the_reference_through_updates_and_requests_in_any_order(
 
 
 def test_a_snapshot_restores_every_entity_and_the_watermarks(tmp_path):
-    from streamrec.serving.feature_snapshot import CorruptSnapshot, read_snapshot
+    from streamrec.serving.features.feature_snapshot import CorruptSnapshot, read_snapshot
 
     rng = random.Random(5)
     store = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill")
@@ -119,7 +119,7 @@ def test_a_snapshot_restores_every_entity_and_the_watermarks(tmp_path):
 
 
 def test_a_damaged_or_foreign_snapshot_is_refused_and_leaves_nothing_behind(tmp_path):
-    from streamrec.serving.feature_snapshot import CorruptSnapshot
+    from streamrec.serving.features.feature_snapshot import CorruptSnapshot
 
     store = OnlineFeatures("unused:0", "t", FeatureSpec(), 64, tmp_path / "spill")
     store._apply_records([record(f"c/user/{k}/0", b'{"i":[1,2],"c":[2]}') for k in range(1, 3000)])

@@ -30,7 +30,7 @@ from streamrec.demo.probe import ServingClient
 from streamrec.demo.run import _failures
 from streamrec.demo.skew import BEHIND, MAX_BEHIND_MS, REFUSED, REPLAY_TOO_OLD, AdServerProbe, probe_line
 from streamrec.plumbing.bus.topics import ensure_topics
-from streamrec.serving.online_features import REPLAY_HORIZON_MS
+from streamrec.serving.features.online_features import REPLAY_HORIZON_MS
 from test_pipeline_job import _imp
 from test_serving_http import call
 

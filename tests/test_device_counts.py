@@ -1,4 +1,4 @@
-"""The candidates' counts on the device (serving/device_counts.py): the mirrors follow the
+"""The candidates' counts on the device (serving/features/device_counts.py): the mirrors follow the
 host arenas through every kind of change, their counts equal the host's
 (``counts_until_many``) to the ms, and a by-ids batch counted on the device scores as the
 host-counted one. The torch path runs here on CPU; the Triton kernel and the CUDA mirrors in
@@ -12,10 +12,10 @@ import torch
 
 from tests.test_segment_counts import WINDOWS_MS, random_lists
 from streamrec.model.batch import dense_features
-from streamrec.serving.device_counts import DeviceCounts, DeviceLists, segment_counts_torch
-from streamrec.serving.entity_store import EntityStore
-from streamrec.serving.segment_counts import counts_until_many
-from streamrec.serving.time_lists import CHANGES_KEPT, TimeLists
+from streamrec.serving.features.device_counts import DeviceCounts, DeviceLists, segment_counts_torch
+from streamrec.serving.features.entity_store import EntityStore
+from streamrec.serving.features.segment_counts import counts_until_many
+from streamrec.serving.features.time_lists import CHANGES_KEPT, TimeLists
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 

@@ -1,4 +1,4 @@
-"""The columnar entity store of the online features (serving/entity_store.py and its parts)
+"""The columnar entity store of the online features (serving/features/entity_store.py and its parts)
 against the per-entity reference semantics of contracts/feature_state.py: ``EntityCounts``
 for counter times, ``UserHistory`` (keeping twice the history length) for click histories.
 Randomized: window edges, same-ms events, tombstones, expiry, history overflow, long time
@@ -17,13 +17,13 @@ import pytest
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import END_OF_INPUT, CounterBucket, EntityCounts, History, UserHistory, Watermarks
 from streamrec.serving.by_ids import ByIdsQuery
-from streamrec.serving.entity_store import EntityStore
-from streamrec.serving.feature_snapshot import SCHEMA, CorruptSnapshot, SnapshotHeader, write_snapshot
-from streamrec.serving.history_rows import HistoryRows
-from streamrec.serving.id_index import IdIndex
-from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
-from streamrec.serving.segment_counts import counts_until_many
-from streamrec.serving.time_lists import TimeLists
+from streamrec.serving.features.entity_store import EntityStore
+from streamrec.serving.features.feature_snapshot import SCHEMA, CorruptSnapshot, SnapshotHeader, write_snapshot
+from streamrec.serving.features.history_rows import HistoryRows
+from streamrec.serving.features.id_index import IdIndex
+from streamrec.serving.features.online_features import REPLAY_HORIZON_MS, OnlineFeatures
+from streamrec.serving.features.segment_counts import counts_until_many
+from streamrec.serving.features.time_lists import TimeLists
 
 SPEC = FeatureSpec(history_len=8, windows_s=(60, 600))
 WINDOWS = tuple(w * 1000 for w in SPEC.windows_s)

@@ -1,4 +1,4 @@
-"""Experiments (streamrec/serving/experiments.py) and their records in the model store
+"""Experiments (streamrec/serving/access/experiments.py) and their records in the model store
 (streamrec/modelstore/experiments.py): stable assignment, shares, layers, shadowing, run-time
 changes seen by every node and after a restart, malformed bodies."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from streamrec.modelstore.experiments import ExperimentStore
 from streamrec.plumbing.config import ExperimentEntry, VariantEntry, load_config, served_model_names
-from streamrec.serving.experiments import OUTSIDE, Experiments, bucket, buckets, entry_from_json, entry_to_json
+from streamrec.serving.access.experiments import OUTSIDE, Experiments, bucket, buckets, entry_from_json, entry_to_json
 from tests.conftest import REPO, S3_BUCKET
 
 MODELS = ["ctr", "ctr_wide", "ctr_deep"]
@@ -31,7 +31,7 @@ def _variants(exps: Experiments, name: str, users=USERS) -> np.ndarray:
 
 
 def test_bucket_is_the_same_in_another_process_and_matches_the_vectorised_form():
-    code = ("import numpy as np, sys; from streamrec.serving.experiments import bucket\n"
+    code = ("import numpy as np, sys; from streamrec.serving.access.experiments import bucket\n"
             "sys.stdout.write(np.array([bucket('layer-a', u) for u in range(100000)]).tobytes().hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout

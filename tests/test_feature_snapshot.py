@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.feature_snapshot import CorruptSnapshot, read_snapshot
-from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.features.feature_snapshot import CorruptSnapshot, read_snapshot
+from streamrec.serving.features.online_features import OnlineFeatures
 
 
 def record(key: str, value) -> SimpleNamespace:
@@ -73,7 +73,7 @@ def test_every_single_bit_flip_of_a_snapshot_is_refused_naming_the_file(tmp_path
 
 def test_a_snapshot_without_a_checksum_is_refused_saying_what_to_do(tmp_path):
     """A file of the format without a checksum (only the Arrow file): refused, not trusted."""
-    from streamrec.serving.feature_snapshot import TRAILER
+    from streamrec.serving.features.feature_snapshot import TRAILER
 
     good = _snapshot(tmp_path)
     old = tmp_path / "old.arrow"

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.contracts.feature_state import ENTITIES, StageWatermark, Watermarks
-from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.features.online_features import OnlineFeatures
 
 
 def record(key, value, offset=0):
@@ -35,7 +35,7 @@ def test_corrupt_records_are_counted_and_skipped(tmp_path):
 
 def test_an_expired_prefix_is_kept_until_the_readers_horizon(tmp_path):
     """The job drops a bucket's oldest times when they leave its largest window; a request in
-    the past still counts them (serving.online_features.REPLAY_HORIZON_MS)."""
+    the past still counts them (serving.features.online_features.REPLAY_HORIZON_MS)."""
     store = OnlineFeatures("unused:0", "t", FeatureSpec(), 16, tmp_path / "spill")
     store._apply_records([record(b"c/item/5/0", b'{"i":[1,2,3],"c":[]}'), record(b"c/item/5/0", b'{"i":[3,4],"c":[]}'),
                           record(b"c/item/5/0", None)])  # then a tombstone: the reader keeps the times

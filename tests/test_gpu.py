@@ -21,8 +21,8 @@ from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.hash_index import HashIndex
 from streamrec.modelstore.store import ModelStore, SparseDelta
-from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.state import ServedModel
+from streamrec.serving.runtime.runner import RuntimeConfig
+from streamrec.serving.runtime.state import ServedModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SPEC = FeatureSpec()

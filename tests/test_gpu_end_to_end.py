@@ -32,8 +32,8 @@ from streamrec.model.inference import InferenceModel
 from streamrec.model.metrics import auc, logloss
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
-from streamrec.serving.runner import RuntimeConfig
-from streamrec.serving.state import ServedModel
+from streamrec.serving.runtime.runner import RuntimeConfig
+from streamrec.serving.runtime.state import ServedModel
 from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.engine import Trainer, TrainOptions
 from test_serving_http import call, first_two_versions, publish_in_turn

@@ -23,7 +23,7 @@ from streamrec.contracts.predictions import decode_prediction
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import ExperimentEntry, VariantEntry
-from streamrec.serving.experiments import OUTSIDE, Experiments
+from streamrec.serving.access.experiments import OUTSIDE, Experiments
 from test_serving_http import TOKEN
 
 pytestmark = pytest.mark.slow

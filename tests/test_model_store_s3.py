@@ -21,8 +21,8 @@ from streamrec.model.batch import TABLES, dense_feature_names
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
 from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
-from streamrec.serving.state import ServedModel
-from streamrec.serving.watcher import VersionWatcher
+from streamrec.serving.runtime.state import ServedModel
+from streamrec.serving.runtime.watcher import VersionWatcher
 from tests.conftest import S3_BUCKET as BUCKET
 
 

@@ -22,7 +22,7 @@ from streamrec.contracts.feature_state import Candidate, differing_features, ent
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.pipelines.flink_rest import FlinkRest
 from streamrec.serving.by_ids import CANDIDATE_FIELDS, ByIdsQuery
-from streamrec.serving.online_features import REPLAY_HORIZON_MS, OnlineFeatures
+from streamrec.serving.features.online_features import REPLAY_HORIZON_MS, OnlineFeatures
 from streamrec.plumbing.bus.topics import ensure_topics
 from test_pipeline_job import _click, _imp, _submit_in_background, _wait_for
 from test_serving_http import call

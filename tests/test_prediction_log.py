@@ -21,9 +21,9 @@ from streamrec.contracts.sample_wire import encode_samples
 from streamrec.plumbing.bus.broker import EmbeddedBroker
 from streamrec.plumbing.bus.topics import ensure_topics
 from streamrec.plumbing.config import load_config
-from streamrec.serving.grading import Track, grade, join_latest
-from streamrec.serving.grading_input import read_for_grading
-from streamrec.serving.prediction_log import PredictionLog
+from streamrec.analysis.grading import Track, grade, join_latest
+from streamrec.analysis.grading_input import read_for_grading
+from streamrec.serving.access.prediction_log import PredictionLog
 from tests.conftest import CheckedProducer, free_port, read_topic, run_cli
 
 SPEC = load_config().features

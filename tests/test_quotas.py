@@ -1,4 +1,4 @@
-"""Callers' quotas and priorities (streamrec/serving/quotas.py), on a simulated clock."""
+"""Callers' quotas and priorities (streamrec/serving/access/quotas.py), on a simulated clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from streamrec.plumbing.config import CallerEntry, load_config
 from streamrec.serving.errors import ApiError
-from streamrec.serving.quotas import ANONYMOUS, OUTCOMES, Callers, OverQuota
+from streamrec.serving.access.quotas import ANONYMOUS, OUTCOMES, Callers, OverQuota
 
 CALLERS = [CallerEntry("batch", "k-batch", rate_per_s=10, burst=5, priority="low"),
            CallerEntry("web", "k-web", rate_per_s=0, priority="normal"),

@@ -1,4 +1,4 @@
-"""Windowed counts of many (slot, ts) queries at once (serving/segment_counts.py) equal the
+"""Windowed counts of many (slot, ts) queries at once (serving/features/segment_counts.py) equal the
 per-entity reference ``EntityCounts.counts_until`` on random event times: same-ms events,
 empty lists, a ts before, inside and after an entity's times, window edges to the ms."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from streamrec.contracts.feature_state import EntityCounts
-from streamrec.serving.segment_counts import counts_until_many, segment_searchsorted
-from streamrec.serving.time_lists import TimeLists
+from streamrec.serving.features.segment_counts import counts_until_many, segment_searchsorted
+from streamrec.serving.features.time_lists import TimeLists
 
 WINDOWS_MS = (60_000, 600_000)
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from streamrec.serving.batcher import RequestBatcher, Shed
+from streamrec.serving.runtime.batcher import RequestBatcher, Shed
 
 
 class Recorder:

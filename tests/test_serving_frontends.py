@@ -59,7 +59,7 @@ def frontends(proc: subprocess.Popen) -> list[int]:
     for pid in process_tree(proc.pid)[1:]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"streamrec.serving.frontend" in f.read():
+                if b"streamrec.serving.http.frontend" in f.read():
                     out.append(pid)
         except OSError:
             pass

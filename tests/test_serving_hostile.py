@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, copy_store, free_port, wait_ready
-from streamrec.serving.guard import LogThrottle
+from streamrec.serving.http.guard import LogThrottle
 from test_serving_http import TOKEN, call
 
 pytestmark = pytest.mark.slow

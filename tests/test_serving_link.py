@@ -1,4 +1,4 @@
-"""The front-end <-> engine link (serving/ipc.py, serving/frontend.py ``EngineClient``) over a
+"""The front-end <-> engine link (serving/runtime/ipc.py, serving/http/frontend.py ``EngineClient``) over a
 real Unix socket: the requests of one event-loop turn travel in one frame, the answers of one
 batch in one frame, and every answer reaches its own request; a request the engine refuses
 at once gets its error. The engine side here answers from the request itself (the link is
@@ -12,12 +12,13 @@ import pytest
 
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving import frontend, ipc
+from streamrec.serving.http import frontend
+from streamrec.serving.runtime import ipc
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError
-from streamrec.serving.frontend import EngineClient
-from streamrec.serving.ipc import EngineLink, Outbox
-from streamrec.serving.messages import PROTOCOL, Scored, Welcome
+from streamrec.serving.http.frontend import EngineClient
+from streamrec.serving.runtime.ipc import EngineLink, Outbox
+from streamrec.serving.runtime.messages import PROTOCOL, Scored, Welcome
 
 
 def body(user_id: int, candidates: int) -> bytes:

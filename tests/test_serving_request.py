@@ -1,4 +1,4 @@
-"""Predict bodies decoded by serving/request.py give the same features as the training path
+"""Predict bodies decoded by serving/runtime/request.py give the same features as the training path
 (contracts.sample_wire + model.batch.batch_from_table) and refuse exactly the instances
 the sample checks refuse, each with its reason."""
 
@@ -12,7 +12,7 @@ import torch
 from streamrec.contracts.sample_wire import MAX_DEVICE_CHARS, MAX_ID_CHARS, RESERVED_IDS, RESERVED_MAX, decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.serving.errors import ApiError
-from streamrec.serving.request import ByIdsDecoder, InstanceDecoder, is_by_ids
+from streamrec.serving.runtime.request import ByIdsDecoder, InstanceDecoder, is_by_ids
 from streamrec.model.batch import batch_from_columns, batch_from_table
 
 SPEC = FeatureSpec()

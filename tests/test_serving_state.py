@@ -10,7 +10,7 @@ import pytest
 from conftest import copy_store
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import CorruptVersion, ModelStore
-from streamrec.serving.state import IncompatibleVersion, ServedModel
+from streamrec.serving.runtime.state import IncompatibleVersion, ServedModel
 from streamrec.model.batch import batch_from_table
 from streamrec.model.inference import InferenceModel
 

@@ -212,7 +212,7 @@ def test_a_node_started_on_an_unusable_pin_serves_latest_and_reload_removes_the_
 
 
 def test_a_running_node_stays_on_its_version_under_an_unusable_pin_and_says_why(published_model, tmp_path):
-    from streamrec.serving.state import ServedModel
+    from streamrec.serving.runtime.state import ServedModel
 
     shared, versions = published_model
     models = copy_store(shared, tmp_path / "models")

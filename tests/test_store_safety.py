@@ -21,7 +21,7 @@ from streamrec.model.batch import batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
 from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
-from streamrec.serving.state import ServedModel
+from streamrec.serving.runtime.state import ServedModel
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.engine import Trainer, TrainOptions
 

@@ -35,8 +35,8 @@ def add_parser(commands: Commands) -> None:
 
 
 def run(args: argparse.Namespace, cfg: Config) -> int:
-    from streamrec.serving.grading import Track, grade
-    from streamrec.serving.grading_input import read_for_grading
+    from streamrec.analysis.grading import Track, grade
+    from streamrec.analysis.grading_input import read_for_grading
 
     if args.name is None and args.only_model is None:
         raise ValueError("name an experiment, or a model with --model")

@@ -29,7 +29,7 @@ def add_parser(commands: Commands) -> None:
 
 
 def run(args: argparse.Namespace, cfg: Config) -> int:
-    from streamrec.serving.server import serve
+    from streamrec.serving.http.server import serve
 
     serve(only_model(cfg, args.model) if args.model else cfg)
     return 0

@@ -9,7 +9,7 @@ sample is derived from it here:
 - the Arrow schema (:meth:`FeatureSpec.schema`; the reference builder, sample files);
 - the Kafka wire decoder's required fields and checks (``sample_wire.py``);
 - the trainer's and serving's feature columns (``model/columns.py``);
-- serving's typed request decoder (``serving/request.py``);
+- serving's typed request decoder (``serving/runtime/request.py``);
 - the Flink job's field table (:meth:`FeatureSpec.job_properties`, interpreted by
   ``SampleJson.java`` at job build: the job has no field name of its own).
 

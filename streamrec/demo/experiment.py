@@ -4,7 +4,7 @@
 The probe's like-for-like figures score every sample with both models; the experiment is
 the production path instead: each user sees one variant, every answer is logged to
 ``topics.predictions``, and the variants are graded by joining that log with the labelled
-samples (streamrec/serving/grading.py, as ``streamrec experiments report`` does).
+samples (streamrec/analysis/grading.py, as ``streamrec experiments report`` does).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from streamrec.contracts.delta import SparseDelta
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import CONFIG_ENV, LOCAL_CONFIG, Config, ConfigError
-from streamrec.serving.grading import Labels, Track, grade
-from streamrec.serving.grading_input import read_for_grading
+from streamrec.analysis.grading import Labels, Track, grade
+from streamrec.analysis.grading_input import read_for_grading
 
 if TYPE_CHECKING:
     from streamrec.demo.probe import ServingClient

@@ -38,7 +38,7 @@ from streamrec.contracts.feature_state import differing_features
 from streamrec.model.metrics import auc
 from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.serving.errors import BEYOND_HORIZON
-from streamrec.serving.online_features import REPLAY_HORIZON_MS
+from streamrec.serving.features.online_features import REPLAY_HORIZON_MS
 from streamrec.demo.probe import BackgroundProbe, ServingClient
 
 log = logging.getLogger("streamrec.demo")

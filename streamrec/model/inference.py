@@ -3,7 +3,7 @@
 Used by the trainer's frozen baseline and by serving; both must score exactly what the
 trainer would (same features, same lookups; ids without a row read as zeros).
 :meth:`InferenceModel.predict` runs eagerly; serving wraps the model in its own runner
-(shape buckets, worker streams: serving/runner.py) and calls :meth:`InferenceModel.lookup`.
+(shape buckets, worker streams: serving/runtime/runner.py) and calls :meth:`InferenceModel.lookup`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A predict-by-ids request as the engine batches it: ids only, features assembled later,
 for the whole batch at once (``OnlineFeatures.assemble_batch``).
 
-Built from a decoded body (serving/request.py ``ByIdsRequest``) by whichever process
-decoded it (the engine, or a front-end, which sends it over serving/messages.py); its length
+Built from a decoded body (serving/runtime/request.py ``ByIdsRequest``) by whichever process
+decoded it (the engine, or a front-end, which sends it over serving/runtime/messages.py); its length
 is its candidate count, which is what the batcher counts.
 """
 

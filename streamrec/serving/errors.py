@@ -1,5 +1,5 @@
 """The one exception an HTTP route raises to answer with a JSON error, and the errors that
-both the engine (serving/app.py) and a front-end process (serving/frontend.py) raise."""
+both the engine (serving/http/app.py) and a front-end process (serving/http/frontend.py) raise."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ and priorities, shadow scoring and the prediction log.
 
 Requests come from the node's own HTTP (:meth:`predict`) or from its front-end processes
 (:meth:`take`, one typed message each); either way a request is decoded once, routed
-(serving/routing.py), admitted (serving/quotas.py) and queued on its model's batcher.
+(serving/access/routing.py), admitted (serving/access/quotas.py) and queued on its model's batcher.
 """
 
 from __future__ import annotations
@@ -24,24 +24,24 @@ import orjson
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
 from streamrec.contracts.predictions import Prediction
 from streamrec.model.columns import FeatureColumns
-from streamrec.serving.batcher import BatchResult, Shed
+from streamrec.serving.runtime.batcher import BatchResult, Shed
 from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
-from streamrec.serving.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
+from streamrec.serving.runtime.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
 from streamrec.serving.errors import ApiError
-from streamrec.serving.experiments import entry_to_json
-from streamrec.serving.ipc import Outbox, failed, payload_of
-from streamrec.serving.messages import PROTOCOL, Call, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
-from streamrec.serving.metrics import ServingMetrics
-from streamrec.serving.online_features import OnlineFeatures
+from streamrec.serving.access.experiments import entry_to_json
+from streamrec.serving.runtime.ipc import Outbox, failed, payload_of
+from streamrec.serving.runtime.messages import PROTOCOL, Call, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
+from streamrec.serving.runtime.metrics import ServingMetrics
+from streamrec.serving.features.online_features import OnlineFeatures
 from streamrec.plumbing.gc_pauses import GcPauses
-from streamrec.serving.request import InstanceDecoder
-from streamrec.serving.routing import MODELS, RequestRouter
+from streamrec.serving.runtime.request import InstanceDecoder
+from streamrec.serving.access.routing import MODELS, RequestRouter
 from streamrec.plumbing.config import ServingConfig
 
 if TYPE_CHECKING:
-    from streamrec.serving.experiments import Experiments
-    from streamrec.serving.prediction_log import PredictionLog
-    from streamrec.serving.quotas import Callers
+    from streamrec.serving.access.experiments import Experiments
+    from streamrec.serving.access.prediction_log import PredictionLog
+    from streamrec.serving.access.quotas import Callers
 
 log = logging.getLogger("streamrec.serving")
 
@@ -260,7 +260,7 @@ class ServingNode:
                        self.features is not None, self.experiments_json())
 
     def experiments_json(self) -> list[dict]:
-        """The experiments in force, as front-ends rebuild them (serving/experiments.py ``entry_from_json``)."""
+        """The experiments in force, as front-ends rebuild them (serving/access/experiments.py ``entry_from_json``)."""
         if self.experiments is None:
             return []
         return [entry_to_json(entry) for entry in self.experiments.entries()]
