@@ -1,6 +1,6 @@
 """Trainer throughput and per-step time split, against a plain-PyTorch static-table baseline.
 
-Ours: the real engine (trainer.engine.Trainer) reading a sample file in a loop: the sample
+Ours: the real trainer (trainer.driver.Trainer) reading a sample file in a loop: the sample
 reader process (decode + batch, trainer/reader.py), ps/ dynamic tables (hash index, unique ids, fused row-wise
 Adagrad), the CTR model with Adam, progressive validation, and publishing a version every
 ``--publish-interval`` seconds into a temporary model store. Two passes: one with a device
@@ -10,7 +10,7 @@ publish), one without (throughput).
 Baseline, same run, same batches, same dense model: ``nn.EmbeddingBag`` tables pre-sized to
 the ids of the data (ids remapped to 0..N-1 beforehand: no dynamic ids, no tiers, no
 publishing), sparse gradients and ``torch.optim.Adagrad``; batches pre-built on the device
-(input time 0). A second baseline run gets our front end instead: the engine's sample reader
+(input time 0). A second baseline run gets our front end instead: the trainer's sample reader
 over the same file (the same decoding process, page-locked slots, one copy per step) and ids
 mapped to rows on the device. Ours runs once more with every batch decoded before its first
 step (PredecodedReader), the device-resident baseline's terms. ratio = our step time /
@@ -94,7 +94,7 @@ from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.dense_graph import GraphedDense
-from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.trainer.driver import Trainer, TrainOptions
 from streamrec.model.batch import TABLES, SampleBatch, batch_from_table, dense_feature_names
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.trainer.publisher import Publisher, PublishSettings
@@ -113,7 +113,7 @@ def sync(device: torch.device) -> None:
 
 
 class PredecodedReader(SampleReader):
-    """The engine's sample reader with the run's batches decoded (copied out of its slots, and
+    """The trainer's sample reader with the run's batches decoded (copied out of its slots, and
     pinned on CUDA) before the first step: ``start`` returns once ``batches`` of them are
     ready, ``get`` hands them out in order, then END. Ours then runs on the device-resident
     baseline's terms (its batches are built before timing too); the trainer's clock starts
@@ -143,7 +143,7 @@ class PredecodedReader(SampleReader):
 
 def run_ours(samples: str, batch: int, steps: int, device: str, publish_interval: float, sync_timings: bool, work: Path,
              name: str, graphs: bool = True, predecoded: bool = False) -> dict:
-    """One engine run from a fresh store (the first pass over the data creates rows as a stream does).
+    """One trainer run from a fresh store (the first pass over the data creates rows as a stream does).
     ``predecoded``: its front end decodes every batch before the first step (PredecodedReader)."""
     cfg = load_config(overrides={
         "trainer.model_store": str(work / f"models-{name}"), "trainer.work_dir": str(work / f"work-{name}"),
@@ -179,7 +179,7 @@ class StaticSparse(nn.Module):
 def run_baseline(table, spec: FeatureSpec, model_spec: ModelSpec, batch: int, steps: int, device: torch.device, n_batches: int,
                  graphs: bool = True, samples: str | None = None) -> dict:
     """The static-table baseline. Its batches: built on the device before timing (input time
-    0), or, with ``samples``, from the same front end as ours: the engine's sample reader over
+    0), or, with ``samples``, from the same front end as ours: the trainer's sample reader over
     the same file in a loop (decoding in a process of its own, page-locked slots, one copy to
     the device per step), with ids mapped to table rows on the device (searchsorted
     over the sorted vocabulary: a static table's id map, done per step)."""
@@ -577,7 +577,7 @@ def main() -> None:
         result["dense_cuda_graphs"] = device.type == "cuda" and graphs
         result["baseline"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches, graphs)
         print(f"  {result['baseline']['samples_per_s']:,.0f} samples/s  split {result['baseline']['ms_per_step_split']}", flush=True)
-        print("baseline behind our front end (the engine's Prefetcher over the same file) ...", flush=True)
+        print("baseline behind our front end (the trainer's Prefetcher over the same file) ...", flush=True)
         result["baseline_same_front_end"] = run_baseline(table, spec, model_spec, args.batch, args.steps, device, n_batches,
                                                          graphs, samples=path)
         print(f"  {result['baseline_same_front_end']['samples_per_s']:,.0f} samples/s  "

@@ -199,7 +199,7 @@ def published_model(sample_run, tmp_path_factory):
     """(model store root, versions): a trainer's full version followed by a chain of deltas."""
     from streamrec.modelstore.store import ModelStore
     from streamrec.plumbing.config import load_config
-    from streamrec.trainer.engine import Trainer, TrainOptions
+    from streamrec.trainer.driver import Trainer, TrainOptions
 
     with built_once(tmp_path_factory, "published") as (root, build):
         if build:

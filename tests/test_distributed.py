@@ -37,7 +37,7 @@ from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import ConfigError, load_config
 from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.distributed import Ranks, agree
-from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.trainer.driver import Trainer, TrainOptions
 from streamrec.trainer.sources import FileSampleSource
 from streamrec.trainer.step_channel import StepChannel
 

@@ -35,7 +35,7 @@ from streamrec.plumbing.config import load_config
 from streamrec.serving.runtime.runner import RuntimeConfig
 from streamrec.serving.runtime.state import ServedModel
 from streamrec.trainer.dense_graph import GraphedDense
-from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.trainer.driver import Trainer, TrainOptions
 from test_serving_http import call, first_two_versions, publish_in_turn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

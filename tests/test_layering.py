@@ -27,11 +27,11 @@ def test_the_import_contracts_are_kept():
 
 
 def test_trainer_importing_serving_breaks_the_layering(tmp_path):
-    engine = _copy_tree(tmp_path) / "streamrec" / "trainer" / "engine.py"
-    engine.write_text(engine.read_text() + "\nfrom streamrec.serving.http.app import create_app  # noqa: E402,F401\n")
+    driver = _copy_tree(tmp_path) / "streamrec" / "trainer" / "driver.py"
+    driver.write_text(driver.read_text() + "\nfrom streamrec.serving.http.app import create_app  # noqa: E402,F401\n")
     result = _lint(tmp_path)
     assert result.returncode != 0
-    assert "streamrec.trainer.engine -> streamrec.serving.http.app" in result.stdout and "1 broken" in result.stdout
+    assert "streamrec.trainer.driver -> streamrec.serving.http.app" in result.stdout and "1 broken" in result.stdout
 
 
 def test_serving_runtime_importing_the_node_breaks_the_rooms(tmp_path):

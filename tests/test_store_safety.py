@@ -23,7 +23,7 @@ from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
 from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
 from streamrec.serving.runtime.state import ServedModel
 from streamrec.plumbing.config import load_config
-from streamrec.trainer.engine import Trainer, TrainOptions
+from streamrec.trainer.driver import Trainer, TrainOptions
 
 
 def cli(*args, cwd=REPO):
@@ -157,7 +157,7 @@ def test_a_trainer_that_cannot_reach_its_store_fails_at_start(sample_run, tmp_pa
 
 
 def test_a_trainer_whose_publishes_keep_failing_stops_with_an_error(sample_run, tmp_path):
-    from streamrec.trainer.engine import TrainingError
+    from streamrec.trainer.driver import TrainingError
 
     cfg = _trainer_config(tmp_path, tmp_path / "models", **{"trainer.publish_interval_s": 0.05, "trainer.max_publish_failures": 2})
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=60000, progress=False))

@@ -20,7 +20,7 @@ from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
 from streamrec.trainer.checkpoint import Checkpointer
-from streamrec.trainer.engine import Trainer, TrainingError, TrainOptions, train
+from streamrec.trainer.driver import Trainer, TrainingError, TrainOptions, train
 from streamrec.trainer.loop import WARM_UP_STEPS
 from streamrec.model.batch import TABLES, batch_from_table
 from streamrec.model.inference import InferenceModel

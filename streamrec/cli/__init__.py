@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         from streamrec.pipelines.job_jar import JobJarError
         from streamrec.pipelines.pipeline_service import PipelineError
-        from streamrec.trainer.engine import TrainingError
+        from streamrec.trainer.driver import TrainingError
 
         if not isinstance(exc, (TrainingError, PipelineError, JobJarError)):
             raise

@@ -58,7 +58,7 @@ def add_parser(commands: Commands) -> None:
 
 def run(args: argparse.Namespace, cfg: Config) -> int:
     from streamrec.trainer.distributed import WORKER_ENV, launch
-    from streamrec.trainer.engine import TrainOptions, train
+    from streamrec.trainer.driver import TrainOptions, train
 
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")

@@ -1,6 +1,6 @@
 """The files a trainer writes in its work dir (``eval.jsonl``, ``rejected/``, checkpoints):
 a write that fails, a full disk above all, becomes a :class:`WriteFailed` naming the file
-and the cause, which ends the run with exit code 3 (engine.py); and JSON-lines logs are
+and the cause, which ends the run with exit code 3 (driver.py); and JSON-lines logs are
 written whole lines at a time, so a reader never finds half a line at their end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The trainer: a session (trainer/session.py: locks, lease, ranks, checkpoints, signals)
+"""The trainer driver: a session (trainer/session.py: locks, lease, ranks, checkpoints, signals)
 and its loop (trainer/loop.py: the step, publishing, evaluation, progress), run together.
 
 ``train(cfg, opts)`` is what ``streamrec train`` calls. A run that cannot go on (a poisoned
