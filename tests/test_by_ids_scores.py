@@ -17,7 +17,7 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.modelstore.store import ModelStore
 from streamrec.plumbing.config import load_config
 from streamrec.serving.by_ids import ByIdsQuery
-from streamrec.serving.runtime.engine import ServingEngine
+from streamrec.serving.runtime.model_runtime import ModelRuntime
 from streamrec.serving.runtime.metrics import ModelMetrics, ServingMetrics
 from streamrec.serving.features.online_features import OnlineFeatures
 from streamrec.serving.runtime.request import InstanceDecoder
@@ -68,7 +68,7 @@ def _check(served: ServedModel, features: OnlineFeatures, queries: list[ByIdsQue
     assert not rejected
     as_instances = served.predict(batch_from_columns(columns, SPEC, history_len))[1]
     np.testing.assert_allclose(by_ids, as_instances, rtol=1e-5, atol=1e-6)
-    # mixed with instance requests in one batch (the engine concatenates the parts)
+    # mixed with instance requests in one batch (the model runtime concatenates the parts)
     extra, _ = decoder.columns([decoder.instance(**x) for x in instance_rows])
     mixed = served.predict(batch_from_columns(FeatureColumns.concat([extra, assembled.columns]), SPEC, history_len))[1]
     np.testing.assert_allclose(mixed[len(instance_rows):], by_ids, rtol=1e-5, atol=1e-6)
@@ -112,7 +112,7 @@ def test_by_ids_scores_equal_the_instances_form_on_cuda_with_graph_buckets(publi
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                                          reason="needs CUDA")])])
 def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published_model, sample_run, tmp_path, device):
-    """The engine's batch with ``serving.candidate_counts`` "device" against "host": by-ids
+    """The model runtime's batch with ``serving.candidate_counts`` "device" against "host": by-ids
     requests mixed with an instances request, same scores; the device mirror really used."""
     rows = _rows(sample_run)
     features = _store_with_state(tmp_path, rows[:120])
@@ -126,13 +126,13 @@ def test_candidates_counted_on_the_device_score_as_counted_on_the_host(published
     payloads = [queries[0], instances, *queries[1:]]
     outcomes = {}
     for where in ("host", "device"):
-        engine = ServingEngine(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
-        outcomes[where] = engine.execute(payloads)
+        model_runtime = ModelRuntime(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
+        outcomes[where] = model_runtime.execute(payloads)
     counted = features.counts_on(torch.device(device))
     assert counted.full_copies == 4 and counted.batches == 1  # both kinds' arenas went to the device, once
     # a request asking for its features back: the whole batch is counted on the host, same scores
-    engine = ServingEngine(served, replace(settings, candidate_counts="device"), ModelMetrics(ServingMetrics(), "ctr"), features)
-    asking = engine.execute([replace(queries[0], return_features=True), instances, *queries[1:]])
+    model_runtime = ModelRuntime(served, replace(settings, candidate_counts="device"), ModelMetrics(ServingMetrics(), "ctr"), features)
+    asking = model_runtime.execute([replace(queries[0], return_features=True), instances, *queries[1:]])
     assert counted.batches == 1 and asking[0][1].features is not None
     for a, b in zip(outcomes["host"], asking):
         np.testing.assert_allclose(getattr(b[1], "scores", b[1]), getattr(a[1], "scores", a[1]), rtol=1e-5, atol=1e-6)
@@ -158,11 +158,11 @@ def test_a_device_path_that_cannot_start_leaves_the_node_counting_on_the_host(pu
     served = ServedModel(ModelStore(str(published_model[0]), "ctr"), "cpu", feature_spec=SPEC)
     served.catch_up()
     settings = load_config(environ={}).serving
-    engines = {where: ServingEngine(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
+    model_runtimes = {where: ModelRuntime(served, replace(settings, candidate_counts=where), ModelMetrics(ServingMetrics(), "ctr"), features)
                for where in ("host", "device")}
-    assert engines["device"].status()["candidate_counts_on_host_because"] == "RuntimeError: no kernel for this GPU"
+    assert model_runtimes["device"].status()["candidate_counts_on_host_because"] == "RuntimeError: no kernel for this GPU"
     queries = [replace(q, return_features=False) for q in _queries(rows, 4)]
-    want, got = (engines[w].execute(queries) for w in ("host", "device"))
+    want, got = (model_runtimes[w].execute(queries) for w in ("host", "device"))
     for a, b in zip(want, got):
         np.testing.assert_allclose(b[1].scores, a[1].scores, rtol=1e-6)
     features.close()

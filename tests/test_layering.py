@@ -36,11 +36,11 @@ def test_trainer_importing_serving_breaks_the_layering(tmp_path):
 
 def test_serving_runtime_importing_the_node_breaks_the_rooms(tmp_path):
     """Inside serving, calls go down only: the model runtime never reaches up to the node above it."""
-    engine = _copy_tree(tmp_path) / "streamrec" / "serving" / "runtime" / "engine.py"
-    engine.write_text(engine.read_text() + "\nfrom streamrec.serving.node import ServingNode  # noqa: E402,F401\n")
+    runtime = _copy_tree(tmp_path) / "streamrec" / "serving" / "runtime" / "model_runtime.py"
+    runtime.write_text(runtime.read_text() + "\nfrom streamrec.serving.node import ServingNode  # noqa: E402,F401\n")
     result = _lint(tmp_path)
     assert result.returncode != 0
-    assert "streamrec.serving.runtime.engine -> streamrec.serving.node" in result.stdout and "1 broken" in result.stdout
+    assert "streamrec.serving.runtime.model_runtime -> streamrec.serving.node" in result.stdout and "1 broken" in result.stdout
 
 
 def test_the_contracts_importing_config_breaks_the_layering(tmp_path):

@@ -1,4 +1,4 @@
-"""A serving node: every model it serves (one :class:`ServingEngine` each) and what they
+"""A serving node: every model it serves (one :class:`ModelRuntime` each) and what they
 share — the decoding of predict bodies, the online features, experiments, callers' quotas
 and priorities, shadow scoring and the prediction log.
 
@@ -26,7 +26,7 @@ from streamrec.contracts.predictions import Prediction
 from streamrec.model.columns import FeatureColumns
 from streamrec.serving.runtime.batcher import BatchResult, Shed
 from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
-from streamrec.serving.runtime.engine import ByIdsScores, LinkReply, ServingEngine, stale_features
+from streamrec.serving.runtime.model_runtime import ByIdsScores, LinkReply, ModelRuntime, stale_features
 from streamrec.serving.errors import ApiError
 from streamrec.serving.access.experiments import entry_to_json
 from streamrec.serving.runtime.ipc import Outbox, failed, payload_of
@@ -49,74 +49,74 @@ log = logging.getLogger("streamrec.serving")
 class ShadowReply:
     """A shadow request's outcome (the batcher's ``Reply``): counted and logged, answered to nobody."""
 
-    __slots__ = ("node", "engine", "payload", "call")
+    __slots__ = ("node", "runtime", "payload", "call")
 
-    def __init__(self, node: "ServingNode", engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, call: Call) -> None:
-        self.node, self.engine, self.payload, self.call = node, engine, payload, call
+    def __init__(self, node: "ServingNode", runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, call: Call) -> None:
+        self.node, self.runtime, self.payload, self.call = node, runtime, payload, call
 
     def done(self) -> bool:
         return False
 
     def set_result(self, result: BatchResult) -> None:
-        self.node.metrics.shadow.labels(self.engine.name, "scored").inc()
+        self.node.metrics.shadow.labels(self.runtime.name, "scored").inc()
         if self.node.prediction_log is not None:
-            self.node.log_prediction(self.engine, self.payload, result, self.call, shadow=True)
+            self.node.log_prediction(self.runtime, self.payload, result, self.call, shadow=True)
 
     def set_exception(self, exc: BaseException) -> None:
         if isinstance(exc, Shed):  # waited past serving.queue_timeout_ms in the background lane
-            self.node.metrics.shadow.labels(self.engine.name, "shed").inc()
+            self.node.metrics.shadow.labels(self.runtime.name, "shed").inc()
             return
-        self.node.metrics.shadow.labels(self.engine.name, "failed").inc()
+        self.node.metrics.shadow.labels(self.runtime.name, "failed").inc()
         if not self.node.shadow_failure_logged:
             self.node.shadow_failure_logged = True
-            log.error("shadow model %s failed a request (logged once): %s", self.engine.name, exc)
+            log.error("shadow model %s failed a request (logged once): %s", self.runtime.name, exc)
 
 
 class ServingNode:
-    def __init__(self, engines: list[ServingEngine], settings: ServingConfig, metrics: ServingMetrics, features: OnlineFeatures | None = None,
+    def __init__(self, runtimes: list[ModelRuntime], settings: ServingConfig, metrics: ServingMetrics, features: OnlineFeatures | None = None,
                  gc_pauses: GcPauses | None = None, experiments: "Experiments | None" = None, callers: "Callers | None" = None,
                  prediction_log: "PredictionLog | None" = None) -> None:
-        self.engines = {engine.name: engine for engine in engines}
+        self.runtimes = {runtime.name: runtime for runtime in runtimes}
         self.settings, self.metrics, self.features, self.gc_pauses = settings, metrics, features, gc_pauses
         self.experiments, self.callers, self.prediction_log = experiments, callers, prediction_log
-        self.router = RequestRouter(self.decoder_of, self.engine, features is not None, settings.max_instances, MAX_FUTURE_SKEW_MS,
+        self.router = RequestRouter(self.decoder_of, self.runtime, features is not None, settings.max_instances, MAX_FUTURE_SKEW_MS,
                                     experiments)
         self.welcome_listeners: list[Callable[[Welcome], None]] = []  # front-end links: told when experiments change
         self._caller_header, self._priority_header = (h.lower().encode("latin-1") for h in (settings.caller_header, settings.priority_header))
         self._request_prefix, self._request_ids = f"{socket.gethostname()}-{os.getpid()}-", itertools.count()  # the log's ids
         self.shadow_failure_logged = False
         self._refresh: asyncio.Task | None = None
-        for engine in engines:
-            engine.batcher.idle = self._idle
+        for runtime in runtimes:
+            runtime.batcher.idle = self._idle
         self._install_hooks()
 
     # ------------------------------------------------------------------ models
-    def engine(self, model: str) -> ServingEngine:
-        engine = self.engines.get(model)
-        if engine is None:
-            raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.engines)}")
-        return engine
+    def runtime(self, model: str) -> ModelRuntime:
+        runtime = self.runtimes.get(model)
+        if runtime is None:
+            raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.runtimes)}")
+        return runtime
 
     def _idle(self) -> bool:
         """No request someone waits for is queued on any model (shadow batches may run)."""
-        return not any(engine.batcher.has_foreground for engine in self.engines.values())
+        return not any(runtime.batcher.has_foreground for runtime in self.runtimes.values())
 
     def decoder_of(self, model: str) -> InstanceDecoder:
-        return self.engine(model).decoder()
+        return self.runtime(model).decoder()
 
     # ------------------------------------------------------------------ requests
     async def predict(self, kind: str, name: str, body: bytes, timeout_s: float | None = None, call: Call = Call()) -> bytes:
         """A predict body of ``/v1/{kind}/{name}:predict`` (size already checked) -> its JSON answer."""
         self.admit(call)
         if kind == MODELS:
-            self.engine(name).refuse_if_full()  # before decoding: a full queue costs the refused nothing
+            self.runtime(name).refuse_if_full()  # before decoding: a full queue costs the refused nothing
         routed = self.router.route(kind, name, body, call)
         if routed.fan_out:
             return await self._fan_out_json(routed.fan_out, routed.payload, timeout_s, routed.call)
-        engine = self.engine(routed.model)
-        result = await engine.score(routed.payload, timeout_s)
-        if engine.on_answer is not None:
-            engine.on_answer(engine, routed.payload, result, routed.call)  # never raises (_answered)
+        runtime = self.runtime(routed.model)
+        result = await runtime.score(routed.payload, timeout_s)
+        if runtime.on_answer is not None:
+            runtime.on_answer(runtime, routed.payload, result, routed.call)  # never raises (_answered)
         if isinstance(result.scores, ByIdsScores):
             return result.scores.json(routed.ts, routed.extra)
         return orjson.dumps({"model_version": result.version, "scores": result.scores.tolist(), **routed.extra})
@@ -131,8 +131,8 @@ class ServingNode:
             if isinstance(message, PredictByIds) and message.models:
                 asyncio.ensure_future(self._fan_out_link(message, payload, outbox))
                 return
-            engine = self.engine(message.model)
-            engine.enqueue(payload, message.timeout_s, LinkReply(engine, message.id, outbox, payload, message.call, started))
+            runtime = self.runtime(message.model)
+            runtime.enqueue(payload, message.timeout_s, LinkReply(runtime, message.id, outbox, payload, message.call, started))
         except ApiError as exc:
             outbox.put(failed(message.id, exc))
 
@@ -140,7 +140,7 @@ class ServingNode:
         """429 for a caller over its quota, or of a priority shed at the node's queue fill."""
         if self.callers is None:
             return
-        fill = max(e.batcher.queued_instances for e in self.engines.values()) / self.settings.max_queue_instances
+        fill = max(r.batcher.queued_instances for r in self.runtimes.values()) / self.settings.max_queue_instances
         headers = [(name, value.encode("latin-1")) for name, value in ((self._caller_header, call.api_key),
                                                                          (self._priority_header, call.priority)) if value is not None]
         self.callers.admit(headers, fill)
@@ -150,24 +150,24 @@ class ServingNode:
         """One by-ids request scored by several models: its features assembled once, then
         queued on every model's batcher as columns, every answer logged. A model that cannot
         answer says why in its part."""
-        engines = [self.engine(m) for m in models]
-        engines[0].check_horizon(query)
+        runtimes = [self.runtime(m) for m in models]
+        runtimes[0].check_horizon(query)
         try:
             assembled = self.features.assemble_batch([query])
         except Exception as exc:  # noqa: BLE001 -- as in a batch: the request fails with a 503, the node goes on
             log.exception("online feature assembly of a fan-out failed")
             raise ApiError(503, f"the online features could not be assembled: {type(exc).__name__}: {exc}; retry") from None
         self.metrics.fan_out.inc()
-        outcomes = await asyncio.gather(*(e.score(assembled.columns, timeout_s) for e in engines), return_exceptions=True)
+        outcomes = await asyncio.gather(*(r.score(assembled.columns, timeout_s) for r in runtimes), return_exceptions=True)
         parts = []
-        for engine, outcome in zip(engines, outcomes):
+        for runtime, outcome in zip(runtimes, outcomes):
             if isinstance(outcome, ApiError):
-                parts.append(ModelScores(engine.name, status=outcome.status, message=outcome.message))
+                parts.append(ModelScores(runtime.name, status=outcome.status, message=outcome.message))
             elif isinstance(outcome, BaseException):
-                log.error("fan-out: model %s failed", engine.name, exc_info=outcome)
-                parts.append(ModelScores(engine.name, status=500, message=f"internal error: {type(outcome).__name__}: {outcome}"))
+                log.error("fan-out: model %s failed", runtime.name, exc_info=outcome)
+                parts.append(ModelScores(runtime.name, status=500, message=f"internal error: {type(outcome).__name__}: {outcome}"))
             else:
-                parts.append(ModelScores(engine.name, outcome.version, np.asarray(outcome.scores, np.float32).tobytes()))
+                parts.append(ModelScores(runtime.name, outcome.version, np.asarray(outcome.scores, np.float32).tobytes()))
         try:
             self._log_fan_out(query, assembled.as_of, parts, call)
         except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
@@ -192,31 +192,31 @@ class ServingNode:
         outbox.put(Scored(message.id, 0, b"", by_ids=True, features_as_of=assembled.as_of,
                           features_stale=stale_features(assembled.as_of, self.settings), features=features, fan_out=parts))
 
-    def _answered(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
+    def _answered(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
         """Every answered request: into the prediction log, and to its shadow model if it has one.
         Never raises: it runs among a batch's answers."""
         try:
-            self._log_and_shadow(engine, payload, result, call)
+            self._log_and_shadow(runtime, payload, result, call)
         except Exception:  # noqa: BLE001 -- the answer went out; the log and the shadow are best effort
             log.exception("prediction log / shadow of an answered request failed")
 
-    def _log_and_shadow(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
+    def _log_and_shadow(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
         if self.prediction_log is not None:
             call = self._with_request_id(call)  # the primary's and its shadow's records share it
-            self.log_prediction(engine, payload, result, call)
+            self.log_prediction(runtime, payload, result, call)
         if call.shadow_model:
-            shadow = self.engines.get(call.shadow_model)
+            shadow = self.runtimes.get(call.shadow_model)
             if shadow is None or shadow.served.current is None:
                 self.metrics.shadow.labels(call.shadow_model, "unavailable").inc()
                 return
             if not shadow.batcher.enqueue_background(payload, ShadowReply(self, shadow, payload, call)):
                 self.metrics.shadow.labels(shadow.name, "shed").inc()  # its lane is full: dropped, the primary was answered
 
-    def log_prediction(self, engine: ServingEngine, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call,
+    def log_prediction(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call,
                        shadow: bool = False) -> None:
         scores = result.scores.scores if isinstance(result.scores, ByIdsScores) else result.scores
         as_of = result.scores.features_as_of if isinstance(result.scores, ByIdsScores) else None
-        self._record(call, engine.name, result.version, payload, scores, as_of, shadow)
+        self._record(call, runtime.name, result.version, payload, scores, as_of, shadow)
 
     def _with_request_id(self, call: Call) -> Call:
         """``call`` with the id its prediction-log records share: the client's x-request-id, else one made up here."""
@@ -256,7 +256,7 @@ class ServingNode:
     # ------------------------------------------------------------------ front-ends
     def hello(self) -> Welcome:
         """What a front-end process needs to decode and route requests itself."""
-        return Welcome(PROTOCOL, {name: e.feature_spec_json() for name, e in self.engines.items()}, MAX_FUTURE_SKEW_MS,
+        return Welcome(PROTOCOL, {name: r.feature_spec_json() for name, r in self.runtimes.items()}, MAX_FUTURE_SKEW_MS,
                        self.features is not None, self.experiments_json())
 
     def experiments_json(self) -> list[dict]:
@@ -268,8 +268,8 @@ class ServingNode:
     def _install_hooks(self) -> None:
         """The per-answer hook only where something needs it: the prediction log, or a shadow model."""
         shadows = self.experiments is not None and any(e.shadow_model for e in self.experiments.entries())
-        for engine in self.engines.values():
-            engine.on_answer = self._answered if self.prediction_log is not None or shadows else None
+        for runtime in self.runtimes.values():
+            runtime.on_answer = self._answered if self.prediction_log is not None or shadows else None
 
     def experiments_changed(self) -> None:
         """Tell every front-end the experiments now in force."""
@@ -297,33 +297,33 @@ class ServingNode:
     def readiness(self) -> dict[str, str | None]:
         """Per request form: why the node does not serve it now (None: it does, for every model)."""
         forms: dict[str, str | None] = {"instances": None, "by_ids": None}
-        for engine in self.engines.values():
-            for form, why in engine.readiness().items():
+        for runtime in self.runtimes.values():
+            for form, why in runtime.readiness().items():
                 forms[form] = forms[form] or why
         return forms
 
     def ready(self, form: str | None = None, model: str | None = None) -> str | None:
         """Why the node (or ``model``) is not ready for ``form`` (None: every form it serves), or None."""
-        forms = self.engine(model).readiness() if model is not None else self.readiness()
+        forms = self.runtime(model).readiness() if model is not None else self.readiness()
         if form is not None:
             return forms[form]
         served = forms if self.features is not None else {"instances": forms["instances"]}
         return next((why for why in served.values() if why is not None), None)
 
     def model_status(self, model: str) -> dict[str, Any]:
-        """``GET /v1/models/{model}``: the engine's status and what the node shares."""
-        return {**self.engine(model).status(), "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
+        """``GET /v1/models/{model}``: the model runtime's status and what the node shares."""
+        return {**self.runtime(model).status(), "gc": self.gc_pauses.as_json() if self.gc_pauses is not None else None,
                 "features": self.features.status() if self.features is not None else None}
 
     def models(self) -> list[dict[str, Any]]:
         """``GET /v1/models``."""
-        return [{"model": name, "model_version": e.served.version, "pinned": e.served.pinned,
-                 "ready": {form: why or "ready" for form, why in e.readiness().items()}} for name, e in self.engines.items()]
+        return [{"model": name, "model_version": r.served.version, "pinned": r.served.pinned,
+                 "ready": {form: why or "ready" for form, why in r.readiness().items()}} for name, r in self.runtimes.items()]
 
     def observe_metrics(self) -> ServingMetrics:
         """The metrics, with the gauges read now."""
-        for engine in self.engines.values():
-            engine.observe_metrics()
+        for runtime in self.runtimes.values():
+            runtime.observe_metrics()
         if self.features is not None:
             self.metrics.observe_features(self.features.status())
         if self.prediction_log is not None:
@@ -334,21 +334,21 @@ class ServingNode:
 
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
-        for engine in self.engines.values():
-            await engine.start()
+        for runtime in self.runtimes.values():
+            await runtime.start()
         if self.experiments is not None and self.experiments.store is not None:
             self._refresh = asyncio.create_task(self._follow_experiments(), name="experiments")
 
     async def stop(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()
-        for engine in self.engines.values():
-            await engine.stop()
+        for runtime in self.runtimes.values():
+            await runtime.stop()
 
     def close(self) -> None:
         """Release the models, the online features and the prediction log (after :meth:`stop`)."""
-        for engine in self.engines.values():
-            engine.close()
+        for runtime in self.runtimes.values():
+            runtime.close()
         if self.features is not None:
             self.features.close()
         if self.prediction_log is not None:

@@ -1,5 +1,5 @@
 """The HTTP API of a serving node (docs/serving.md), on FastAPI: routes only; the work is the
-engine's (serving/runtime/engine.py).
+model runtimes' (serving/runtime/model_runtime.py).
 
 Routes (serving/http/routes/): ``POST /v1/models/{model}:predict``, ``POST
 /v1/experiments/{name}:predict``, ``GET /v1/models``, ``GET /v1/models/{model}``,

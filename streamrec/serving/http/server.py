@@ -18,7 +18,7 @@ from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.serving.http.app import create_app
 from streamrec.modelstore.experiments import ExperimentStore
-from streamrec.serving.runtime.engine import ServingEngine
+from streamrec.serving.runtime.model_runtime import ModelRuntime
 from streamrec.serving.access.experiments import Experiments
 from streamrec.serving.access.prediction_log import PredictionLog
 from streamrec.serving.access.quotas import Callers
@@ -99,8 +99,8 @@ def serve(cfg: Config) -> None:
                                   s.feature_snapshot_interval_s).start()
         log.info("online features: materialising %s (ready once caught up)", cfg.topics.features)
     metrics = ServingMetrics()
-    engines = [ServingEngine(model, s, ModelMetrics(metrics, model.model_store.model), features) for model in served]
-    node = ServingNode(engines, s, metrics, features, GcPauses().install(), **model_access(cfg, metrics))
+    model_runtimes = [ModelRuntime(model, s, ModelMetrics(metrics, model.model_store.model), features) for model in served]
+    node = ServingNode(model_runtimes, s, metrics, features, GcPauses().install(), **model_access(cfg, metrics))
     app = PredictShortcut(create_app(node, plan), node.predict, s.max_body_bytes, s.caller_header, s.priority_header)
     if plan is not None:
         log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)

@@ -34,10 +34,10 @@ def add_health_routes(app: FastAPI, node: ServingNode, link: EngineLink | None =
         if link is not None and link.connected < frontends:
             return error_response(ApiError(503, f"{link.connected} of {frontends} HTTP front-ends connected"))
         # ready while it serves a version, even one behind a LATEST it cannot load: it says so
-        engines = [node.engine(model)] if model is not None else list(node.engines.values())
+        runtimes = [node.runtime(model)] if model is not None else list(node.runtimes.values())
         return JSONResponse({"status": "ready", "forms": {name: why or "ready" for name, why in node.readiness().items()},
-                             "models": {e.name: {"model_version": e.served.version, "latest_problem": e.served.latest_problem}
-                                        for e in engines}})
+                             "models": {r.name: {"model_version": r.served.version, "latest_problem": r.served.latest_problem}
+                                        for r in runtimes}})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

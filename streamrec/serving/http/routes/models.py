@@ -87,23 +87,23 @@ def add_model_routes(app: FastAPI, node: ServingNode) -> None:
     async def reload(model: str, request: Request) -> dict[str, Any]:
         """``{"version": N}``: serve N and pin it in the store (every node stays on it);
         ``{}``: release the store's pin and catch up to LATEST."""
-        engine = node.engine(model)
+        runtime = node.runtime(model)
         check_admin(request, settings.admin_token)
         version, who = await admin_args(request, settings)
         if version:
-            reports = [await admin_call(engine.load, version, True, who["by"], who["reason"])]
+            reports = [await admin_call(runtime.load, version, True, who["by"], who["reason"])]
         else:
-            await admin_call(engine.release)
-            reports = await admin_call(engine.apply)
-        return {"model_version": engine.served.version, "applied": [r.__dict__ for r in reports], "pinned": engine.served.pinned}
+            await admin_call(runtime.release)
+            reports = await admin_call(runtime.apply)
+        return {"model_version": runtime.served.version, "applied": [r.__dict__ for r in reports], "pinned": runtime.served.pinned}
 
     @app.post("/v1/models/{model}:rollback")
     async def rollback(model: str, request: Request) -> dict[str, Any]:
         """Back to ``{"version": N}`` or the previous version; pins it in the store (every
         node, a restarted one too, serves it) until :reload."""
-        engine = node.engine(model)
+        runtime = node.runtime(model)
         check_admin(request, settings.admin_token)
         version, who = await admin_args(request, settings)
-        report = await admin_call(engine.rollback, version, who["by"], who["reason"])
-        return {"model_version": engine.served.version, "previous": report.previous, "seconds": report.locked_s,
-                "pinned": engine.served.pinned}
+        report = await admin_call(runtime.rollback, version, who["by"], who["reason"])
+        return {"model_version": runtime.served.version, "previous": report.previous, "seconds": report.locked_s,
+                "pinned": runtime.served.pinned}

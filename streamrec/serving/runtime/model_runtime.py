@@ -1,8 +1,8 @@
-"""A serving engine: one served model's part of a serving node (serving/node.py has the
+"""A model runtime: one served model's part of a serving node (serving/node.py has the
 parts every model shares: HTTP decoding, online features, experiments, callers, the log).
 
 In the spirit of vLLM's ``EngineCore``: the HTTP layer (serving/http/app.py, the front-end
-processes) only routes; the engine owns one model and its versions (``load``, ``apply``,
+processes) only routes; the model runtime owns one model and its versions (``load``, ``apply``,
 ``rollback``, ``release``: serving/runtime/state.py), turns requests into batches (``enqueue``,
 ``score``, through the request batcher) and runs them (``execute``), and says what it is
 doing (``status``, ``metrics``). Every request reaches it in one of two columnar forms:
@@ -61,18 +61,18 @@ class ByIdsScores:
         return orjson.dumps(self.features) if self.features is not None else None
 
 
-Answered = Callable[["ServingEngine", "FeatureColumns | ByIdsQuery", BatchResult, Call], None]  # the prediction log's hook
+Answered = Callable[["ModelRuntime", "FeatureColumns | ByIdsQuery", BatchResult, Call], None]  # the prediction log's hook
 
 
 class LinkReply:
     """Where a front-end request's outcome goes (the batcher's ``Reply``): its answer message
     into the link's outbox, counted in the metrics; no future or task per request."""
 
-    __slots__ = ("engine", "id", "outbox", "payload", "call", "started", "answered")
+    __slots__ = ("runtime", "id", "outbox", "payload", "call", "started", "answered")
 
-    def __init__(self, engine: "ServingEngine", request_id: int, outbox: Outbox, payload: FeatureColumns | ByIdsQuery, call: Call,
+    def __init__(self, runtime: "ModelRuntime", request_id: int, outbox: Outbox, payload: FeatureColumns | ByIdsQuery, call: Call,
                  started: float) -> None:
-        self.engine, self.id, self.outbox, self.payload, self.call, self.started = engine, request_id, outbox, payload, call, started
+        self.runtime, self.id, self.outbox, self.payload, self.call, self.started = runtime, request_id, outbox, payload, call, started
         self.answered = False
 
     def done(self) -> bool:
@@ -83,17 +83,17 @@ class LinkReply:
         scores = result.scores
         message = (scores.message(self.id) if isinstance(scores, ByIdsScores)
                    else Scored(self.id, result.version, np.asarray(scores, np.float32).tobytes()))
-        self.engine.count_answer(self.started, len(self.payload), result.queued_s)
+        self.runtime.count_answer(self.started, len(self.payload), result.queued_s)
         self.outbox.put(message)
-        if self.engine.on_answer is not None:
-            self.engine.on_answer(self.engine, self.payload, result, self.call)
+        if self.runtime.on_answer is not None:
+            self.runtime.on_answer(self.runtime, self.payload, result, self.call)
 
     def set_exception(self, exc: BaseException) -> None:
         self.answered = True
-        self.outbox.put(failed(self.id, self.engine.failure(exc, self.started)))
+        self.outbox.put(failed(self.id, self.runtime.failure(exc, self.started)))
 
 
-class ServingEngine:
+class ModelRuntime:
     def __init__(self, served: ServedModel, settings: ServingConfig, metrics: ModelMetrics, features: OnlineFeatures | None = None) -> None:
         self.served, self.settings, self.metrics, self.features = served, settings, metrics, features
         self.name = served.model_store.model
