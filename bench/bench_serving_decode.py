@@ -6,7 +6,7 @@
   instance, ``contracts.sample_wire.decode_samples`` (pyarrow's JSON reader + the sample checks) and
   ``batch_from_table``, per batch;
 - the front-end link: one request's columns as the one int64 buffer of ``serving.runtime.ipc`` vs the
-  pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the engine).
+  pickled ``FeatureColumns`` dataclass (encode on the front-end + decode on the serving process).
 
 Usage: streamrec bench serving_decode [--samples RUN] [--instances 16] [--requests 1 8 64]
 Writes var/bench/serving-decode-<time>.json.
@@ -29,7 +29,7 @@ from output import write_result
 from streamrec.contracts.sample_wire import decode_samples
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.columns import FeatureColumns
-from streamrec.serving.runtime.ipc import TO_ENGINE, frame, pack_columns, unpack_columns
+from streamrec.serving.runtime.ipc import TO_SERVING_PROCESS, frame, pack_columns, unpack_columns
 from streamrec.serving.runtime.messages import PredictColumns, Requests
 from streamrec.serving.runtime.request import InstanceDecoder
 from streamrec.model.batch import batch_from_columns, batch_from_table
@@ -89,20 +89,20 @@ def main() -> None:
     def message() -> bytes:  # what a front-end sends: one request in a Requests frame
         return frame(Requests([PredictColumns(1, None, *pack_columns(columns))]))
 
-    def engine_side(data: bytes) -> FeatureColumns:
-        request = TO_ENGINE.decode(data[4:]).items[0]
+    def serving_side(data: bytes) -> FeatureColumns:
+        request = TO_SERVING_PROCESS.decode(data[4:]).items[0]
         return unpack_columns(request.rows, request.history_ids, request.counters, request.packed)
 
     sent, pickled = message(), pickle.dumps(("predict", 1, columns), protocol=5)
     link = {"packed_encode_us": per_call_us(message, args.seconds),
-            "packed_decode_us": per_call_us(lambda: engine_side(sent), args.seconds),
+            "packed_decode_us": per_call_us(lambda: serving_side(sent), args.seconds),
             "pickled_encode_us": per_call_us(lambda: pickle.dumps(("predict", 1, columns), protocol=5), args.seconds),
             "pickled_decode_us": per_call_us(lambda: pickle.loads(pickled), args.seconds)}
     link["engine_decode_ratio"] = link["pickled_decode_us"] / link["packed_decode_us"]
     result["link"] = link
     print(f"front-end link, one request: packed buffer encode {link['packed_encode_us']:.1f} / decode {link['packed_decode_us']:.1f} us; "
           f"pickled dataclass {link['pickled_encode_us']:.1f} / {link['pickled_decode_us']:.1f} us "
-          f"(engine side {link['engine_decode_ratio']:.1f}x)", flush=True)
+          f"(serving process side {link['engine_decode_ratio']:.1f}x)", flush=True)
     write_result(args.out, "serving-decode", result)
 
 

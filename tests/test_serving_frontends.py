@@ -1,7 +1,7 @@
 """`streamrec serve --frontends 2` over real HTTP: the front-end processes share the port,
-answer predict with exactly the engine's scores, name bad instances themselves, relay every
-other route (admin included) to the engine, are restarted when one dies, and all stop
-cleanly with the engine."""
+answer predict with exactly the serving process's scores, name bad instances themselves, relay
+every other route (admin included) to the serving process, are restarted when one dies, and all
+stop cleanly with the serving process."""
 
 import os
 import signal
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(published_model, tmp_path_factory):
+def serving_process(published_model, tmp_path_factory):
     versions = published_model[1]
     root = copy_store(published_model[0], tmp_path_factory.mktemp("frontends") / "models")  # rollback pins it
     port = free_port()
@@ -54,7 +54,7 @@ def engine(published_model, tmp_path_factory):
 
 
 def frontends(proc: subprocess.Popen) -> list[int]:
-    """The pids of the engine's front-end processes (from /proc)."""
+    """The pids of the serving process's front-end processes (from /proc)."""
     out = []
     for pid in process_tree(proc.pid)[1:]:
         try:
@@ -74,8 +74,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_frontends_answer_with_the_engines_model(engine, published_model, sample_run):
-    base, proc, versions = engine
+def test_frontends_answer_with_the_served_model(serving_process, published_model, sample_run):
+    base, proc, versions = serving_process
     table = pq.read_table(sample_run / "samples.parquet").slice(60_000, 64).drop(["label", "click_ts"])
     model = InferenceModel.load(ModelStore(str(published_model[0]), "ctr"), versions[-1])
     want = model.predict(batch_from_table(table, FeatureSpec(), 50, with_labels=False))
@@ -97,17 +97,17 @@ def test_frontends_answer_with_the_engines_model(engine, published_model, sample
     assert len(frontends(proc)) == 2
 
 
-def test_frontends_refuse_bad_requests_and_relay_the_other_routes(engine, sample_run):
-    base, _, versions = engine
+def test_frontends_refuse_bad_requests_and_relay_the_other_routes(serving_process, sample_run):
+    base, _, versions = serving_process
     row = pq.read_table(sample_run / "samples.parquet").slice(0, 1).drop(["label", "click_ts"]).to_pylist()[0]
     status, answer = call(base, "POST", "/v1/models/ctr:predict", {"instances": [row, {**row, "user_id": "x"}]})
     assert status == 400 and "instance 1: wrong_type:user_id" in answer["error"]["message"]
     status, answer = call(base, "POST", "/v1/models/nope:predict", {"instances": [row]})
     assert status == 404 and "unknown model 'nope'" in answer["error"]["message"]
-    status, info = call(base, "GET", "/v1/models/ctr")  # relayed to the engine
+    status, info = call(base, "GET", "/v1/models/ctr")  # relayed to the serving process
     assert status == 200 and info["model_version"] == versions[-1] and info["batching"]["requests"] >= 40
     assert call(base, "POST", "/v1/models/ctr:rollback")[0] == 401
-    # the engine caught up to the last version at start-up: nothing to roll back to, and its
+    # the serving process caught up to the last version at start-up: nothing to roll back to, and its
     # answer (status and message) comes back through the front-end unchanged
     status, answer = call(base, "POST", "/v1/models/ctr:rollback", {}, token=TOKEN)
     assert status == 409 and "roll back" in answer["error"]["message"], answer
@@ -119,8 +119,8 @@ def test_frontends_refuse_bad_requests_and_relay_the_other_routes(engine, sample
     assert status == 200 and answer["model_version"] == versions[-1] and answer["pinned"]
 
 
-def test_a_dead_frontend_is_replaced_and_all_stop_with_the_engine(engine, sample_run):
-    base, proc, _ = engine
+def test_a_dead_frontend_is_replaced_and_all_stop_with_the_serving_process(serving_process, sample_run):
+    base, proc, _ = serving_process
     row = pq.read_table(sample_run / "samples.parquet").slice(0, 1).drop(["label", "click_ts"]).to_pylist()[0]
     victim = frontends(proc)[0]
     os.kill(victim, signal.SIGKILL)

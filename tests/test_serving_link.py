@@ -1,8 +1,9 @@
-"""The front-end <-> engine link (serving/runtime/ipc.py, serving/http/frontend.py ``EngineClient``) over a
-real Unix socket: the requests of one event-loop turn travel in one frame, the answers of one
-batch in one frame, and every answer reaches its own request; a request the engine refuses
-at once gets its error. The engine side here answers from the request itself (the link is
-what is under test; test_serving_frontends runs the real engine)."""
+"""The front-end <-> serving process link (serving/runtime/ipc.py, serving/http/frontend.py
+``ServingProcessClient``) over a real Unix socket: the requests of one event-loop turn travel in
+one frame, the answers of one batch in one frame, and every answer reaches its own request; a
+request the serving process refuses at once gets its error. The serving process's side here
+answers from the request itself (the link is what is under test; test_serving_frontends runs
+the real serving process)."""
 
 import asyncio
 
@@ -16,8 +17,8 @@ from streamrec.serving.http import frontend
 from streamrec.serving.runtime import ipc
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError
-from streamrec.serving.http.frontend import EngineClient
-from streamrec.serving.runtime.ipc import EngineLink, Outbox
+from streamrec.serving.http.frontend import ServingProcessClient
+from streamrec.serving.runtime.ipc import FrontendLink, Outbox
 from streamrec.serving.runtime.messages import PROTOCOL, Scored, Welcome
 
 
@@ -27,7 +28,7 @@ def body(user_id: int, candidates: int) -> bytes:
 
 
 def test_requests_and_answers_travel_in_groups_and_reach_their_callers(tmp_path, monkeypatch):
-    frames: list[int] = []  # requests per frame the engine read
+    frames: list[int] = []  # requests per frame the serving process read
     read_frame = ipc.read_frame
 
     async def counting_read_frame(reader, decoder):
@@ -57,10 +58,10 @@ def test_requests_and_answers_travel_in_groups_and_reach_their_callers(tmp_path,
             queued.clear()
 
     async def scenario():
-        path = str(tmp_path / "engine.sock")
-        link = EngineLink(path, lambda: Welcome(PROTOCOL, {"ctr": FeatureSpec().to_json()}, MAX_FUTURE_SKEW_MS, True), take)
+        path = str(tmp_path / "serving.sock")
+        link = FrontendLink(path, lambda: Welcome(PROTOCOL, {"ctr": FeatureSpec().to_json()}, MAX_FUTURE_SKEW_MS, True), take)
         await link.start()
-        client = EngineClient(path, max_instances=1000)
+        client = ServingProcessClient(path, max_instances=1000)
         await client.connect(timeout_s=10)
         asks = [(100 + i, 1 + i % 5) for i in range(19)]
         answers = await asyncio.gather(*(client.predict_body("models", "ctr", body(u, n)) for u, n in asks),

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from streamrec import __version__
 from streamrec.serving.node import ServingNode
 from streamrec.serving.http.frontend import FrontendPlan, FrontendPool
-from streamrec.serving.runtime.ipc import EngineLink
+from streamrec.serving.runtime.ipc import FrontendLink
 from streamrec.serving.http.routes.errors import install_error_handlers
 from streamrec.serving.http.routes.experiments import add_experiment_routes
 from streamrec.serving.http.routes.health import add_health_routes
@@ -31,11 +31,11 @@ from streamrec.serving.http.routes.predict import add_predict_routes
 def create_app(node: ServingNode, frontends: FrontendPlan | None = None) -> FastAPI:
     """The node's API; with ``frontends`` it also starts those processes and answers the
     predict requests they send over the Unix socket (serving/http/frontend.py)."""
-    link = EngineLink(frontends.socket_path, node.hello, node.take) if frontends else None
+    link = FrontendLink(frontends.socket_path, node.hello, node.take) if frontends else None
     if link is not None:
         node.welcome_listeners.append(link.broadcast)
     # redirect_slashes off: a path with a trailing slash is a 404, never a redirect built from
-    # the Host header, which behind a front-end names the engine's private loopback port
+    # the Host header, which behind a front-end names the serving process's private loopback port
     app = FastAPI(title="streamrec serving", version=__version__, lifespan=_lifespan(node, link, frontends),
                   description="Online CTR predictions from continuously updated models.", redirect_slashes=False)
     app.state.node = node
@@ -47,9 +47,9 @@ def create_app(node: ServingNode, frontends: FrontendPlan | None = None) -> Fast
     return app
 
 
-def _lifespan(node: ServingNode, link: EngineLink | None, frontends: FrontendPlan | None):
-    """Starts the engine (and the front-end link and processes) before the first request;
-    at shutdown the front-ends drain their in-flight requests through the engine first."""
+def _lifespan(node: ServingNode, link: FrontendLink | None, frontends: FrontendPlan | None):
+    """Starts the node (and the front-end link and processes) before the first request; at
+    shutdown the front-ends drain their in-flight requests through the node first."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

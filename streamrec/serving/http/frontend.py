@@ -1,15 +1,15 @@
-"""HTTP front-end processes: more cores for predict's HTTP and JSON work, one GPU engine.
+"""HTTP front-end processes: more cores for predict's HTTP and JSON work, one serving process.
 
-With ``serving.frontends = K > 0``, `streamrec serve` (the *engine*: model, batcher, GPU,
-hot-swap, admin) starts K of these processes. Each listens on the public port with
+With ``serving.frontends = K > 0``, `streamrec serve` (the *serving process*: models, batchers,
+GPU, hot-swap, admin) starts K of these processes. Each listens on the public port with
 SO_REUSEPORT (the kernel spreads connections over them), decodes and checks predict bodies
-into feature columns (serving/runtime/request.py) and sends the columns to the engine over a Unix
-socket (serving/runtime/ipc.py); every other route is relayed unchanged to the engine's HTTP port
-on the loopback. Why: one Python process tops out where its event loop and its batch
-workers share one GIL (bench/RESULTS.md, serving); the engine then spends its GIL on
-batches, not on HTTP parsing and JSON.
+into feature columns (serving/runtime/request.py) and sends the columns to the serving process over
+a Unix socket (serving/runtime/ipc.py); every other route is relayed unchanged to the serving
+process's HTTP port on the loopback. Why: one Python process tops out where its event loop and its
+batch workers share one GIL (bench/RESULTS.md, serving); the serving process then spends its GIL
+on batches, not on HTTP parsing and JSON.
 
-Run by the engine as ``python -m streamrec.serving.http.frontend --socket S --engine-port P --host H --port N ...``;
+Run by the serving process as ``python -m streamrec.serving.http.frontend --socket S --serving-port P --host H --port N ...``;
 not meant to be started by hand.
 """
 
@@ -54,10 +54,10 @@ HOP_HEADERS = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"co
 NOT_RELAYED_BACK = HOP_HEADERS | {b"date", b"server"}
 
 
-class EngineClient:
-    """A front-end's multiplexed connection to the engine (one socket, answers by id). It
-    decodes, checks and routes every predict body itself (serving/access/routing.py); the engine gets
-    typed, ready-made requests."""
+class ServingProcessClient:
+    """A front-end's multiplexed connection to the serving process (one socket, answers by id).
+    It decodes, checks and routes every predict body itself (serving/access/routing.py); the
+    serving process gets typed, ready-made requests."""
 
     def __init__(self, path: str, max_instances: int) -> None:
         self.path, self.max_instances = path, max_instances
@@ -79,9 +79,9 @@ class EngineClient:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the serving engine's socket {self.path} did not open in {timeout_s:.0f} s") from None
+                    raise RuntimeError(f"the serving process's socket {self.path} did not open in {timeout_s:.0f} s") from None
                 await asyncio.sleep(0.1)
-        asyncio.create_task(self._read(reader), name="engine-answers")
+        asyncio.create_task(self._read(reader), name="serving-answers")
         await self.hello()
 
     async def hello(self) -> None:
@@ -94,8 +94,8 @@ class EngineClient:
 
     def welcome(self, welcome: Welcome) -> None:
         if welcome.protocol != PROTOCOL:
-            raise RuntimeError(f"the serving engine speaks link protocol {welcome.protocol}, this front-end {PROTOCOL}: "
-                               "they run different streamrec versions; restart the engine")
+            raise RuntimeError(f"the serving process speaks link protocol {welcome.protocol}, this front-end {PROTOCOL}: "
+                               "they run different streamrec versions; restart the serving process")
         self.models = welcome.models
         self._decoders = {}
         experiments = Experiments([entry_from_json(e) for e in welcome.experiments], list(welcome.models)) if welcome.experiments else None
@@ -130,11 +130,11 @@ class EngineClient:
                     if future is not None and not future.done():
                         future.set_result(answer)
         except (asyncio.IncompleteReadError, ConnectionError):
-            log.error("the serving engine closed the link; this front-end stops")
-            why = "the serving engine went away; retry"
+            log.error("the serving process closed the link; this front-end stops")
+            why = "the serving process went away; retry"
         except Exception:  # noqa: BLE001 -- an unreadable message: this process cannot match answers any more
-            log.exception("unreadable message from the serving engine (another streamrec version?); this front-end stops")
-            why = "this front-end could not read the serving engine's answer; retry"
+            log.exception("unreadable message from the serving process (another streamrec version?); this front-end stops")
+            why = "this front-end could not read the serving process's answer; retry"
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ApiError(503, why))
@@ -171,13 +171,13 @@ class EngineClient:
                            routed.extra)
 
 
-class EngineRelay:
-    """The ASGI app for every route but predict: relays the request to the engine's HTTP
-    port (rare, admin-speed traffic: a blocking client on a thread is enough), and runs the
-    front-end's lifespan (connect to the engine at start-up)."""
+class ServingRelay:
+    """The ASGI app for every route but predict: relays the request to the serving process's
+    HTTP port (rare, admin-speed traffic: a blocking client on a thread is enough), and runs the
+    front-end's lifespan (connect to the serving process at start-up)."""
 
-    def __init__(self, engine: EngineClient, engine_port: int, max_body_bytes: int) -> None:
-        self.engine, self.engine_port, self.max_body_bytes = engine, engine_port, max_body_bytes
+    def __init__(self, client: ServingProcessClient, serving_port: int, max_body_bytes: int) -> None:
+        self.client, self.serving_port, self.max_body_bytes = client, serving_port, max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -189,7 +189,7 @@ class EngineRelay:
             # Headers and the target as the client sent them: latin-1 maps bytes to str one to
             # one (http.client encodes them back the same way); any byte is relayed, none crashes.
             target = (scope["raw_path"] + (b"?" + scope["query_string"] if scope.get("query_string") else b"")).decode("latin-1")
-            # a list, not a dict: a repeated header reaches the engine as sent (two Authorization
+            # a list, not a dict: a repeated header reaches the serving process as sent (two Authorization
             # headers are refused there, whichever path the request took)
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in HOP_HEADERS]
             status, reply_headers, answer = await asyncio.get_running_loop().run_in_executor(
@@ -197,15 +197,15 @@ class EngineRelay:
         except ApiError as exc:
             status, reply_headers, answer = exc.status, exc.headers(), exc.body()
         except (OSError, http.client.HTTPException) as exc:
-            error = ApiError(503, f"the serving engine is not reachable: {exc}")
+            error = ApiError(503, f"the serving process is not reachable: {exc}")
             status, reply_headers, answer = error.status, error.headers(), error.body()
         except ValueError as exc:  # http.client refuses to send it (a control character, a non-ASCII path)
-            error = ApiError(400, f"request cannot be relayed to the engine: {exc}")
+            error = ApiError(400, f"request cannot be relayed to the serving process: {exc}")
             status, reply_headers, answer = error.status, error.headers(), error.body()
         await send_answer(send, status, answer, reply_headers)
 
     def _forward(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, list, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.engine_port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", self.serving_port, timeout=120)
         try:
             sent_encoding = any(name.lower() == "accept-encoding" for name, _ in headers)
             conn.putrequest(method, target, skip_accept_encoding=sent_encoding)
@@ -227,11 +227,11 @@ class EngineRelay:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await self.engine.connect()
+                    await self.client.connect()
                 except Exception as exc:  # noqa: BLE001 -- reported to uvicorn, which exits
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
-                freeze_heap()  # imports done, engine connected: later collections skip all of that
+                freeze_heap()  # imports done, serving process connected: later collections skip all of that
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
@@ -240,11 +240,11 @@ class EngineRelay:
 
 @dataclass
 class FrontendPlan:
-    """What the engine tells its front-ends."""
+    """What the serving process tells its front-ends."""
 
     count: int
     socket_path: str
-    engine_port: int
+    serving_port: int
     host: str
     port: int
     max_body_bytes: int
@@ -256,7 +256,7 @@ class FrontendPlan:
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "streamrec.serving.http.frontend",
-                "--socket", self.socket_path, "--engine-port", str(self.engine_port),
+                "--socket", self.socket_path, "--serving-port", str(self.serving_port),
                 "--host", self.host, "--port", str(self.port), "--max-body-bytes", str(self.max_body_bytes),
                 "--max-instances", str(self.max_instances), "--switch-interval-us", str(self.switch_interval_us),
                 "--caller-header", self.caller_header, "--priority-header", self.priority_header, *self.limits.args()]
@@ -306,7 +306,7 @@ class FrontendPool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--engine-port", type=int, required=True)
+    parser.add_argument("--serving-port", type=int, required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-body-bytes", type=int, required=True)
@@ -322,8 +322,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s frontend %(process)d %(levelname)s %(message)s")
     throttle_logs()
     limits = HttpLimits(args.keep_alive_s, args.read_timeout_s, args.max_connections)
-    engine = EngineClient(args.socket, args.max_instances)
-    app = PredictShortcut(EngineRelay(engine, args.engine_port, args.max_body_bytes), engine.predict_body, args.max_body_bytes,
+    client = ServingProcessClient(args.socket, args.max_instances)
+    app = PredictShortcut(ServingRelay(client, args.serving_port, args.max_body_bytes), client.predict_body, args.max_body_bytes,
                           args.caller_header, args.priority_header)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

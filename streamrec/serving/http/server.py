@@ -90,7 +90,7 @@ def serve(cfg: Config) -> None:
                 for model in served]
     private = Path(tempfile.mkdtemp(prefix="streamrec-serve-")) if s.frontends else None  # 0700: only we reach the socket
     limits = HttpLimits.from_serving(s)
-    plan = FrontendPlan(s.frontends, str(private / "engine.sock"), free_port(), s.host, s.port, s.max_body_bytes,
+    plan = FrontendPlan(s.frontends, str(private / "serving.sock"), free_port(), s.host, s.port, s.max_body_bytes,
                         s.max_instances, limits, s.switch_interval_us, s.caller_header, s.priority_header) if private else None
     features = None
     if s.feature_store:
@@ -103,12 +103,12 @@ def serve(cfg: Config) -> None:
     node = ServingNode(model_runtimes, s, metrics, features, GcPauses().install(), **model_access(cfg, metrics))
     app = PredictShortcut(create_app(node, plan), node.predict, s.max_body_bytes, s.caller_header, s.priority_header)
     if plan is not None:
-        log.info("%d HTTP front-ends on %s:%d; engine API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.engine_port)
+        log.info("%d HTTP front-ends on %s:%d; serving process API on 127.0.0.1:%d", plan.count, s.host, s.port, plan.serving_port)
     try:
         # lifespan "on": FastAPI's lifespan starts the batchers (uvicorn's "auto" would too, but
         # only after probing the wrapper); no proxy headers: nothing here reads the client address.
         # With front-ends they own the public port and this process listens on the loopback only.
-        host, port = ("127.0.0.1", plan.engine_port) if plan else (s.host, s.port)
+        host, port = ("127.0.0.1", plan.serving_port) if plan else (s.host, s.port)
         _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
                                lifespan="on", proxy_headers=False, **limits.uvicorn_options()),
                 listening_line(list(stores), s.host, s.port, s.frontends)).run()

@@ -1,13 +1,13 @@
-"""The link between HTTP front-end processes (serving/http/frontend.py) and the engine (the
-`streamrec serve` process that owns the model, the batcher and the GPU).
+"""The link between HTTP front-end processes (serving/http/frontend.py) and the serving process
+(the `streamrec serve` process that owns the models, the batchers and the GPU).
 
 One Unix-socket connection per front-end, multiplexed: frames of a 4-byte big-endian length
 and one typed message (serving/runtime/messages.py, MessagePack). A request's feature columns travel
-as one int64 buffer (:func:`pack_columns`): the engine rebuilds columns from one buffer
+as one int64 buffer (:func:`pack_columns`): the serving process rebuilds columns from one buffer
 faster than it decodes a dozen arrays, and that rebuild is a large part of its per-request
 cost (bench/RESULTS.md, serving_decode).
 
-Only the engine's own front-ends connect (the socket lives in a private 0700 directory).
+Only the serving process's own front-ends connect (the socket lives in a private 0700 directory).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import INT_COLUMNS
 from streamrec.serving.by_ids import ByIdsQuery
 from streamrec.serving.errors import ApiError, SpecChanged
-from streamrec.serving.runtime.messages import (Answers, Failed, Hello, PredictByIds, PredictColumns, Requests, Scored, ToEngine,
-                                                ToFrontend, Welcome)
+from streamrec.serving.runtime.messages import (Answers, Failed, Hello, PredictByIds, PredictColumns, Requests, Scored,
+                                                ToFrontend, ToServingProcess, Welcome)
 
 log = logging.getLogger("streamrec.serving")
 _LENGTH = struct.Struct(">I")
@@ -33,7 +33,7 @@ MAX_FRAME = 1 << 30
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
+TO_SERVING_PROCESS = msgspec.msgpack.Decoder(ToServingProcess)
 TO_FRONTEND = msgspec.msgpack.Decoder(ToFrontend)
 
 
@@ -76,7 +76,7 @@ def unpack_columns(n: int, m: int, k: int, data: bytes) -> FeatureColumns:
 
 class Outbox:
     """One side of a link's messages not sent yet, written as one ``group`` frame
-    (:class:`Requests` from a front-end, :class:`Answers` from the engine) at the end of the
+    (:class:`Requests` from a front-end, :class:`Answers` from the serving process) at the end of the
     event loop's turn: a front-end's requests decoded in one turn, a finished batch's answers
     to one front-end. Used on the event loop's thread only."""
 
@@ -105,7 +105,7 @@ class Outbox:
 
 
 def payload_of(message: PredictColumns | PredictByIds) -> FeatureColumns | ByIdsQuery:
-    """The engine's form of a front-end's request."""
+    """The serving process's form of a front-end's request."""
     if isinstance(message, PredictByIds):
         candidates = np.frombuffer(message.candidates, np.int64).reshape(-1, 4)
         return ByIdsQuery(message.user_id, message.ts, message.device, message.local_hour, candidates, message.return_features)
@@ -115,8 +115,8 @@ def payload_of(message: PredictColumns | PredictByIds) -> FeatureColumns | ByIds
 Take = Callable[[PredictColumns | PredictByIds, Outbox], None]
 
 
-class EngineLink:
-    """Engine side of the front-ends' links: hands each request message to ``take(message,
+class FrontendLink:
+    """The serving process's side of the front-ends' links: hands each request message to ``take(message,
     outbox)`` (serving/node.py), which queues it for a batch and later puts its
     :class:`Scored` or :class:`Failed` into the outbox (or answers a refusal at once)."""
 
@@ -149,7 +149,7 @@ class EngineLink:
         outbox = Outbox(writer, Answers)
         try:
             while True:
-                message = await read_frame(reader, TO_ENGINE)
+                message = await read_frame(reader, TO_SERVING_PROCESS)
                 if isinstance(message, Hello):
                     writer.write(frame(self.hello()))
                     continue
@@ -157,7 +157,7 @@ class EngineLink:
                     self._take(request, outbox)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front-end went away; its in-flight answers are dropped with it
-        except Exception:  # noqa: BLE001 -- a broken front-end must not take the engine down
+        except Exception:  # noqa: BLE001 -- a broken front-end must not take the serving process down
             log.exception("front-end link failed")
         finally:
             self._writers.discard(writer)

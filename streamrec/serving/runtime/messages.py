@@ -1,19 +1,20 @@
-"""The typed messages between HTTP front-end processes and the engine (serving/runtime/ipc.py
-carries them): msgspec structs, tagged, encoded as MessagePack. A front-end decodes and
-checks every predict body itself, so the engine gets ready-made requests: feature columns
-(``PredictColumns``) or ids to assemble in its next batch (``PredictByIds``). Arrays travel
-as raw int64/float32 bytes.
+"""The typed messages between HTTP front-end processes and the serving process
+(serving/runtime/ipc.py carries them): msgspec structs, tagged, encoded as MessagePack. A
+front-end decodes and checks every predict body itself, so the serving process gets
+ready-made requests: feature columns (``PredictColumns``) or ids to assemble in its next
+batch (``PredictByIds``). Arrays travel as raw int64/float32 bytes.
 
-front-end -> engine: :class:`Hello`, :class:`Requests` (of :class:`PredictColumns`,
-:class:`PredictByIds`); engine -> front-end: :class:`Welcome`, :class:`Answers` (of
+front-end -> serving process: :class:`Hello`, :class:`Requests` (of :class:`PredictColumns`,
+:class:`PredictByIds`); serving process -> front-end: :class:`Welcome`, :class:`Answers` (of
 :class:`Scored`, :class:`Failed`). Answers come in completion order, matched by ``id``. The
-engine also sends a :class:`Welcome` unasked when what a front-end decodes by changes (an
-experiment changed at run time).
+serving process also sends a :class:`Welcome` unasked when what a front-end decodes by
+changes (an experiment changed at run time).
 
 Requests and answers travel in groups: a side sends, once per turn of its event loop, every
-message that turn produced (the engine: every answer of a finished batch) in one frame. The
-engine's per-request work is then a few list operations, not a frame, a task and a write
-each: its event loop shares one GIL with the batch worker, so that work delays every batch.
+message that turn produced (the serving process: every answer of a finished batch) in one
+frame. The serving process's per-request work is then a few list operations, not a frame, a
+task and a write each: its event loop shares one GIL with the batch worker, so that work
+delays every batch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ class Welcome(msgspec.Struct, tag="welcome"):
     protocol: int
     models: dict[str, dict | None]  # name -> its served version's FeatureSpec.to_json() (None: no version loaded yet)
     max_future_skew_ms: int  # how far ahead of the clock a by-ids 'ts' may be
-    by_ids: bool  # the engine has online features (serving.feature_store)
+    by_ids: bool  # the serving process has online features (serving.feature_store)
     experiments: list[dict] = []  # serving/access/experiments.py entries as JSON: front-ends assign variants themselves
 
 
 class Call(msgspec.Struct, frozen=True):
     """Who sent a request and where it goes besides its model: the caller's headers (quotas
-    and priority are the engine's, which sees every front-end's traffic), the request id of the
+    and priority are the serving process's, which sees every front-end's traffic), the request id of the
     prediction log, and the experiment variant a front-end assigned."""
 
     request_id: str | None = None  # the client's x-request-id, if any
@@ -118,5 +119,5 @@ class Answers(msgspec.Struct, tag="answers"):
     items: list[Scored | Failed]
 
 
-ToEngine = Hello | Requests
+ToServingProcess = Hello | Requests
 ToFrontend = Welcome | Answers

@@ -11,11 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from streamrec.serving.node import ServingNode
 from streamrec.serving.errors import ApiError
-from streamrec.serving.runtime.ipc import EngineLink
+from streamrec.serving.runtime.ipc import FrontendLink
 from streamrec.serving.http.routes.errors import error_response
 
 
-def add_health_routes(app: FastAPI, node: ServingNode, link: EngineLink | None = None, frontends: int = 0) -> None:
+def add_health_routes(app: FastAPI, node: ServingNode, link: FrontendLink | None = None, frontends: int = 0) -> None:
     """Liveness, readiness and metrics; with a front-end ``link``, readiness also waits for
     ``frontends`` front-end processes to connect."""
 
