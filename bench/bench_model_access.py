@@ -2,7 +2,7 @@
 
 One `streamrec serve` node (no broker: ``serving.feature_store``, ``follow_updates`` and
 ``prediction_log`` off) serves two models, ``ctr`` and ``cvr`` (a copy of ``ctr``: same
-weights, its own engine, batches and versions), and three experiments:
+weights, its own model runtime, batches and versions), and three experiments:
 - ``ab``: 50/50 between ``ctr`` and ``cvr``;
 - ``solo``: every user on ``ctr`` (the experiment route's own cost, batches as direct);
 - ``shadowed``: ``solo`` plus ``shadow_model = "cvr"``, ``shadow_share = 1.0``.
@@ -295,7 +295,7 @@ def measure(port: int, bodies: list[bytes], args, result: dict) -> None:
     assert set(variants) == {"a", "b"}, f"the request users hit only {variants}"
     result["ab_variants_of_first_40_requests"] = variants
     sweep_routes = ["direct", "ab", "solo"]
-    for route in ROUTES:  # the same warm-up on every route (and both engines)
+    for route in ROUTES:  # the same warm-up on every route (and both model runtimes)
         window(port, route, lambda: load(port, bodies, 4, max(1.0, args.seconds / 2), args.client_processes))
 
     # 1. Closed-loop levels, routes alternated within a level, their order rotated per repetition.

@@ -1,5 +1,5 @@
 """Windowed counts of a serving batch's expired candidates: ``counts_until_many`` (the
-engine's recompute, serving/features/segment_counts.py) against a plain-numpy baseline (one
+serving process's recompute, serving/features/segment_counts.py) against a plain-numpy baseline (one
 ``np.searchsorted`` per entity and list, the way a per-entity loop does it).
 
 The arena is shaped like the by-ids bench's items (bench_serving_by_ids.py): Zipf-hot

@@ -375,7 +375,7 @@ def main() -> None:
                       f"errors {row['errors']}  | server: {srv['requests_per_batch']:.1f} req/batch, queued "
                       f"{srv['queued_ms_per_request']:.2f} ms/req (p99 {srv['recent']['queued_ms_p99']}), run {srv['run_ms_per_batch']:.2f} "
                       f"ms/batch (p99 {srv['recent']['run_ms_p99']})"
-                      + (f", engine gc collections {srv['gc']['collections']} longest {srv['gc']['longest_pause_ms']:.1f} ms" if srv.get("gc") else ""),
+                      + (f", serving process gc collections {srv['gc']['collections']} longest {srv['gc']['longest_pause_ms']:.1f} ms" if srv.get("gc") else ""),
                       flush=True)
     if args.no_baseline:
         write_result(args.out, f"serving-{args.device.split(':')[0]}", result)

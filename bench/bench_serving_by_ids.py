@@ -9,9 +9,9 @@ Zipf-drawn user and ``--candidates`` Zipf-drawn items each.
 
 Three servers of the same model, one after the other, same clients:
 - **ours**: by ids through ``--frontends`` HTTP front-end processes (they decode and check
-  the body; the engine assembles every request's features for the whole batch at once);
-- **per-request** (baseline): by ids, one request per batch, no front-ends: the engine
-  decodes, assembles and scores each request on its own, one at a time;
+  the body; the serving process assembles every request's features for the whole batch at once);
+- **per-request** (baseline): by ids, one request per batch, no front-ends: the serving
+  process decodes, assembles and scores each request on its own, one at a time;
 - **instances** (reference): the same requests with every feature supplied (as the node
   assembled them, ``return_features``), through the same front-ends and batching as ours.
 
@@ -223,7 +223,7 @@ def main() -> None:
                     print(f"{name:12s} c={c:4d}: {row['qps']:8.0f} req/s {row['candidates_per_s']:10.0f} candidates/s "
                           f"p50 {row['p50_ms']:6.2f} ms p99 {row['p99_ms']:6.2f} ms errors {row['errors']}  "
                           f"(this level: {level['requests_per_batch']} req/batch, run {level['run_ms_per_batch']} ms/batch, "
-                          f"queued {level['queued_ms_per_request']} ms/request, engine busy {level['busy']:.0%})", flush=True)
+                          f"queued {level['queued_ms_per_request']} ms/request, model runtime busy {level['busy']:.0%})", flush=True)
                 result[name] = {"ready_after_s": round(started, 1), "workers": workers, "levels": rows}
             finally:
                 proc.terminate()

@@ -1,4 +1,4 @@
-"""Where a by-ids batch's time goes in the engine (a diagnostic for bench_serving_by_ids.py):
+"""Where a by-ids batch's time goes in the model runtime (a diagnostic for bench_serving_by_ids.py):
 decode, feature assembly, tensors, the model run, for batches of 1 to 20 requests, in process.
 
 Usage: python bench/profile_by_ids.py --model-store S [--users 1000000] [--items 100000] [--candidates 200] [--device cuda]

@@ -2,7 +2,7 @@
 
 Packages, from the bottom layer up (docs/architecture.md; import-linter enforces the order):
 ``contracts`` (event, sample, feature-state and model-version formats), ``plumbing``
-(configuration, Kafka), ``embedding`` (the tiered embedding engine) beside ``modelstore``
+(configuration, Kafka), ``embedding`` (the tiered embedding store) beside ``modelstore``
 (published versions), ``model`` (the CTR model trainer and serving share), then the four
 runtime parts ``pipelines`` (the Flink job), ``generator`` (synthetic traffic), ``trainer``
 and ``serving``, and on top ``demo`` and ``cli`` (the one ``streamrec`` command).

@@ -235,7 +235,7 @@ def test_a_snapshot_start_equals_a_full_topic_replay(broker, bounded_run, tmp_pa
 
 def test_predict_by_ids_over_http_against_the_live_job(broker, published_model, tmp_path):
     """A live (unbounded) job feeds a `streamrec serve` node (two HTTP front-ends: they decode
-    by-ids bodies, the engine assembles per batch); by-ids requests get the features
+    by-ids bodies, the serving process assembles per batch); by-ids requests get the features
     of the job's samples and the same scores as the instances form; a late event is not
     counted (as in the samples); bad requests get 4xx answers."""
     root, versions = published_model

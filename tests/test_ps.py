@@ -1,4 +1,4 @@
-"""The embedding engine against a plain dict-of-rows reference, across tiers, and the
+"""The embedding store against a plain dict-of-rows reference, across tiers, and the
 model store's publish/load/crash/corruption behaviour. Runs the GPU-cache tier too when
 CUDA is present (the same tests, on the `cuda` parameter)."""
 

@@ -1,9 +1,10 @@
 """SIGTERM drains `streamrec serve`: every predict request in flight when the signal comes is
-answered 200, then the process exits 0. Whether the engine answers HTTP itself or front-end
-processes do (they stop accepting and finish their requests, which the engine still scores).
+answered 200, then the process exits 0. Whether the serving process answers HTTP itself or
+front-end processes do (they stop accepting and finish their requests, which the serving
+process still scores).
 
 The requests are held in flight by the batching window: serving.max_delay_us is long, so
-they wait in the engine's queue (GET /v1/models/<model> counts them) when the signal comes.
+they wait in the model runtime's queue (GET /v1/models/<model> counts them) when the signal comes.
 """
 
 import http.client
@@ -62,10 +63,10 @@ def predict(port: int, body: bytes) -> tuple[int | None, dict | str]:
         conn.close()
 
 
-@pytest.mark.parametrize("frontends, signalled", [(0, "engine"), (2, "engine"), (2, "process group")])
+@pytest.mark.parametrize("frontends, signalled", [(0, "serving process"), (2, "serving process"), (2, "process group")])
 def test_sigterm_answers_every_request_in_flight_then_exits_0(published_model, sample_run, frontends, signalled):
     """``process group``: the front-ends get the signal too, as from systemd (KillMode=control-group)
-    or a terminal; each drains on its own while the engine still scores."""
+    or a terminal; each drains on its own while the serving process still scores."""
     rows = pq.read_table(sample_run / "samples.parquet").slice(0, REQUESTS * ROWS).drop(["label", "click_ts"]).to_pylist()
     proc, port = start(published_model[0], frontends, new_session=signalled == "process group")
     answers: list = []
@@ -79,7 +80,7 @@ def test_sigterm_answers_every_request_in_flight_then_exits_0(published_model, s
             assert time.monotonic() < deadline and not answers, answers  # all of them waiting in the batching window
             time.sleep(0.05)
         assert not answers  # none answered yet: every one is in flight when the signal comes
-        if signalled == "engine":
+        if signalled == "serving process":
             proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -5,8 +5,8 @@ answers HTTP itself; node B serves both through a front-end process.
 - a corrupt or deeply nested record under `_experiments/` is reported by every node
   (`ignored`, one log line, no traceback) while both serve the experiment a PUT just added;
 - a caller cannot step around its quota and low priority by sending no key or an unknown one;
-- a path with a trailing slash is a 404 on the engine and through a front-end, never a
-  redirect to the engine's private port, and a relayed answer has one `date` and `server`;
+- a path with a trailing slash is a 404 on the serving process and through a front-end, never
+  a redirect to the serving process's private port, and a relayed answer has one `date` and `server`;
 - the `Authorization` scheme is case-insensitive;
 - `serve --model ctr` serves ctr alone, and a model the configuration lacks fails at once.
 """

@@ -1,5 +1,5 @@
 """Hostile and excessive traffic against `streamrec serve` over real HTTP, answered by the
-engine itself and through a front-end process: input that used to get a 500 (JSON nested too
+serving process itself and through a front-end process: input that used to get a 500 (JSON nested too
 deeply, invalid UTF-8 in a JSON string, a non-UTF-8 header byte) gets a 4xx or is served;
 what the HTTP parser refuses gets the same JSON 400 as any bad request; an instance's strings
 and ranges are bounded; stalled connections are closed after serving.read_timeout_s and idle
@@ -70,12 +70,12 @@ def limited_env(broker: str) -> dict:
             "STREAMREC_SERVING__FEATURE_STORE_READY_TIMEOUT_S": "1"}
 
 
-@pytest.fixture(scope="module", params=["engine", "frontends"])
+@pytest.fixture(scope="module", params=["serving_process", "frontends"])
 def server(request, published_model, broker, tmp_path_factory):
-    """The engine answering HTTP itself (with fewer file descriptors than the flood test's
+    """The serving process answering HTTP itself (with fewer file descriptors than the flood test's
     connections), or one front-end process answering for it."""
     tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "engine":
+    if request.param == "serving_process":
         s = Server(published_model, tmp, limited_env(broker), nofile=NOFILE)
     else:
         s = Server(published_model, tmp, limited_env(broker), ("--frontends", "1"))
@@ -208,8 +208,8 @@ def test_requests_the_http_parser_refuses_get_the_json_400(server):
 
 def test_instance_strings_and_ranges_past_their_bounds_get_a_400_naming_the_field(server, instances):
     """An instance's strings are bounded as predict by ids bounds its device (an 8 MB device
-    fits in serving.max_body_bytes), its hour and position are ranges; checked by the engine
-    and by a front-end, which decodes instances itself."""
+    fits in serving.max_body_bytes), its hour and position are ranges; checked by the serving
+    process and by a front-end, which decodes instances itself."""
     cases = [
         ({"device": "d" * 8_000_000}, "invalid_value:device"),
         ({"event_id": "e" * 100_000}, "invalid_value:event_id"),
@@ -226,7 +226,7 @@ def test_instance_strings_and_ranges_past_their_bounds_get_a_400_naming_the_fiel
 
 
 def test_a_clients_own_deadline_is_kept_and_a_bad_one_is_refused(server, instances):
-    """``x-request-timeout-ms`` reaches the engine's queue (through a front-end too): one of
+    """``x-request-timeout-ms`` reaches the model runtime's queue (through a front-end too): one of
     1 us has passed before any batch closes, so the request is dropped unrun."""
     payload = orjson.dumps({"instances": instances[:2]})
     status, headers, answer = request(server.port, "POST", PREDICT, payload, {"x-request-timeout-ms": "0.001"})
@@ -311,7 +311,7 @@ def test_past_max_connections_a_request_gets_503_and_health_checks_answer(server
 
 
 def test_a_flood_of_idle_connections_leaves_health_checks_answering(server):
-    """More idle connections than the engine's process may open files (ulimit -n 256): the
+    """More idle connections than the serving process may open files (ulimit -n 256): the
     idle ones are closed for new ones, so a health check is always accepted and answered."""
     flood = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(NOFILE + 300)]
     try:

@@ -1,4 +1,4 @@
-"""Sparse features through the embedding engine: a SampleBatch in, the model's input tensors out.
+"""Sparse features through the embedding store: a SampleBatch in, the model's input tensors out.
 
 Training asks the collection for the unique rows of each table (``find_or_insert``
 de-duplicates the batch's ids before any lookup, so a popular item costs one row, not one

@@ -181,7 +181,7 @@ class ModelConfig:
 
 class ByteSize(int):
     """A size in bytes; the config may write it as "4GiB", "512MiB", "1.5GB" (units.py). The
-    embedding engine turns the ``[ps]`` budgets into rows per table (embedding/budget.py)."""
+    embedding store turns the ``[ps]`` budgets into rows per table (embedding/budget.py)."""
 
 
 class AutoOrCount(str):

@@ -1,9 +1,10 @@
-"""A predict-by-ids request as the engine batches it: ids only, features assembled later,
+"""A predict-by-ids request as the model runtime batches it: ids only, features assembled later,
 for the whole batch at once (``OnlineFeatures.assemble_batch``).
 
 Built from a decoded body (serving/runtime/request.py ``ByIdsRequest``) by whichever process
-decoded it (the engine, or a front-end, which sends it over serving/runtime/messages.py); its length
-is its candidate count, which is what the batcher counts.
+decoded it (the serving process, or a front-end, which sends it over
+serving/runtime/messages.py); its length is its candidate count, which is what the batcher
+counts.
 """
 
 from __future__ import annotations

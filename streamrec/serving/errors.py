@@ -1,5 +1,5 @@
 """The one exception an HTTP route raises to answer with a JSON error, and the errors that
-both the engine (serving/http/app.py) and a front-end process (serving/http/frontend.py) raise."""
+both the serving process (serving/http/app.py) and a front-end process (serving/http/frontend.py) raise."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class ApiError(Exception):
 
 
 class SpecChanged(ApiError):
-    """A 503 after which a front-end must ask the engine again for the served feature spec
+    """A 503 after which a front-end must ask the serving process again for the served feature spec
     (none loaded yet, or it changed while the request waited)."""
 
     def __init__(self, message: str) -> None:
@@ -52,7 +52,7 @@ def not_loaded() -> ApiError:
 
 def one_authorization(raw_headers: list[tuple[bytes, bytes]]) -> None:
     """Refuse a request with several ``Authorization`` headers: which one counts would depend
-    on the path it takes (the engine reads the first, a relay would keep one), so neither does."""
+    on the path it takes (the serving process reads the first, a relay would keep one), so neither does."""
     if sum(1 for name, _ in raw_headers if name.lower() == b"authorization") > 1:
         raise ApiError(400, "more than one Authorization header: send exactly one")
 

@@ -1,5 +1,5 @@
 """Which model scores a predict request, and in which columnar form: one decision for the
-engine's own HTTP and the front-end processes, so both answer alike.
+serving process's own HTTP and the front-end processes, so both answer alike.
 
 ``POST /v1/models/{model}:predict`` goes to that model (a by-ids body may name several in
 ``"models"``: a fan-out); ``POST /v1/experiments/{name}:predict`` goes to the model of the

@@ -5,7 +5,7 @@ batch's dense features.
 
 Why: on the host, a by-ids batch gathers these counts through :class:`CounterCache` and
 recomputes the hot entities whose counts moved since (serving/features/segment_counts.py): a few dozen
-numpy calls per batch on the engine's one thread, the largest share of its time on a GPU
+numpy calls per batch on the serving process's one thread, the largest share of its time on a GPU
 host under load (bench/RESULTS.md, "Predict by ids"). On the device the whole batch's binary
 searches are one launch, with no cache to keep.
 

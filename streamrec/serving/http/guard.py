@@ -1,4 +1,4 @@
-"""What keeps a serving process answering under hostile or excessive traffic, for the engine
+"""What keeps serving answering under hostile or excessive traffic, in the serving process
 and the front-end processes alike: connection limits and read timeouts in uvicorn's HTTP
 protocol, a file-descriptor limit that fits them, and a throttle on repeated tracebacks.
 
@@ -30,7 +30,7 @@ from streamrec.plumbing.config import ServingConfig
 log = logging.getLogger("streamrec.serving")
 HEALTH_PATHS = (b"/healthz", b"/readyz")
 TRACEBACK_INTERVAL_S = 60.0
-FD_HEADROOM = 512  # descriptors beyond the connections: model files, RocksDB, sockets to the engine and Kafka
+FD_HEADROOM = 512  # descriptors beyond the connections: model files, RocksDB, sockets to the serving process and Kafka
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The fast path of the predict route, shared by the engine and the front-end processes."""
+"""The fast path of the predict route, shared by the serving process and the front-end processes."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ class PredictShortcut:
     Why: FastAPI's middleware, routing and parameter handling cost more per request than
     decoding and scoring a request's share of a batch (bench/RESULTS.md, serving), and
     predict is the one route whose throughput matters.
-    In the engine process ``predict_body`` is :meth:`ServingNode.predict`, which the FastAPI
+    In the serving process ``predict_body`` is :meth:`ServingNode.predict`, which the FastAPI
     routes call too (same answers, same errors); in a front-end process it sends the request
-    to the engine. ``caller_header``, ``priority_header``: serving.caller_header and
+    to the serving process. ``caller_header``, ``priority_header``: serving.caller_header and
     serving.priority_header (the request's :class:`Call`)."""
 
     SUFFIX = ":predict"
