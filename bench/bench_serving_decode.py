@@ -87,7 +87,7 @@ def main() -> None:
     columns, _ = decoder.columns(decoder.decode(bodies[0]))
 
     def message() -> bytes:  # what a front-end sends: one request in a Requests frame
-        return frame(Requests([PredictColumns(1, None, *pack_columns(columns))]))
+        return frame(Requests([PredictColumns(1, "ctr", None, *pack_columns(columns))]))
 
     def serving_side(data: bytes) -> FeatureColumns:
         request = TO_SERVING_PROCESS.decode(data[4:]).items[0]
