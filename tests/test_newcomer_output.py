@@ -111,7 +111,7 @@ def test_train_from_the_topic_prints_no_kafka_client_lines(broker, sample_run, t
     topic = _samples_topic(broker, sample_run, 3000)
     updates = f"nc.updates.{uuid.uuid4().hex[:6]}"
     result = run_cli("train", "--bootstrap", broker, "--model-store", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
-                     "--device", "cpu", "--no-frozen", "--batch-size", "512", "--idle-exit", "2",
+                     "--device", "cpu", "--no-frozen", "--batch-size", "512", "--idle-exit", "8",
                      env={"STREAMREC_TOPICS__SAMPLES": topic, "STREAMREC_TOPICS__MODEL_UPDATES": updates,
                           "STREAMREC_TRAINER__GROUP": f"g-{topic}"})
     assert result.returncode == 0, result.stderr
