@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.serving.runtime.state import ServedModel
 from streamrec.plumbing.config import load_config
 from streamrec.model.batch import TABLES
@@ -46,14 +48,15 @@ def build_store(root: Path, full_rows: int, delta_rows: int, dim: int) -> tuple[
     tables["user"] = SparseDelta(user_keys, torch.randn(full_rows, dim, generator=g))
     dims = {name: dim for name in TABLES}
     dense = CTRModel(spec).state_dict()
-    full = store.publish("full", tables, dims, dense, meta)
+    writer = VersionWriter(store)
+    full = writer.publish("full", tables, dims, dense, meta)
     updated = user_keys[: delta_rows // 2]
     new = torch.arange(4 * full_rows + 1, 4 * full_rows + 1 + delta_rows - len(updated))
     keys = torch.cat([updated, new])
     delta_tables = {name: SparseDelta(torch.empty(0, dtype=torch.int64), torch.empty(0, dim)) for name in TABLES}
     delta_tables["user"] = SparseDelta(keys, torch.randn(len(keys), dim, generator=g), deleted=user_keys[-10_000:])
     dense2 = {k: v + 0.01 for k, v in dense.items()}
-    delta = store.publish("delta", delta_tables, dims, dense2, meta)
+    delta = writer.publish("delta", delta_tables, dims, dense2, meta)
     return store, full, delta
 
 

@@ -90,6 +90,7 @@ from torch import nn
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import TableConfig
 from streamrec.plumbing.config import load_config
@@ -270,7 +271,8 @@ def publish_stall(rows: int, dim: int, device: torch.device, rows_per_step: int,
         pulled = table.find_or_insert(keys[lo: lo + 262144].to(device), now_ms=1)
         table.apply_gradients(pulled, torch.ones_like(pulled.rows))
     sync(device)
-    pub = Publisher(store, ModelStore(str(work / "stall"), "m"), PublishSettings(interval_s=1.0, full_every=10, rows_per_step=rows_per_step))
+    pub = Publisher(store, VersionWriter(ModelStore(str(work / "stall"), "m")),
+                    PublishSettings(interval_s=1.0, full_every=10, rows_per_step=rows_per_step))
     pauses = []
     t0 = time.perf_counter()
     pub.begin({"w": torch.zeros(10)}, {}, kind="full")  # every row: the touched-rows case at its largest

@@ -3,7 +3,7 @@
 A kill timed by ``time.sleep`` can land between two writes and then tests nothing while
 still passing. Here the test starts the real process (a ``streamrec`` command, or a script)
 with :func:`install` run first in that child; production code has no hook. ``install``
-wraps ``ModelStore._write``: once the test *arms* a point (:func:`arm` writes its name into
+wraps ``StoreFiles.write``: once the test *arms* a point (:func:`arm` writes its name into
 the arm file), the child's next file write at that point stops there, writes a marker
 (JSON: point, path, bytes) and sleeps until the test kills it (:func:`wait_paused` returns
 the marker). The marker's path lets the test check afterwards that the partial state of
@@ -11,7 +11,7 @@ the window is on disk, so a kill that missed its window fails the test. A test t
 the process to go on instead (after freezing it, say) calls :func:`release`: the write then
 completes and the process carries on from inside its window.
 
-Points, all inside ``ModelStore.publish`` / ``commit`` on a store that renames (a local path):
+Points, all inside ``VersionWriter.publish`` / ``commit`` on a store that renames (a local path):
 
 - ``sparse``:   half of a staged sparse file is written (a torn file in ``versions/.tmp-*``)
 - ``manifest``: the staged version is complete, manifest included, not yet renamed into place
@@ -46,10 +46,10 @@ def _point(path: str) -> str | None:
 
 def install() -> None:
     """In the child: pause at the armed point (the arm file is named by $STREAMREC_TEST_PAUSE_ARM)."""
-    from streamrec.modelstore.store import ModelStore
+    from streamrec.modelstore.files import StoreFiles
 
     arm_file = Path(os.environ[ARM_ENV])
-    write = ModelStore._write
+    write = StoreFiles.write
 
     def pausing_write(self, path: str, data: bytes) -> None:
         point = _point(path)
@@ -71,7 +71,7 @@ def install() -> None:
         if point == "sparse":
             write(self, path, data)
 
-    ModelStore._write = pausing_write
+    StoreFiles.write = pausing_write
 
 
 def _released(arm_file: Path) -> Path:

@@ -20,7 +20,9 @@ from streamrec.model.batch import TABLES, batch_from_table
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.hash_index import HashIndex
-from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.serving.runtime.runner import RuntimeConfig
 from streamrec.serving.runtime.state import ServedModel
 
@@ -67,10 +69,11 @@ def test_graph_buckets_score_like_the_eager_model_before_and_after_a_delta(tmp_p
     dims = {name: MODEL.embedding_dim for name in TABLES}
     tables = {name: SparseDelta(torch.arange(1, 2001), torch.randn(2000, MODEL.embedding_dim)) for name in TABLES}
     dense = CTRModel(MODEL).state_dict()
-    full = store.publish("full", tables, dims, dense, meta)
+    writer = VersionWriter(store)
+    full = writer.publish("full", tables, dims, dense, meta)
     delta_tables = {name: SparseDelta(torch.arange(1, 301), torch.randn(300, MODEL.embedding_dim), torch.arange(1901, 2001))
                     for name in TABLES}  # 300 rows updated, 100 erased
-    delta = store.publish("delta", delta_tables, dims, {k: v * 1.1 for k, v in dense.items()}, meta)
+    delta = writer.publish("delta", delta_tables, dims, {k: v * 1.1 for k, v in dense.items()}, meta)
 
     runtime = RuntimeConfig("graph", (1, 4, 16, 64), (16, 50), max_extra=2, workers=2)
     graphs = ServedModel(store, "cuda", gpu_cache_rows=4096, runtime=runtime, feature_spec=SPEC)

@@ -20,7 +20,9 @@ from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.model.batch import TABLES, dense_feature_names
 from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
-from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.serving.runtime.state import ServedModel
 from streamrec.serving.runtime.watcher import VersionWatcher
 from tests.conftest import S3_BUCKET as BUCKET
@@ -32,13 +34,13 @@ def _uri(endpoint: str, prefix: str) -> str:
 
 def _publish(ms: ModelStore, n: int, kind: str) -> int:
     keys = torch.arange(n * 10, n * 10 + 20)
-    return ms.publish(kind, {"t": SparseDelta(keys, torch.full((len(keys), 4), float(n)))}, {"t": 4},
-                      dense={"w": torch.full((3,), float(n))}, meta={"trained_through_ms": n})
+    return VersionWriter(ms).publish(kind, {"t": SparseDelta(keys, torch.full((len(keys), 4), float(n)))}, {"t": 4},
+                                     dense={"w": torch.full((3,), float(n))}, meta={"trained_through_ms": n})
 
 
 def test_publish_load_and_gc_on_s3(s3_endpoint):
     ms = ModelStore(_uri(s3_endpoint, "a"), "ctr")
-    assert not ms.renames_dirs and ms.latest() is None
+    assert not ms.files.renames_dirs and ms.latest() is None
     for n in range(1, 7):
         version = _publish(ms, n, "full" if n in (1, 4) else "delta")
         assert ms.latest() == version == n
@@ -56,9 +58,9 @@ def test_a_torn_version_on_s3_is_never_listed_or_loaded(s3_endpoint):
     ms = ModelStore(_uri(s3_endpoint, "b"), "ctr")
     _publish(ms, 1, "full")
     # a writer that died before its manifest: files in place, no manifest, LATEST unmoved
-    torn = f"{ms.versions_dir}/{2:012d}"
-    ms.fs.create_dir(f"{torn}/sparse", recursive=True)
-    with ms.fs.open_output_stream(f"{torn}/sparse/t.arrow") as out:
+    torn = ms.files.version_dir(2)
+    ms.files.fs.create_dir(f"{torn}/sparse", recursive=True)
+    with ms.files.fs.open_output_stream(f"{torn}/sparse/t.arrow") as out:
         out.write(b"half a file")
     assert ms.versions() == [1] and ms.latest() == 1 and ms.load().version == 1
     with pytest.raises(CorruptVersion, match="no manifest"):
@@ -71,7 +73,7 @@ def test_compaction_on_s3_writes_the_image_in_place_manifest_last(s3_endpoint):
     for n in range(1, 5):
         _publish(ms, n, "full" if n == 1 else "delta")
     want = ms.load(4)
-    assert ms.compact(4) == len(want.tables["t"][0]) and ms.images() == [4]
+    assert VersionWriter(ms).compact(4) == len(want.tables["t"][0]) and ms.images() == [4]
     got = ms.load(4)
     assert got.chain == [4] and got.tables["t"][0].tolist() == want.tables["t"][0].tolist()
     torch.testing.assert_close(torch.from_numpy(got.tables["t"][1]), torch.from_numpy(want.tables["t"][1]))
@@ -83,11 +85,11 @@ MODEL = ModelSpec(embedding_dim=4, history_len=FEATURES.history_len, n_dense=len
                   attention_hidden=4, cross_layers=1, mlp=(8,))
 
 
-def _publish_model(ms: ModelStore, kind: str) -> int:
+def _publish_model(writer: VersionWriter, kind: str) -> int:
     """A version serving can load (a small random model with its specs), as the trainer writes one."""
     tables = {name: SparseDelta(torch.arange(1, 21), torch.randn(20, MODEL.embedding_dim)) for name in TABLES}
-    return ms.publish(kind, tables, {name: MODEL.embedding_dim for name in TABLES}, CTRModel(MODEL).state_dict(),
-                      {"model_spec": MODEL.to_json(), "feature_spec": FEATURES.to_json()})
+    return writer.publish(kind, tables, {name: MODEL.embedding_dim for name in TABLES}, CTRModel(MODEL).state_dict(),
+                          {"model_spec": MODEL.to_json(), "feature_spec": FEATURES.to_json()})
 
 
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
@@ -103,8 +105,9 @@ def test_watcher_pin_and_writer_lease_on_s3(s3_endpoint: str, tmp_path: Path):
     second writer is refused while the first's lease is live, and a writer whose lease was
     taken over fails its check and commits nothing more. Each client has its own connection."""
     uri = _uri(s3_endpoint, "d")
-    writer = ModelStore(uri, "ctr")
-    lease = WriterLease(writer, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    store = ModelStore(uri, "ctr")
+    lease = WriterLease(store, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    writer = VersionWriter(store, lease)
     with pytest.raises(LeaseHeld, match="being written by another trainer .*work-a"):
         WriterLease(ModelStore(uri, "ctr"), str(tmp_path / "work-b"), ttl_s=30).acquire()
     first = _publish_model(writer, "full")

@@ -17,6 +17,7 @@ import torch
 import pause_points
 from streamrec.embedding.hash_index import HashIndex, ReservedKeyError
 from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.embedding.optimizers import make_optimizer
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.table import EmbeddingTable, TableConfig
@@ -133,7 +134,7 @@ def test_expiry_removes_unseen_rows_in_every_tier_and_reports_them(tmp_path):
 
 def _publish(collection: EmbeddingCollection, ms: ModelStore, kind: str, dense: dict | None = None, meta: dict | None = None) -> int:
     """A version of the collection as trainer/publisher.py writes one (snapshot, then write)."""
-    return collection.write(ms, kind, collection.snapshot(kind), dense or {}, meta)
+    return collection.write(VersionWriter(ms), kind, collection.snapshot(kind), dense or {}, meta)
 
 
 def _take_delta(table: EmbeddingTable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +193,7 @@ def test_background_publish_writes_the_snapshot_not_later_updates(tmp_path):
     _train(collection, range(5, 8))
     expected = _rows(collection["t"])
     snapshot = collection.snapshot("delta")  # what the publisher does: snapshot between steps, write on the writer thread
-    future = collection.writer.submit(collection.write, ms, "delta", snapshot, {}, None)
+    future = collection.writer.submit(collection.write, VersionWriter(ms), "delta", snapshot, {}, None)
     _train(collection, range(8, 20))  # keeps training while the delta is written
     assert future.result(timeout=30) == ms_version + 1
     loaded = ms.load()
@@ -231,14 +232,16 @@ CRASH_WRITER = r"""
 import sys, torch
 import pause_points
 pause_points.install()
-from streamrec.modelstore.store import ModelStore, SparseDelta
-ms = ModelStore(sys.argv[1], "m")
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
+writer = VersionWriter(ModelStore(sys.argv[1], "m"))
 keys = torch.arange(250_000)
 n = 0
 while True:
     n += 1
-    ms.publish("full" if n == 1 else "delta", {"t": SparseDelta(keys, torch.full((len(keys), 16), float(n)))}, {"t": 16},
-               dense={"d": torch.full((4,), float(n))})
+    writer.publish("full" if n == 1 else "delta", {"t": SparseDelta(keys, torch.full((len(keys), 16), float(n)))}, {"t": 16},
+                   dense={"d": torch.full((4,), float(n))})
 """
 
 
@@ -305,7 +308,7 @@ def test_bad_configurations_are_refused(tmp_path):
     with pytest.raises(ValueError, match="invalid table name"):
         TableConfig("../x", 4).validate()
     with pytest.raises(ValueError, match="publish a full version first"):
-        ModelStore(str(tmp_path), "m").publish("delta", {}, {})
+        VersionWriter(ModelStore(str(tmp_path), "m")).publish("delta", {}, {})
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         EmbeddingCollection.restore(tmp_path)
 

@@ -22,7 +22,9 @@ import torch
 from conftest import REPO, copy_store, free_port, run_cli
 from test_store_safety import TOKEN, http
 from test_store_safety import start_node as serve_store
-from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.modelstore.writer import VersionWriter
 
 BAD_LATEST = {"non-utf8": (b"\xff\xfe", r"b'\xff\xfe'"), "superscript-two": ("²\n".encode(), "'²'")}
 
@@ -30,10 +32,11 @@ BAD_LATEST = {"non-utf8": (b"\xff\xfe", r"b'\xff\xfe'"), "superscript-two": ("²
 def small_store(root: Path, versions: int = 4) -> ModelStore:
     """A full version and ``versions - 1`` deltas of one 4-wide table and one dense tensor."""
     store = ModelStore(str(root), "ctr")
+    writer = VersionWriter(store)
     for n in range(versions):
         keys = torch.arange(n, n + 6)
-        store.publish("full" if n == 0 else "delta", {"t": SparseDelta(keys, torch.full((6, 4), float(n)))}, {"t": 4},
-                      {"w": torch.full((3,), float(n))})
+        writer.publish("full" if n == 0 else "delta", {"t": SparseDelta(keys, torch.full((6, 4), float(n)))}, {"t": 4},
+                       {"w": torch.full((3,), float(n))})
     return store
 
 
@@ -179,7 +182,7 @@ def test_a_pin_that_cannot_be_written_leaves_no_temp_file_and_the_old_pin(tmp_pa
     root = tmp_path / "models"
     store = small_store(root)
     store.pin(2, by="first")
-    store.fs = _FailingMoves(store.fs)
+    store.files.fs = _FailingMoves(store.files.fs)
     with pytest.raises(OSError, match="No space left"):
         store.pin(3, by="second")
     assert sorted(p.name for p in (root / "ctr").iterdir() if p.name.startswith(".")) == []
@@ -300,7 +303,7 @@ def test_store_verify_on_a_live_store_skips_versions_retention_deleted_mid_check
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the check never read a file"
             time.sleep(0.02)
-        store.compact(5)
+        VersionWriter(store).compact(5)
         assert store.gc(keep_fulls=1) == [1, 2, 3, 4]
         (gate / "go").touch()
         out, err = proc.communicate(timeout=120)

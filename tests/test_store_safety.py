@@ -19,7 +19,9 @@ import torch
 from conftest import REPO, copy_store
 from streamrec.model.batch import batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import CorruptVersion, ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.modelstore.lease import LeaseHeld, LeaseLost, WriterLease
 from streamrec.serving.runtime.state import ServedModel
 from streamrec.plumbing.config import load_config
@@ -34,10 +36,11 @@ def cli(*args, cwd=REPO):
 def tiny_store(root, versions=3) -> ModelStore:
     """A full version and deltas of one 4-wide table and one dense tensor."""
     store = ModelStore(str(root), "ctr")
+    writer = VersionWriter(store)
     keys = torch.arange(10)
     for n in range(versions):
-        store.publish("full" if n == 0 else "delta", {"t": SparseDelta(keys[: 10 - 3 * n], torch.full((10 - 3 * n, 4), float(n)))},
-                      {"t": 4}, {"w": torch.full((3,), float(n))})
+        writer.publish("full" if n == 0 else "delta", {"t": SparseDelta(keys[: 10 - 3 * n], torch.full((10 - 3 * n, 4), float(n)))},
+                       {"t": 4}, {"w": torch.full((3,), float(n))})
     return store
 
 
@@ -88,7 +91,8 @@ def test_a_version_with_valid_checksums_but_non_finite_values_is_refused(store_c
     table = sorted(manifest["tables"])[0]
     dim = manifest["tables"][table]["dim"]
     rows = {table: SparseDelta(torch.tensor([1, 2]), torch.tensor([[float("inf")] * dim, [0.0] * dim]))} if where == "sparse" else {}
-    bad = store.publish("delta", rows, {table: dim}, poisoned, {k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest})
+    meta = {k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest}
+    bad = VersionWriter(store).publish("delta", rows, {table: dim}, poisoned, meta)
     with pytest.raises(CorruptVersion, match="non-finite"):
         store.read_version(bad)
     served = ServedModel(store)
@@ -106,17 +110,21 @@ def test_one_writer_per_store_and_a_fenced_writer_cannot_move_latest(tmp_path):
     root = tmp_path / "models"
     first_store = tiny_store(root, 1)
     first = WriterLease(first_store, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    first_writer = VersionWriter(first_store, first)
     with pytest.raises(LeaseHeld, match="being written by another trainer .*work-a"):
         WriterLease(ModelStore(str(root), "ctr"), str(tmp_path / "work-b"), ttl_s=30).acquire()
     # the same work dir (a restart after a crash: its lock file proves the old process is gone) takes over at once
     second_store = ModelStore(str(root), "ctr")
     second = WriterLease(second_store, str(tmp_path / "work-a"), ttl_s=30).acquire()
+    second_writer = VersionWriter(second_store, second)
     assert second.record.token == first.record.token + 1
     with pytest.raises(LeaseLost, match="taken over"):
-        first_store.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4})
+        first_writer.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4})
     assert first_store.latest() == 1  # the fenced writer moved nothing
-    assert second_store.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4}) == 2
+    assert second_writer.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4}) == 2
     second.release()  # released: another writer need not wait for expiry
+    with pytest.raises(LeaseLost, match="holds no lease"):  # nor does this one commit any more
+        second_writer.publish("delta", {"t": SparseDelta(torch.tensor([1]), torch.ones(1, 4))}, {"t": 4})
     third = WriterLease(ModelStore(str(root), "ctr"), str(tmp_path / "work-c"), ttl_s=0.3).acquire()
     third._stop.set()  # stop renewing: the lease expires as a hung or dead writer's would
     time.sleep(0.5)
@@ -163,7 +171,7 @@ def test_a_trainer_whose_publishes_keep_failing_stops_with_an_error(sample_run, 
     trainer = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=60000, progress=False))
     blocker = tmp_path / "blocker"
     blocker.write_text("x")
-    trainer.session.model_store.versions_dir = str(blocker / "versions")  # the store's disk fails under the running trainer
+    trainer.session.model_store.files.versions_dir = str(blocker / "versions")  # the store's disk fails under the running trainer
     # the counter ends the run (max_publish_failures = 2), not the shutdown's last publish, which
     # also fails: a counter that never reaches its limit would end the run the other way
     with pytest.raises(TrainingError, match="2 publishes in a row failed.*a trainer that cannot publish"):
@@ -183,8 +191,9 @@ def test_a_resumed_trainer_makes_the_store_equal_its_state_with_its_first_publis
     table = sorted(manifest["tables"])[0]
     dim = manifest["tables"][table]["dim"]
     keys = torch.from_numpy(sparse[table]["key"].to_numpy()[:50].copy())
-    rogue = store.publish("delta", {table: SparseDelta(keys, torch.full((len(keys), dim), 7.0))}, {table: dim},
-                          meta={k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest})  # the crashed run's
+    meta = {k: manifest[k] for k in ("feature_spec", "model_spec") if k in manifest}
+    rogue = VersionWriter(store).publish("delta", {table: SparseDelta(keys, torch.full((len(keys), dim), 7.0))}, {table: dim},
+                                         meta=meta)  # the crashed run's
     caplog.set_level(logging.INFO)
     summary = Trainer(cfg, TrainOptions(files=[str(sample_run)], max_samples=4000, progress=False)).run()
     first = summary["published"][0]
@@ -214,7 +223,7 @@ def test_gc_keeps_the_pinned_version_and_the_chain_it_needs(tmp_path):
     store.pin(2, "test", "keep me")
     keys = torch.arange(4)
     for _ in range(2):
-        store.publish("full", {"t": SparseDelta(keys, torch.ones(4, 4))}, {"t": 4})
+        VersionWriter(store).publish("full", {"t": SparseDelta(keys, torch.ones(4, 4))}, {"t": 4})
     store.gc(keep_fulls=1)
     assert store.versions() == [1, 2, 5]  # 3 and 4 go; 1 and 2 stay for the pin
     store.unpin()
@@ -332,6 +341,7 @@ def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the
     """compacted/<v> holds v's whole state; loading v or a later version starts there; gc
     counts images as starting points. The expected rows are kept here, independently."""
     ms = ModelStore(str(tmp_path), "ctr")
+    writer = VersionWriter(ms)
     g = torch.Generator().manual_seed(0)
     expected: dict[int, torch.Tensor] = {}
 
@@ -343,8 +353,8 @@ def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the
         for k in (gone.tolist() if gone is not None else []):
             del expected[k]
         expected.update({int(k): v for k, v in zip(keys, values)})
-        return ms.publish("full" if n == 1 else "delta", {"t": delta}, {"t": 4}, dense={"w": torch.full((2,), float(n))},
-                          meta={"trained_through_ms": n})
+        return writer.publish("full" if n == 1 else "delta", {"t": delta}, {"t": 4}, dense={"w": torch.full((2,), float(n))},
+                              meta={"trained_through_ms": n})
 
     def assert_loads_expected(version: int, chain: list[int]) -> None:
         loaded = ms.load(version)
@@ -355,13 +365,13 @@ def test_compaction_merges_a_chain_into_an_image_that_loads_equal_and_bounds_the
 
     for n in range(1, 7):
         publish(n)
-    assert ms.compact(6) == len(expected) and ms.images() == [6]
+    assert writer.compact(6) == len(expected) and ms.images() == [6]
     assert ms.manifest(6, image=True)["compacted_chain"] == [1, 2, 3, 4, 5, 6]
     assert_loads_expected(6, [6])
     for n in range(7, 13):
         publish(n)
     assert_loads_expected(12, [6, 7, 8, 9, 10, 11, 12])  # from the image, then the deltas after it
-    ms.compact(12)  # incremental: image 6 plus six deltas
+    writer.compact(12)  # incremental: image 6 plus six deltas
     assert ms.manifest(12, image=True)["compacted_chain"] == [6, 7, 8, 9, 10, 11, 12]
     assert_loads_expected(12, [12])
     assert ms.gc(keep_fulls=1) == list(range(1, 12)) and ms.versions() == [12] and ms.images() == [12]

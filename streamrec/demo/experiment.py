@@ -22,6 +22,7 @@ import torch
 from streamrec.contracts.delta import SparseDelta
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.plumbing.config import CONFIG_ENV, LOCAL_CONFIG, Config, ConfigError
 from streamrec.analysis.grading import Labels, Track, grade
 from streamrec.analysis.grading_input import read_for_grading
@@ -96,7 +97,7 @@ def publish_copy(source: ModelStore, version: int, target: ModelStore) -> int:
     tables = {name: SparseDelta(torch.from_numpy(keys), torch.from_numpy(values)) for name, (keys, values) in loaded.tables.items()}
     meta = {k: v for k, v in loaded.manifest.items() if k not in _STRUCTURE}
     meta["copy_of"] = {"model": source.model, "version": version}
-    return target.publish("full", tables, dims, loaded.dense, meta)
+    return VersionWriter(target).publish("full", tables, dims, loaded.dense, meta)
 
 
 def prediction_log_counts(address: str) -> dict[str, int]:

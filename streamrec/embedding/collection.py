@@ -186,12 +186,12 @@ class EmbeddingCollection:
         self.last_snapshot_s = time.perf_counter() - t0
         return to_host(task.result())
 
-    def write(self, model_store: VersionPublisher, kind: str, tables: dict[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
+    def write(self, version_writer: VersionPublisher, kind: str, tables: dict[str, SparseDelta], dense: Mapping[str, torch.Tensor] | None,
               meta: Mapping[str, Any] | None, parent: int | None = None) -> int:
         """Write a finished snapshot as a version (the publisher calls this on :attr:`writer`);
         a delta's ``parent`` is the version it was built on."""
         dims = {name: t.config.dim for name, t in self.tables.items()}
-        return model_store.publish(kind, to_host(tables), dims, dense, meta, parent)
+        return version_writer.publish(kind, to_host(tables), dims, dense, meta, parent)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, path: Path, extra: Mapping[str, Any] | None = None) -> Path:

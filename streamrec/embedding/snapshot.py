@@ -16,7 +16,7 @@ from streamrec.embedding.table import EmbeddingTable
 
 
 class VersionPublisher(Protocol):
-    """The model store's ``publish`` (streamrec.modelstore), which this package does not import."""
+    """A version writer's ``publish`` (streamrec.modelstore.writer), which this package does not import."""
 
     def publish(self, kind: str, tables: dict[str, SparseDelta], dims: dict[str, int], dense: Mapping[str, torch.Tensor] | None,
                 meta: Mapping[str, Any] | None, parent: int | None = None) -> int: ...

@@ -5,8 +5,8 @@ The lease in force is the one with the highest token. A writer takes token T+1 b
 creating that file exclusively (a hard link of a finished temp file: it fails if the
 file exists, and readers never see a part), so two trainers racing for one store cannot
 both win. While it writes, the holder renews its file; every commit first checks that
-no higher token exists (``ModelStore.commit`` calls :meth:`WriterLease.check`), so a
-writer that lost its lease (paused past expiry, then overtaken) cannot move LATEST.
+no higher token exists (the ``VersionWriter`` given the lease calls :meth:`WriterLease.check`),
+so a writer that lost its lease (paused past expiry, then overtaken) cannot move LATEST.
 
 A lease held by the same work directory on the same host is taken over at once: the
 trainer's lock file in that directory proves the previous holder is gone (crash, kill -9),
@@ -63,14 +63,15 @@ class LeaseRecord:
 def lease_records(store: ModelStore) -> list[LeaseRecord]:
     """Every lease file of the store, oldest token first (unreadable ones are skipped)."""
     folder = f"{store.base}/leases"
-    if store.fs.get_file_info(folder).type == pafs.FileType.NotFound:
+    fs = store.files.fs
+    if fs.get_file_info(folder).type == pafs.FileType.NotFound:
         return []
     records = []
-    for info in store.fs.get_file_info(pafs.FileSelector(folder)):
+    for info in fs.get_file_info(pafs.FileSelector(folder)):
         stem = info.base_name.removesuffix(".json")
         if info.base_name.endswith(".json") and stem.isdigit():
             try:
-                with store.fs.open_input_stream(info.path) as src:
+                with fs.open_input_stream(info.path) as src:
                     records.append(LeaseRecord(**json.loads(src.read())))
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("ignoring unreadable lease file %s: %s", info.path, exc)
@@ -79,7 +80,7 @@ def lease_records(store: ModelStore) -> list[LeaseRecord]:
 
 class WriterLease:
     """This process's lease on ``store``: :meth:`acquire`, renewed by a thread, checked
-    before every commit, released on a clean exit."""
+    before every commit of the ``VersionWriter`` given it (writer.py), released on a clean exit."""
 
     def __init__(self, store: ModelStore, work_dir: str, ttl_s: float = 30.0) -> None:
         if ttl_s <= 0:
@@ -109,7 +110,7 @@ class WriterLease:
                             "One trainer per model: stop that one, or wait until its lease expires")
         token = (current.token if current else 0) + 1
         record = LeaseRecord(token, self.host, os.getpid(), self.work_dir, now, now, self.ttl_s)
-        self.store.fs.create_dir(self.folder, recursive=True)
+        self.store.files.fs.create_dir(self.folder, recursive=True)
         if not self._create_exclusive(self._path(token), record):
             raise LeaseHeld(f"another trainer took the lease of {self.store.base} at the same moment (token {token}); "
                             "one trainer per model")
@@ -118,18 +119,17 @@ class WriterLease:
         if current is not None and current.live(now):
             log.warning("took over the model store lease from an earlier run in this work dir (%s)", current.describe(now))
         for old in records[:-KEPT_LEASE_FILES + 1] if len(records) >= KEPT_LEASE_FILES else []:
-            self.store.fs.delete_file(self._path(old.token))
-        self.store.hold(self)
+            self.store.files.fs.delete_file(self._path(old.token))
         self._renewer = threading.Thread(target=self._renew_loop, name="store-lease", daemon=True)
         self._renewer.start()
         return self
 
     def _create_exclusive(self, path: str, record: LeaseRecord) -> bool:
         data = json.dumps(asdict(record)).encode()
-        if self.store.fs.type_name != "local":  # no exclusive create: write, then check() sees a rival
-            if self.store.fs.get_file_info(path).type != pafs.FileType.NotFound:
+        if self.store.files.fs.type_name != "local":  # no exclusive create: write, then check() sees a rival
+            if self.store.files.fs.get_file_info(path).type != pafs.FileType.NotFound:
                 return False
-            with self.store.fs.open_output_stream(path) as out:
+            with self.store.files.fs.open_output_stream(path) as out:
                 out.write(data)
             return True
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -147,7 +147,9 @@ class WriterLease:
         """Raise :class:`LeaseLost` unless this lease is still the store's newest."""
         if self.lost:
             raise LeaseLost(self.lost)
-        assert self.record is not None, "check() before acquire()"
+        if self.record is None:
+            raise LeaseLost(f"this process holds no lease on {self.store.base} (never acquired, or released): "
+                            "it publishes nothing")
         newest = lease_records(self.store)
         if not newest or newest[-1].token != self.record.token:
             holder = newest[-1].describe(time.time()) if newest else "no lease file at all"
@@ -159,7 +161,7 @@ class WriterLease:
         """Extend the lease (the holder's own file, replaced atomically)."""
         self.check()
         self.record = LeaseRecord(**{**asdict(self.record), "renewed_at": time.time()})
-        self.store.replace_file(self._path(self.record.token), json.dumps(asdict(self.record)).encode())
+        self.store.files.replace_file(self._path(self.record.token), json.dumps(asdict(self.record)).encode())
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -181,9 +183,7 @@ class WriterLease:
         try:
             self.check()
             released = LeaseRecord(**{**asdict(self.record), "renewed_at": time.time(), "released": True})
-            self.store.replace_file(self._path(released.token), json.dumps(asdict(released)).encode())
+            self.store.files.replace_file(self._path(released.token), json.dumps(asdict(released)).encode())
         except (LeaseLost, OSError) as exc:
             log.warning("releasing the model store lease: %s", exc)
         self.record = None
-        if self.store.lease is self:
-            self.store.lease = None

@@ -1,5 +1,10 @@
 """The model store: full and delta versions of sparse tables and dense tensors.
 
+Three parts on one model's files: :class:`StoreFiles` (files.py: the filesystem, paths,
+atomic replace, listing), :class:`ModelStore` (here: LATEST, listing, pins, manifests,
+chains, verification, loading, retention) and ``VersionWriter`` (writer.py: publish, the
+sharded ``begin`` / ``write_shard`` / ``commit``, compaction, under the writer lease).
+
 Layout (docs/architecture.md; the files' schemas in streamrec/contracts/delta.py)::
 
     <root>/<model>/versions/<version:012d>/manifest.json
@@ -15,10 +20,11 @@ Layout (docs/architecture.md; the files' schemas in streamrec/contracts/delta.py
     <root>/<model>/leases/<token:012d>.json                      the writer lease (lease.py)
 
 Compaction: a trainer publishing every few seconds writes small deltas and rarely a full
-version, so chains grow long. ``compact(v)`` merges ``v``'s chain into ``compacted/<v>``; a
-reader that loads ``v`` or a later version starts from the newest image on its chain and
-applies only the deltas after it, and ``gc`` counts images as full versions. Serving nodes
-that follow deltas in place never read an image: only a node that starts or falls behind.
+version, so chains grow long. ``VersionWriter.compact(v)`` merges ``v``'s chain into
+``compacted/<v>``; a reader that loads ``v`` or a later version starts from the newest image
+on its chain and applies only the deltas after it, and ``gc`` counts images as full
+versions. Serving nodes that follow deltas in place never read an image: only a node that
+starts or falls behind.
 
 Any ``pyarrow.fs`` URI works as root (a local path, ``file://``, ``s3://``, ``hdfs://``).
 
@@ -35,13 +41,10 @@ overwritten in one PUT (atomic per object).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import re
 import time
-import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -52,23 +55,14 @@ import pyarrow.ipc as ipc
 if TYPE_CHECKING:
     import torch
 
-from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, SparseDelta, dense_table, sparse_arrays, sparse_table
-
-
-class Lease(Protocol):
-    """What a commit needs from a writer lease (lease.py): raise if it was lost."""
-
-    def check(self) -> None: ...
-
+from streamrec.contracts.delta import FORMAT_VERSION, MANIFEST, sparse_arrays
+from streamrec.modelstore.files import VERSION_NUMBER, StoreFiles
 
 
 class CorruptVersion(RuntimeError):
     """A version is incomplete, fails its checksums, or breaks the format."""
 
 
-# Version numbers as the store writes them: ASCII digits only (str.isdigit() also takes '²'),
-# at most the 12 of a version directory's name.
-_VERSION_NUMBER = re.compile(r"[0-9]{1,12}")
 _SHOWN_BYTES = 60  # of a file that does not parse, shown in its error
 
 
@@ -82,17 +76,6 @@ class Pin:
     reason: str
 
 
-@dataclass(frozen=True)
-class StagedVersion:
-    """A version being written: its number, kind, parent, and where its files go until
-    the commit makes it visible."""
-
-    version: int
-    kind: str
-    parent: int | None
-    staging: str
-
-
 @dataclass
 class LoadedModel:
     version: int
@@ -102,65 +85,18 @@ class LoadedModel:
     chain: list[int]
 
 
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    with ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
 class ModelStore:
+    """The reading side of model ``model``'s versions under ``root`` (a local path or any
+    ``pyarrow.fs`` URI): LATEST, listing, pins, manifests, chains, verification, loading and
+    retention. :class:`~streamrec.modelstore.writer.VersionWriter` writes versions.
+
+    Attributes: ``files`` (:class:`StoreFiles`: the filesystem and the paths), ``model``
+    (the model's name) and ``base`` (``<root>/<model>``, as error messages name it).
+    """
+
     def __init__(self, root: str, model: str) -> None:
-        if not model or "/" in model or model.startswith("."):
-            raise ValueError(f"invalid model name {model!r}")
-        self.fs, base = pafs.FileSystem.from_uri(root) if "://" in root else (pafs.LocalFileSystem(), _abs(root))
-        self.model = model
-        self.base = f"{base.rstrip('/')}/{model}"
-        self.versions_dir = f"{self.base}/versions"
-        self.compacted_dir = f"{self.base}/compacted"
-        # S3 and GCS have no directory rename (pyarrow's move copies keys one by one, and
-        # refuses a "directory"); their single-object PUTs are atomic instead.
-        self.renames_dirs = self.fs.type_name not in ("s3", "gcs")
-        self.lease: Lease | None = None  # set by a writer that holds one: every commit checks it
-
-    def hold(self, lease: Lease) -> None:
-        """Commit only while ``lease`` is this store's newest (fencing a writer that lost it)."""
-        self.lease = lease
-
-    def _check_lease(self) -> None:
-        if self.lease is not None:
-            self.lease.check()
-
-    # ------------------------------------------------------------------ paths
-    def _vdir(self, version: int, image: bool = False) -> str:
-        return f"{self.compacted_dir if image else self.versions_dir}/{version:012d}"
-
-    def _exists(self, path: str) -> bool:
-        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
-
-    def _write(self, path: str, data: bytes) -> None:
-        with self.fs.open_output_stream(path) as out:
-            out.write(data)
-
-    def _read(self, path: str) -> bytes:
-        with self.fs.open_input_stream(path) as src:
-            return src.read()
-
-    def replace_file(self, path: str, data: bytes) -> None:
-        """Readers see the old content or the new, never a part (one PUT on object stores)."""
-        if not self.renames_dirs:
-            self._write(path, data)
-            return
-        tmp = f"{path.rsplit('/', 1)[0]}/.{path.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            self._write(tmp, data)
-            self.fs.move(tmp, path)
-        except BaseException:  # a full disk, say: no temp file left behind
-            try:
-                self.fs.delete_file(tmp)
-            except OSError:
-                pass
-            raise
+        self.files = StoreFiles(root, model)
+        self.model, self.base = model, self.files.base
 
     # ------------------------------------------------------------------ listing
     def latest(self) -> int | None:
@@ -168,35 +104,25 @@ class ModelStore:
         number in ASCII digits (any bytes, any encoding)."""
         path = f"{self.base}/LATEST"
         try:
-            data = self._read(path)
+            data = self.files.read(path)
         except (FileNotFoundError, OSError):
             return None
         text = data.strip()
-        if not _VERSION_NUMBER.fullmatch(text.decode("ascii", "replace")):
+        if not VERSION_NUMBER.fullmatch(text.decode("ascii", "replace")):
             raise CorruptVersion(f"{path} holds {_shown(text)}, not a version number (ASCII digits)")
         return int(text)
 
     def has_version(self, version: int, image: bool = False) -> bool:
         """Whether ``version`` (or its compacted image) is in the store now, manifest included."""
-        return self._exists(f"{self._vdir(version, image)}/{MANIFEST}")
+        return self.files.exists(f"{self.files.version_dir(version, image)}/{MANIFEST}")
 
     def versions(self) -> list[int]:
         """Complete versions present (those with a manifest), ascending."""
-        return self._listed(self.versions_dir)
+        return self.files.listed(self.files.versions_dir)
 
     def images(self) -> list[int]:
         """Versions with a complete compacted image, ascending."""
-        return self._listed(self.compacted_dir)
-
-    def _listed(self, directory: str) -> list[int]:
-        if not self._exists(directory):
-            return []
-        out = []
-        for info in self.fs.get_file_info(pafs.FileSelector(directory)):
-            name = info.base_name
-            if info.type == pafs.FileType.Directory and _VERSION_NUMBER.fullmatch(name) and self._exists(f"{info.path}/{MANIFEST}"):
-                out.append(int(name))
-        return sorted(out)
+        return self.files.listed(self.files.compacted_dir)
 
     def resolve_latest(self) -> tuple[int | None, str | None]:
         """(the version readers should follow, why LATEST itself could not be used): a
@@ -217,7 +143,7 @@ class ModelStore:
         """Record that every reader serves ``version`` until :meth:`unpin` (atomic)."""
         self.manifest(version)  # raises CorruptVersion for a version that is not there
         pin = Pin(version, by, time.time(), reason)
-        self.replace_file(f"{self.base}/PIN", json.dumps(pin.__dict__).encode())
+        self.files.replace_file(f"{self.base}/PIN", json.dumps(pin.__dict__).encode())
         return pin
 
     def unpin(self) -> Pin | None:
@@ -227,15 +153,15 @@ class ModelStore:
             pin = self.pinned()
         except CorruptVersion:
             pin = None
-        if self._exists(f"{self.base}/PIN"):
-            self.fs.delete_file(f"{self.base}/PIN")
+        if self.files.exists(f"{self.base}/PIN"):
+            self.files.fs.delete_file(f"{self.base}/PIN")
         return pin
 
     def pinned(self) -> Pin | None:
         """The pin in force, if any (a PIN file that does not parse raises CorruptVersion)."""
         path = f"{self.base}/PIN"
         try:
-            data = self._read(path)
+            data = self.files.read(path)
         except FileNotFoundError:
             return None
         try:
@@ -246,9 +172,9 @@ class ModelStore:
                                  "(streamrec store unpin, or :reload {} on a serving node) or pin a version") from None
 
     def manifest(self, version: int, image: bool = False) -> dict:
-        path = f"{self._vdir(version, image)}/{MANIFEST}"
+        path = f"{self.files.version_dir(version, image)}/{MANIFEST}"
         try:
-            manifest = json.loads(self._read(path))
+            manifest = json.loads(self.files.read(path))
         except FileNotFoundError:
             what = "compacted image" if image else "version"
             raise CorruptVersion(f"{what} {version} of {self.model} has no manifest (incomplete or absent)") from None
@@ -263,133 +189,6 @@ class ModelStore:
             raise CorruptVersion(f"{path}: format_version {manifest['format_version']} is not supported (expected {FORMAT_VERSION})")
         _check_lineage(path, version, manifest)
         return manifest
-
-    # ------------------------------------------------------------------ writing
-    def publish(
-        self,
-        kind: str,
-        tables: Mapping[str, SparseDelta],
-        dims: Mapping[str, int],
-        dense: Mapping[str, torch.Tensor] | None = None,
-        meta: Mapping[str, Any] | None = None,
-        parent: int | None = None,
-    ) -> int:
-        """Write a complete version atomically and move LATEST to it; returns its number.
-
-        ``kind="full"``: ``tables`` hold every row; ``"delta"``: rows changed since
-        ``parent`` (default: the current LATEST) plus deleted keys. One writer, one shard:
-        the sharded trainer uses ``begin`` / ``write_shard`` / ``commit`` instead.
-        """
-        staged = self.begin(kind, parent)
-        files = self.write_shard(staged, tables, dims)
-        return self.commit(staged, files, dense, meta)
-
-    def begin(self, kind: str, parent: int | None = None) -> "StagedVersion":
-        """Fix the number, parent and staging directory of the next version (the writer's
-        rank 0 does this and hands the result to every shard's writer). A delta holds the
-        rows changed since ``parent``, the writer's previous version: it is refused unless
-        LATEST is that version (a delta over anything else would mix two histories)."""
-        if kind not in ("full", "delta"):
-            raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
-        if kind == "delta":
-            latest, _ = self.resolve_latest()  # a garbage LATEST over the writer's own newest version is repaired by the commit
-            if latest is None:
-                raise ValueError("a delta needs a parent: publish a full version first")
-            if parent is not None and latest != parent:
-                raise CorruptVersion(f"LATEST is version {latest}, not {parent}, the version this delta was built on")
-            parent = latest
-        version = max([parent or 0, *self.versions()]) + 1
-        vdir = self._vdir(version)
-        staging = f"{self.versions_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else vdir
-        return StagedVersion(version, kind, parent if kind == "delta" else None, staging)
-
-    def write_shard(self, staged: "StagedVersion", tables: Mapping[str, SparseDelta], dims: Mapping[str, int],
-                    shard: int = 0, shards: int = 1) -> dict[str, dict]:
-        """Write one shard's sparse files into ``staged``; returns their manifest entries.
-        One shard: ``sparse/<table>.arrow``; several: ``sparse/<table>/<shard>-of-<shards>.arrow``
-        (readers concatenate a table's shards by the entries' ``table``)."""
-        self.fs.create_dir(f"{staged.staging}/sparse", recursive=True)
-        files: dict[str, dict] = {}
-        for name, delta in tables.items():
-            data = _ipc_bytes(sparse_table(delta, dims[name]))
-            rel = f"sparse/{name}.arrow" if shards == 1 else f"sparse/{name}/{shard:05d}-of-{shards:05d}.arrow"
-            if shards > 1:
-                self.fs.create_dir(f"{staged.staging}/sparse/{name}", recursive=True)
-            self._write(f"{staged.staging}/{rel}", data)
-            files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(delta.keys) + len(delta.deleted),
-                          "table": name, "dim": dims[name], "upserts": len(delta.keys), "deleted": len(delta.deleted)}
-        return files
-
-    def commit(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None = None,
-               meta: Mapping[str, Any] | None = None) -> int:
-        """Write the dense file and the manifest (listing every shard's ``files``), make the
-        version visible and move LATEST to it; returns the version."""
-        self._seal(staged, files, dense, meta)
-        if not self.renames_dirs:
-            self._write(f"{self.base}/LATEST", f"{staged.version}\n".encode())
-            return staged.version
-        self._check_lease()
-        self.fs.move(staged.staging, self._vdir(staged.version))
-        self.replace_file(f"{self.base}/LATEST", f"{staged.version}\n".encode())
-        return staged.version
-
-    def _seal(self, staged: "StagedVersion", files: Mapping[str, dict], dense: Mapping[str, torch.Tensor] | None,
-              meta: Mapping[str, Any] | None) -> None:
-        """Write the dense file and the manifest into the staging directory (the manifest last:
-        on an object store, where the staging directory is the final one, it is the commit)."""
-        files = {rel: dict(info) for rel, info in files.items()}
-        table_info: dict[str, dict] = {}
-        for info in files.values():
-            entry = table_info.setdefault(info["table"], {"dim": info.pop("dim"), "upserts": 0, "deleted": 0})
-            entry["upserts"] += info.pop("upserts")
-            entry["deleted"] += info.pop("deleted")
-        if dense:
-            data = _ipc_bytes(dense_table(dense))
-            self._write(f"{staged.staging}/dense.arrow", data)
-            files["dense.arrow"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rows": len(dense)}
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "model": self.model,
-            "version": staged.version,
-            "kind": staged.kind,
-            "parent": staged.parent,
-            "created_at": time.time(),
-            "files": files,
-            "tables": table_info,
-            **dict(meta or {}),
-        }
-        self.fs.create_dir(staged.staging, recursive=True)
-        if not self.renames_dirs:
-            self._check_lease()
-        self._write(f"{staged.staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
-
-    def compact(self, version: int) -> int:
-        """Write ``compacted/<version>``: ``version``'s whole state (its chain merged, from the
-        newest image on it) as one full image, with ``version``'s manifest metadata. Returns
-        the rows written. Atomic like a version; a writer that lost its lease writes nothing."""
-        loaded = self.load(version)
-        if len(loaded.chain) == 1:
-            return 0  # a full version, or an image already: nothing to merge
-        skip = {"format_version", "model", "version", "kind", "parent", "created_at", "files", "tables"}
-        meta = {k: v for k, v in loaded.manifest.items() if k not in skip}
-        meta.update({"image_of": version, "compacted_chain": loaded.chain, "version_created_at": loaded.manifest["created_at"]})
-        image = self._vdir(version, image=True)
-        staging = f"{self.compacted_dir}/.tmp-{version:012d}-{uuid.uuid4().hex[:8]}" if self.renames_dirs else image
-        staged = StagedVersion(version, "full", None, staging)
-        dims = {name: loaded.manifest["tables"][name]["dim"] for name in loaded.tables}
-        import torch
-
-        tables = {name: SparseDelta(torch.from_numpy(keys), torch.from_numpy(values)) for name, (keys, values) in loaded.tables.items()}
-        self._seal(staged, self.write_shard(staged, tables, dims), loaded.dense, meta)
-        if self.renames_dirs:
-            self._check_lease()
-            self.fs.move(staging, image)
-        return sum(len(keys) for keys, _ in loaded.tables.values())
-
-    def abort(self, staged: "StagedVersion") -> None:
-        """Delete a staged version that will not be committed (nothing reads it)."""
-        if self._exists(staged.staging) and not self._exists(f"{staged.staging}/{MANIFEST}"):
-            self.fs.delete_dir(staged.staging)
 
     # ------------------------------------------------------------------ reading
     def chain(self, version: int) -> list[int]:
@@ -427,9 +226,9 @@ class ModelStore:
         from_image, chain = self._chain(version)
         for i, v in enumerate(chain):
             image = from_image and i == 0
-            manifest, vdir = self.manifest(v, image), self._vdir(v, image)
+            manifest, vdir = self.manifest(v, image), self.files.version_dir(v, image)
             for rel, info in manifest["files"].items():
-                found = self.fs.get_file_info(f"{vdir}/{rel}")
+                found = self.files.fs.get_file_info(f"{vdir}/{rel}")
                 what = f"version {version} needs version {v}, whose" if v != version else f"version {version}:"
                 if found.type == pafs.FileType.NotFound:
                     raise CorruptVersion(f"{what} {rel} is missing")
@@ -447,13 +246,13 @@ class ModelStore:
         """One version's files (or its compacted image's), verified: (manifest, sparse tables, dense
         arrays). Raises CorruptVersion naming the first file that fails."""
         manifest = self.manifest(version, image)
-        vdir = self._vdir(version, image)
+        vdir = self.files.version_dir(version, image)
         sparse: dict[str, pa.Table] = {}
         shards: dict[str, list[pa.Table]] = {}
         dense: dict[str, np.ndarray] = {}
         for rel, info in manifest["files"].items():
             try:
-                data = self._read(f"{vdir}/{rel}")
+                data = self.files.read(f"{vdir}/{rel}")
             except FileNotFoundError:
                 raise CorruptVersion(f"version {version}: {rel} is missing") from None
             if len(data) != info["bytes"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
@@ -519,14 +318,14 @@ class ModelStore:
         pinned = set(self.chain(pin.version)) if pin is not None and pin.version in versions else set()  # these stay
         doomed = [v for v in versions if v < horizon and v not in pinned]
         for v in doomed:
-            self.fs.delete_dir(self._vdir(v))
-        for info in [*self.fs.get_file_info(pafs.FileSelector(self.versions_dir)),
-                     *self.fs.get_file_info(pafs.FileSelector(self.compacted_dir, allow_not_found=True))]:
+            self.files.fs.delete_dir(self.files.version_dir(v))
+        for info in [*self.files.fs.get_file_info(pafs.FileSelector(self.files.versions_dir)),
+                     *self.files.fs.get_file_info(pafs.FileSelector(self.files.compacted_dir, allow_not_found=True))]:
             if info.base_name.startswith(".tmp-") and info.mtime and time.time() - info.mtime.timestamp() > 3600:
-                self.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
-            elif _VERSION_NUMBER.fullmatch(info.base_name) and int(info.base_name) < horizon and int(info.base_name) not in pinned \
+                self.files.fs.delete_dir(info.path)  # left by a crashed writer over an hour ago
+            elif VERSION_NUMBER.fullmatch(info.base_name) and int(info.base_name) < horizon and int(info.base_name) not in pinned \
                     and info.type == pafs.FileType.Directory:
-                self.fs.delete_dir(info.path)  # an image behind the horizon, or a version without a manifest (a crashed writer's, on an object store)
+                self.files.fs.delete_dir(info.path)  # an image behind the horizon, or a version without a manifest (a crashed writer's, on an object store)
         return doomed
 
 
@@ -584,8 +383,3 @@ def _merge(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], dim: int) ->
     last.sort()
     return keys[last], values[last]
 
-
-def _abs(path: str) -> str:
-    import os
-
-    return os.path.abspath(path)

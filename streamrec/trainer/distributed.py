@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from streamrec.modelstore.store import ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.embedding.collection import EmbeddingCollection
 from streamrec.embedding.sharded import REPLICATED
 from streamrec.modelstore.lease import LeaseLost
@@ -227,13 +228,13 @@ class ShardedVersionWriter:
         self.placement = dict(placement or {})
         self.replicated = {name for name, where in self.placement.items() if where == REPLICATED}
 
-    def __call__(self, model_store: ModelStore, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
+    def __call__(self, writer: VersionWriter, kind: str, parent: int | None, tables: Mapping[str, SparseDelta],
                  dense: Mapping[str, torch.Tensor] | None, meta: Mapping[str, Any] | None, refusal: str | None) -> int:
         ranks, group = self.ranks, self.ranks.publish
         staged: list[Any] = [None]
         if ranks.rank == 0:
             try:
-                staged = [model_store.begin(kind, parent)]
+                staged = [writer.begin(kind, parent)]
             except Exception as exc:  # every rank learns it and fails this version alike
                 staged = [f"rank 0 could not start the version: {exc}"]
         dist.broadcast_object_list(staged, src=0, group=group)
@@ -244,7 +245,7 @@ class ShardedVersionWriter:
             try:
                 dims = {name: t.config.dim for name, t in self.embeddings.tables.items()}
                 mine = {name: delta for name, delta in tables.items() if ranks.rank == 0 or name not in self.replicated}
-                files = model_store.write_shard(staged[0], mine, dims, ranks.rank, ranks.world)
+                files = writer.write_shard(staged[0], mine, dims, ranks.rank, ranks.world)
             except Exception as exc:  # reported to rank 0, which aborts the version for all
                 problem = f"rank {ranks.rank} could not write its shard: {exc}"
         shards = gather_to_all(ranks, (files, problem, dict((meta or {}).get("offsets", {}))), group)
@@ -252,7 +253,7 @@ class ShardedVersionWriter:
         outcome: list[Any] = [None]
         if ranks.rank == 0:
             if problems:
-                model_store.abort(staged[0])
+                writer.abort(staged[0])
                 outcome = [("refused" if refusal or any("non-finite" in p for p in problems) else "failed", "; ".join(problems))]
             else:
                 try:
@@ -264,7 +265,7 @@ class ShardedVersionWriter:
                     if len({p for o in offsets for p in o}) == sum(map(len, offsets)):
                         # Kafka partitions are disjoint across ranks: one map covers them all
                         meta["offsets"] = {p: o for rank_offsets in offsets for p, o in rank_offsets.items()}
-                    outcome = [("ok", model_store.commit(staged[0], merged, dense, meta))]
+                    outcome = [("ok", writer.commit(staged[0], merged, dense, meta))]
                 except LeaseLost as exc:
                     outcome = [("lease", str(exc))]
                 except Exception as exc:

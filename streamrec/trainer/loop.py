@@ -155,7 +155,7 @@ class TrainingLoop:
         self.evaluation = OnlineEvaluation(tcfg.eval_window, truth, session.model_store, self.device,
                                            inference_cache_rows(cfg.model, cfg.ps))
         self.announcer = _announcer(cfg, opts) if ranks.rank == 0 else None
-        self.publisher = Publisher(self.embeddings, session.model_store, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
+        self.publisher = Publisher(self.embeddings, session.writer, PublishSettings.from_config(tcfg, collect_garbage=ranks.rank == 0),
                                    ChainPosition.from_state(self.state), self.announcer,
                                    ShardedVersionWriter(ranks, self.embeddings, session.placement) if ranks.distributed else None)
         self._frozen_pending = False  # a full version for the frozen baseline is being published

@@ -8,7 +8,7 @@ the same thread announces the version on the model-updates topic.
 
 A new serving node starts from the newest full version or compacted image and applies the
 deltas after it. Every ``compact_every`` deltas a background thread compacts the chain into
-an image (``ModelStore.compact``) and deletes what the newest ``keep_fulls`` starting points
+an image (``VersionWriter.compact``) and deletes what the newest ``keep_fulls`` starting points
 do not need, so a seconds cadence grows neither the store nor a node's start-up; a full
 version every ``full_every`` deltas starts a new chain (rarely needed with compaction: the
 full snapshot costs the training thread a pass over every row). A poisoned model (non-finite values) is never written: the write
@@ -34,7 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from streamrec.modelstore.store import CorruptVersion, ModelStore, SparseDelta
+from streamrec.contracts.delta import SparseDelta
+from streamrec.modelstore.store import CorruptVersion
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.embedding.collection import EmbeddingCollection, SnapshotTask, to_host
 from streamrec.modelstore.lease import LeaseLost
 from streamrec.plumbing.config import TrainerConfig
@@ -109,8 +111,8 @@ class PublishRecord:
     finished_at: float = field(default_factory=time.time)
 
 
-# (model store, kind, parent: the delta's base, tables, dense, meta, refusal) -> the version written
-VersionWriter = Callable[[ModelStore, str, "int | None", dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
+# (version writer, kind, parent: the delta's base, tables, dense, meta, refusal) -> the version written
+WriteVersion = Callable[[VersionWriter, str, "int | None", dict[str, SparseDelta], dict[str, torch.Tensor], dict[str, Any], "str | None"], int]
 
 
 def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> str | None:
@@ -125,15 +127,16 @@ def _refusal(tables: dict[str, SparseDelta], dense: dict[str, torch.Tensor]) -> 
 
 
 class Publisher:
-    """Publishes the collection and the dense parameters as versions of ``model_store``,
+    """Publishes the collection and the dense parameters as versions through ``writer``,
     continuing the chain at ``resumed`` (a checkpoint's) or starting one. ``announce`` is
     called with each version's manifest summary; ``write_version`` writes a version (the
     sharded trainer writes with every rank; default: this process alone)."""
 
-    def __init__(self, embeddings: EmbeddingCollection, model_store: ModelStore, settings: PublishSettings,
+    def __init__(self, embeddings: EmbeddingCollection, writer: VersionWriter, settings: PublishSettings,
                  resumed: ChainPosition = ChainPosition(), announce: Callable[[dict], None] | None = None,
-                 write_version: "VersionWriter | None" = None) -> None:
-        self.embeddings, self.model_store, self.settings = embeddings, model_store, settings
+                 write_version: "WriteVersion | None" = None) -> None:
+        self.embeddings, self.writer, self.settings = embeddings, writer, settings
+        self.model_store = writer.store  # where versions are read back: chains, manifests, retention
         self.announce = announce
         self.write_version = write_version or self._write_local
         last_version = resumed.last_version
@@ -145,7 +148,7 @@ class Publisher:
         self.deltas_since_full = resumed.deltas_since_full
         self.failures, self.last_error = 0, ""
         self.force_full = resumed.force_full or last_version is None  # a chain starts with a full version
-        newest, _ = model_store.resolve_latest()
+        newest, _ = self.model_store.resolve_latest()
         if last_version is not None and newest != last_version:
             self.force_full = True
             log.warning("the model store's newest version is %s, not %d (this trainer's last): the next version is a full one, "
@@ -242,7 +245,7 @@ class Publisher:
         t0 = time.perf_counter()
         tables = to_host(tables)
         kind, keep_fulls = pending.kind, self.settings.keep_fulls
-        version = self.write_version(self.model_store, kind, self.last_version, tables, pending.dense, pending.meta,
+        version = self.write_version(self.writer, kind, self.last_version, tables, pending.dense, pending.meta,
                                      _refusal(tables, pending.dense))
         self._announce(version)  # from here: the training thread learns of it only at its next pump
         if kind == "full" and keep_fulls and self.settings.collect_garbage:
@@ -254,11 +257,11 @@ class Publisher:
         return PublishRecord(version, kind, rows, pending.begin_s, pending.snapshot_s, time.perf_counter() - t0,
                              int(pending.meta.get("trained_through_ms", 0)))
 
-    def _write_local(self, model_store: ModelStore, kind: str, parent: int | None, tables: dict[str, SparseDelta],
+    def _write_local(self, writer: VersionWriter, kind: str, parent: int | None, tables: dict[str, SparseDelta],
                      dense: dict[str, torch.Tensor], meta: dict[str, Any], refusal: str | None) -> int:
         if refusal:
             raise PoisonedModel(refusal)
-        return self.embeddings.write(model_store, kind, tables, dense, meta, parent)
+        return self.embeddings.write(writer, kind, tables, dense, meta, parent)
 
     def _finish(self, record: PublishRecord) -> None:
         self.last_version = record.version
@@ -302,7 +305,7 @@ class Publisher:
     def _compact(self, version: int) -> None:
         t0 = time.perf_counter()
         try:
-            rows = self.model_store.compact(version)
+            rows = self.writer.compact(version)
             keep_fulls = self.settings.keep_fulls
             deleted = self.model_store.gc(keep_fulls=keep_fulls) if keep_fulls else []
         except CorruptVersion as exc:  # compaction reads the whole chain: the first to notice a break

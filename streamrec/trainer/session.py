@@ -31,6 +31,7 @@ from streamrec.model.device import pick_device
 from streamrec.model.network import CTRModel, ModelSpec, table_configs
 from streamrec.modelstore.lease import LeaseHeld, WriterLease
 from streamrec.modelstore.store import ModelStore
+from streamrec.modelstore.writer import VersionWriter
 from streamrec.plumbing.config import Config
 from streamrec.trainer.checkpoint import Checkpointer
 from streamrec.trainer.distributed import gather_to_all, join, rank_device
@@ -127,6 +128,7 @@ class TrainingSession:
         self.model_store = ModelStore(self.cfg.trainer.model_store, self.cfg.model.name)
         if ranks.rank == 0:  # rank 0 commits every version: it holds the store's writer lease
             self._take_lease()
+        self.writer = VersionWriter(self.model_store, self.lease)
         self.source_name = f"files:{','.join(str(Path(f).resolve()) for f in opts.files)}" if opts.files else f"kafka:{self.cfg.topics.samples}"
         self.stop_requested = threading.Event()
         self.rejected: Counter = Counter()  # samples refused by the checks, by reason (kept across resumes)
