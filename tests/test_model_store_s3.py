@@ -119,8 +119,9 @@ def test_watcher_pin_and_writer_lease_on_s3(s3_endpoint: str, tmp_path: Path):
         _wait(lambda: served.version == second, "the node to apply the delta")
         assert served.recent_applies[-1].mode == "delta"
         ModelStore(uri, "ctr").pin(first, by="test", reason="rollback on s3")
-        _wait(lambda: served.version == first, "the node to follow the pin")
-        assert served.pin is not None and served.pin.reason == "rollback on s3"
+        # the watcher's thread applies the pinned version, then records the pin
+        _wait(lambda: served.version == first and served.pin is not None, "the node to follow the pin")
+        assert served.pin.reason == "rollback on s3"
         third = _publish_model(writer, "delta")
         assert served.catch_up() == [] and served.version == first  # pinned: LATEST is not followed
         ModelStore(uri, "ctr").unpin()
