@@ -24,6 +24,7 @@ import orjson
 import pyarrow as pa
 import pytest
 from kafka import TopicPartition
+from kafka.errors import KafkaConnectionError
 
 from conftest import REPO, free_port, read_topic, run_cli
 from streamrec.modelstore.store import ModelStore
@@ -71,15 +72,23 @@ def _wait_job_running(env: dict, job: subprocess.Popen, name: str) -> None:
     _wait_for(running, 180, f"job {name} running")
 
 
-def _end_offsets(bootstrap: str, topic: str, isolation_level: str = "read_uncommitted") -> int:
+def _end_offsets(bootstrap: str, topic: str, isolation_level: str = "read_uncommitted", retry_s: float = 20.0) -> int:
     """The sum of ``topic``'s partitions' end offsets: high watermarks, or the last stable
-    offsets (what a read_committed reader sees) with ``read_committed``."""
-    consumer = make_consumer(bootstrap, group_id=None, isolation_level=isolation_level, timeout_s=10)
-    try:
-        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
-        return sum(consumer.end_offsets(parts).values()) if parts else 0
-    finally:
-        consumer.close()
+    offsets (what a read_committed reader sees) with ``read_committed``. Right after a node's
+    kill the metadata still names it as leader, and kafka-python raises at its refused
+    connection rather than wait for the new leader: asked again, until ``retry_s`` has passed."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        consumer = make_consumer(bootstrap, group_id=None, isolation_level=isolation_level, timeout_s=10)
+        try:
+            parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+            return sum(consumer.end_offsets(parts).values()) if parts else 0
+        except KafkaConnectionError:
+            if time.monotonic() > deadline:
+                raise
+        finally:
+            consumer.close()
+        time.sleep(0.5)
 
 
 def _distinct_events(bootstrap: str, topic: str) -> int:
