@@ -86,7 +86,6 @@ def assert_demo_claims(run_dir: Path, stdout: str) -> None:
     assert log["queued"] > 0 and log.get("dropped", 0) == log.get("failed", 0) == 0, log
     assert graded["predictions_read"] == log["queued"], (graded, log)  # every logged answer reached the topic
     assert set(graded["variants"]) == {"online", "frozen"} and graded["other"] == 0, graded
-    assert 0 <= graded["left_out_trained_on"] < 0.5 * graded["samples"], graded
     assert sum(v["count"] for v in graded["variants"].values()) > 0.85 * graded["samples"], graded
     for name, v in graded["variants"].items():
         # each arm is scored by the same model as the probe's like-for-like figure on the same
