@@ -72,18 +72,25 @@ def quality(snapshot: dict, start_ms: int, manifests: dict[int, dict], bin_s: fl
     return out
 
 
-def by_variant(snapshot: dict, manifests: dict[int, dict]) -> dict:
-    """The probe's scores of each experiment variant's users' samples by that variant's model
-    (each variant is named after its scorer: online, frozen): what the variant's grade from
-    the prediction log should come close to, since the probe scored every sample with both."""
-    keep = ~trained_on(snapshot, manifests)
-    variant_of_user = snapshot["experiment"]["variant_of_user"]
-    variant = np.array([variant_of_user.get(u, "") for u in snapshot["user_id"].tolist()], dtype=object)
+def answers_trained_on(answers: list, manifests: dict[int, dict], frozen_model: str, frozen_version: int | None) -> np.ndarray:
+    """Mask of the experiment's answers (AnsweredSample) whose answering version had already
+    trained on the sample; the frozen model's one version is a copy of ``frozen_version``."""
+    return np.array([had_trained_on(frozen_version if a.model == frozen_model else a.version, a.partition, a.offset,
+                                    manifests) for a in answers], bool)
+
+
+def by_variant(answers: list, trained: np.ndarray) -> dict:
+    """Each variant's AUC and log loss over the scores the probe received for its experiment
+    answers, less those ``trained`` on: what grading the node's prediction log must reproduce."""
+    variant = np.array([a.variant for a in answers], dtype=object)
+    score = np.array([a.score for a in answers], np.float64)
+    label = np.array([a.label for a in answers], np.int64)
     out = {}
-    for name in ("online", "frozen"):
-        use = keep & (variant == name)
-        s, y = snapshot[name][use], snapshot["label"][use]
-        out[name] = {"samples": int(use.sum()), "auc": _round(auc(s, y)), "logloss": _round(logloss(s, y)) if len(y) else None}
+    for name in sorted(set(variant.tolist())):
+        use = ~trained & (variant == name)
+        s, y = score[use], label[use]
+        out[name] = {"samples": int(use.sum()), "clicks": int(y.sum()), "auc": _round(auc(s, y)),
+                     "logloss": _round(logloss(s, y)) if len(y) else None}
     return out
 
 

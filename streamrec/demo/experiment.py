@@ -1,8 +1,8 @@
 """The demo's live experiment: the online model against the same model frozen after warm-up,
 50/50 by user, through the serving node's experiment route, graded from its prediction log.
 
-The probe's like-for-like figures score every sample with both models; the experiment is
-the production path instead: each user sees one variant, every answer is logged to
+The probe's main figures score every sample with both models; the experiment is the
+production path instead: each user sees one variant, every answer is logged to
 ``topics.predictions``, and the variants are graded by joining that log with the labelled
 samples (streamrec/analysis/grading.py, as ``streamrec experiments report`` does).
 """
@@ -136,17 +136,18 @@ def grade_experiment(bootstrap: str, samples_topic: str, predictions_topic: str,
 
 
 def experiment_line(experiment: dict) -> str:
-    """The summary's line: each variant's AUC as graded from the log, and the probe's AUC of
-    the same users' samples by the same model (the like-for-like figure it should be near)."""
-    graded, same = experiment["graded"], experiment["like_for_like"]
+    """The summary's line: each variant's AUC as graded from the log, and the AUC of the same
+    answers as the probe received them (what the log's grade must reproduce)."""
+    graded, answered = experiment["graded"], experiment["answered"]
     parts, probe = [], []
     for name in VARIANTS:
         g = graded["variants"].get(name)
         parts.append(f"{name} not graded" if g is None else f"{name} AUC {g['auc']} (n={g['count']:,})")
-        probe.append(str((same.get(name) or {}).get("auc")))
+        a = answered.get(name) or {}
+        probe.append(f"{a.get('auc')} (n={a.get('samples', 0):,})")
     ungraded, learnt = graded["unmatched"] + graded["other"], graded["left_out_trained_on"]
     return (f"live experiment {EXPERIMENT}, graded from the prediction log: " + ", ".join(parts)
-            + f"; probe on the same users' samples: {' / '.join(probe)}"
+            + f"; as the probe received the answers: {' / '.join(probe)}"
             + (f"; {ungraded:,} samples ungraded" if ungraded else "")
             + (f"; {learnt:,} left out, answered by a version that had trained on them" if learnt else ""))
 

@@ -94,16 +94,20 @@ class ServingClient:
 
 
 class AnsweredSample(NamedTuple):
-    """A sample the experiment answered: (user_id, item_id, ts) as grading joins it, its
-    (partition, offset) in the samples topic, and the model and version that scored it."""
+    """A sample the experiment answered: (user_id, item_id, ts) as grading joins it, its label,
+    its (partition, offset) in the samples topic, and the variant, model, version and score
+    that answered it (what the node logged)."""
 
     user_id: int
     item_id: int
     ts: int
+    label: int
     partition: int
     offset: int
+    variant: str
     model: str
     version: int
+    score: float
 
 
 @dataclass
@@ -113,7 +117,6 @@ class ExperimentRecords:
     requests: int = 0
     failed_requests: int = 0
     unscored: int = 0  # samples answered 503 before both variants had answered: a model not loaded yet
-    variant_of_user: dict[int, str] = field(default_factory=dict)
     # one entry per sample a variant answered: its grading key, where it lies in the samples
     # topic and the answering version (to leave out what that version had trained on)
     answers: list[AnsweredSample] = field(default_factory=list)
@@ -296,12 +299,10 @@ class ServingProbe(BackgroundProbe):
         fall behind the samples and the answering versions would have trained on them.
         A 503 because the user's variant has no version yet (the frozen model is published after
         warm-up) is start-up, not a failure."""
-        requests: dict[tuple[int, int], list] = defaultdict(list)
-        items: dict[int, int] = {}  # id(record) -> its item_id
+        requests: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (user, ts) -> [(record, item, label)]
         for r in records:
             sample = orjson.loads(r.value)
-            requests[(sample["user_id"], sample["ts"])].append(r)
-            items[id(r)] = sample["item_id"]
+            requests[(sample["user_id"], sample["ts"])].append((r, sample["item_id"], sample.get("label", 0)))
         groups = list(requests.items())
         clients = self.live.clients
         answers = self._pool.map(self._send_to_experiment, clients, [groups[i::len(clients)] for i in range(len(clients))])
@@ -310,10 +311,9 @@ class ServingProbe(BackgroundProbe):
             exp.requests += 1
             if status == 200:
                 with self._lock:
-                    exp.variant_of_user[user] = body["variant"]
-                    exp.answers.extend(AnsweredSample(user, items[id(r)], ts, r.partition, r.offset, body["model"],
-                                                      body["model_version"])
-                                       for r in group)
+                    exp.answers.extend(AnsweredSample(user, item, ts, label, r.partition, r.offset, body["variant"],
+                                                      body["model"], body["model_version"], score)
+                                       for (r, item, label), score in zip(group, body["scores"]))
             elif status == 503 and isinstance(body, dict) and str(body.get("error", {}).get("message", "")).startswith(NOT_LOADED):
                 exp.unscored += len(group)  # the user's variant has no version yet: the frozen copy comes after warm-up
             else:
@@ -322,8 +322,8 @@ class ServingProbe(BackgroundProbe):
 
     def _send_to_experiment(self, client: ServingClient, groups: list) -> list:
         """Each (key, records) of ``groups`` with the node's answer, over ``client``'s connection."""
-        return [(key, group, client.predict_experiment(self.live.name, [r.value for r in group],
-                                                        f"probe-{group[0].partition}-{group[0].offset}"))
+        return [(key, group, client.predict_experiment(self.live.name, [r.value for r, _, _ in group],
+                                                        f"probe-{group[0][0].partition}-{group[0][0].offset}"))
                 for key, group in groups]
 
     # ------------------------------------------------------------------ results
@@ -345,7 +345,7 @@ class ServingProbe(BackgroundProbe):
             out["failed_requests"], out["unscored"] = rec.failed_requests, rec.unscored
             exp = rec.experiment
             out["experiment"] = {"requests": exp.requests, "failed_requests": exp.failed_requests, "unscored": exp.unscored,
-                                 "variant_of_user": dict(exp.variant_of_user), "answers": list(exp.answers)}
+                                 "answers": list(exp.answers)}
         return out
 
 

@@ -159,16 +159,16 @@ def _experiment(e: dict | None) -> str:
         return ""
     if "error" in e:
         return f"<h3>Live experiment {html.escape(e['name'])}</h3><p>{html.escape(e['error'])}</p>"
-    g, same = e["graded"], e["like_for_like"]
+    g, answered = e["graded"], e.get("answered") or {}
     rows = [(name, v["model"], f"{v['count']:,}", v["clicks"], v["auc"], v["logloss"], v["calibration"],
-             (same.get(name) or {}).get("auc")) for name, v in g["variants"].items()]
+             (answered.get(name) or {}).get("auc")) for name, v in g["variants"].items()]
     return (f"<h3>Live experiment {html.escape(e['name'])}: the same comparison, 50/50 by user</h3>"
             "<p>Each sample was also sent through the node's experiment route: a user's variant answers, the node logs "
             "the answer, and each variant is graded by joining the log with the labelled samples (as "
             "<code>streamrec experiments report</code> does). Each variant scores only its users' samples; beside it, the "
-            "probe's score of the same samples by the same model.</p>"
+            "AUC of the same answers as the probe received them, which the log's grade must reproduce.</p>"
             + _table(rows, ("variant", "model", "samples graded", "clicks", "AUC", "logloss", "calibration",
-                            "AUC, probe, same samples"))
+                            "AUC, answers as received"))
             + f"<p>{g['unmatched']:,} samples had no logged prediction in the {g['window_s']:g} s window; "
               f"{g['other']:,} were last served outside the experiment; {g.get('left_out_trained_on', 0):,} were left "
               "out because the version that answered had already trained on them (the probe sends samples after they "

@@ -28,10 +28,10 @@ from streamrec.plumbing.bus.broker import EmbeddedBroker, free_port
 from streamrec.plumbing.bus.clients import make_consumer
 from streamrec.plumbing.bus.topics import delete_topics, describe_topics, ensure_topics
 from streamrec.plumbing.config import Config
-from streamrec.demo.analysis import by_variant, freshness, had_trained_on, quality
+from streamrec.demo.analysis import answers_trained_on, by_variant, freshness, quality
 from streamrec.demo.experiment import (CONNECTIONS, EXPERIMENT, LiveExperiment, check_config, experiment_line, frozen_model_name, grade_experiment,
                                        prediction_log_counts, serving_config, user_config_file)
-from streamrec.demo.probe import AnsweredSample, ServingClient, ServingProbe, VersionTimeline
+from streamrec.demo.probe import ServingClient, ServingProbe, VersionTimeline
 from streamrec.demo.processes import ManagedProcess, group_members, wait_until
 from streamrec.demo.report import write_report
 from streamrec.demo.resources import ResourceMonitor
@@ -265,19 +265,15 @@ def _result(args: argparse.Namespace, cfg: Config, run: DemoRun, watch: Observer
 def _experiment(cfg: Config, run: DemoRun, probe: ServingProbe, snapshot: dict, manifests: dict[int, dict],
                 logged: dict[str, int]) -> dict:
     """The live experiment: what the probe sent, what the node logged, each variant graded from
-    the log, and the probe's own scores of the same users' samples to set beside them."""
+    the log, and the same grade of the answers as the probe received them, to set beside it."""
     sent = snapshot["experiment"]
-    out = {"name": EXPERIMENT, "frozen_model": probe.live.frozen_store.model, "frozen_version": probe.frozen_version,
+    frozen = probe.live.frozen_store.model  # a copy of the online model's version frozen_version
+    trained = answers_trained_on(sent["answers"], manifests, frozen, probe.frozen_version)
+    out = {"name": EXPERIMENT, "frozen_model": frozen, "frozen_version": probe.frozen_version,
            "requests": sent["requests"], "unscored_samples": sent["unscored"], "prediction_log": logged,
-           "like_for_like": by_variant(snapshot, manifests)}
+           "answered": by_variant(sent["answers"], trained)}
     try:
-        frozen = probe.live.frozen_store.model  # a copy of the online model's version frozen_version
-
-        def source_version(a: AnsweredSample) -> int:
-            return probe.frozen_version if a.model == frozen else a.version
-
-        trained_on = {(a.user_id, a.item_id, a.ts) for a in sent["answers"]
-                      if had_trained_on(source_version(a), a.partition, a.offset, manifests)}
+        trained_on = {(a.user_id, a.item_id, a.ts) for a, t in zip(sent["answers"], trained) if t}
         out["graded"] = grade_experiment(cfg.kafka.bootstrap_servers, run.topics["samples"], run.topics["predictions"],
                                          run.feature_spec(), cfg.kafka.connect_timeout_s, trained_on)
     except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_failures)
