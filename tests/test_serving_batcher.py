@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from streamrec.serving.runtime.batcher import RequestBatcher, Shed
+from streamrec.serving.runtime.batcher import BatcherGroup, RequestBatcher, Shed
 
 
 class Recorder:
@@ -403,12 +403,19 @@ class BackgroundReply:
 
 def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle():
     recorder = Recorder(gate=threading.Event())
-    busy_elsewhere = [True]  # another batcher of the node has a request waiting
+    other_model = Recorder(gate=threading.Event())  # another batcher of the node, with a request waiting
 
     async def scenario():
-        batcher = RequestBatcher(recorder, 64, 0, 1, max_queue_instances=400, queue_timeout_s=60.0)
-        batcher.idle = lambda: not busy_elsewhere[0] and not batcher.has_foreground
+        group = BatcherGroup()
+        batcher = RequestBatcher(recorder, 64, 0, 1, max_queue_instances=400, queue_timeout_s=60.0, group=group)
+        elsewhere = RequestBatcher(other_model, 64, 0, 1, max_queue_instances=400, queue_timeout_s=60.0, group=group)
         await batcher.start()
+        await elsewhere.start()
+        running_elsewhere = asyncio.ensure_future(elsewhere.submit([7]))  # holds its one worker at the gate
+        await until(lambda: other_model.batches, "the other model's first request in a batch")
+        waiting_elsewhere = asyncio.ensure_future(elsewhere.submit([8]))  # queued behind it
+        await asyncio.sleep(0.01)
+        assert elsewhere.has_foreground
         replies = [BackgroundReply() for _ in range(6)]
         assert all(batcher.enqueue_background([1] * 8, r) for r in replies)
         assert not batcher.enqueue_background([1] * 60, BackgroundReply())  # the lane holds at most 400 // 4
@@ -417,9 +424,11 @@ def test_background_work_runs_in_batches_of_its_own_only_while_the_node_is_idle(
         assert (await first).scores.tolist() == [10, 10]
         await asyncio.sleep(0.05)
         assert recorder.batches == [[2]]  # the foreground request ran; the background waits for the node
-        busy_elsewhere[0] = False
+        other_model.gate.set()
+        assert (await running_elsewhere).scores.tolist() == [14] and (await waiting_elsewhere).scores.tolist() == [16]
         await until(lambda: all(r.result is not None for r in replies), "background work ran once the node was idle")
         await batcher.stop()
+        await elsewhere.stop()
         return replies
 
     replies = run(scenario())
@@ -436,7 +445,6 @@ def test_a_request_that_came_during_a_background_batch_on_the_loop_closes_its_ba
 
     async def main():
         batcher = await recorder.start(max_delay_us=int(window_s * 1e6))
-        batcher.idle = lambda: not batcher.has_foreground
         reply = BackgroundReply()
         assert batcher.enqueue_background([1] * 4, reply)
         await until(lambda: recorder.sent, "the request sent during the background batch")

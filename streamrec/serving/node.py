@@ -10,24 +10,19 @@ Requests come from the node's own HTTP (:meth:`predict`) or from its front-end p
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
-import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-import msgspec
 import numpy as np
 import orjson
 
 from streamrec.contracts.events import MAX_FUTURE_SKEW_MS
-from streamrec.contracts.predictions import Prediction
-from streamrec.model.columns import FeatureColumns
-from streamrec.serving.runtime.batcher import BatchResult, Shed
 from streamrec.serving.by_ids import ByIdsQuery, fan_out_json
+from streamrec.serving.runtime.answers import Answer, Answers
 from streamrec.serving.runtime.model_runtime import ByIdsScores, LinkReply, ModelRuntime, stale_features
 from streamrec.serving.errors import ApiError
+from streamrec.serving.access.answer_log import AnswerLog
 from streamrec.serving.access.experiments import entry_to_json
 from streamrec.serving.runtime.ipc import Outbox, failed, payload_of
 from streamrec.serving.runtime.messages import PROTOCOL, Call, ModelScores, PredictByIds, PredictColumns, Scored, Welcome
@@ -46,32 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrec.serving")
 
 
-class ShadowReply:
-    """A shadow request's outcome (the batcher's ``Reply``): counted and logged, answered to nobody."""
-
-    __slots__ = ("node", "runtime", "payload", "call")
-
-    def __init__(self, node: "ServingNode", runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, call: Call) -> None:
-        self.node, self.runtime, self.payload, self.call = node, runtime, payload, call
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, result: BatchResult) -> None:
-        self.node.metrics.shadow.labels(self.runtime.name, "scored").inc()
-        if self.node.prediction_log is not None:
-            self.node.log_prediction(self.runtime, self.payload, result, self.call, shadow=True)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if isinstance(exc, Shed):  # waited past serving.queue_timeout_ms in the background lane
-            self.node.metrics.shadow.labels(self.runtime.name, "shed").inc()
-            return
-        self.node.metrics.shadow.labels(self.runtime.name, "failed").inc()
-        if not self.node.shadow_failure_logged:
-            self.node.shadow_failure_logged = True
-            log.error("shadow model %s failed a request (logged once): %s", self.runtime.name, exc)
-
-
 class ServingNode:
     def __init__(self, runtimes: list[ModelRuntime], settings: ServingConfig, metrics: ServingMetrics, features: OnlineFeatures | None = None,
                  gc_pauses: GcPauses | None = None, experiments: "Experiments | None" = None, callers: "Callers | None" = None,
@@ -83,12 +52,12 @@ class ServingNode:
                                     experiments)
         self.welcome_listeners: list[Callable[[Welcome], None]] = []  # front-end links: told when experiments change
         self._caller_header, self._priority_header = (h.lower().encode("latin-1") for h in (settings.caller_header, settings.priority_header))
-        self._request_prefix, self._request_ids = f"{socket.gethostname()}-{os.getpid()}-", itertools.count()  # the log's ids
-        self.shadow_failure_logged = False
+        self.answers = Answers()  # answered requests, for the log and the shadows (when _keep_answers)
+        self.answer_log = AnswerLog(self.runtimes, metrics, prediction_log, self.answers)
+        self._keep_answers = False
         self._refresh: asyncio.Task | None = None
-        for runtime in runtimes:
-            runtime.batcher.idle = self._idle
-        self._install_hooks()
+        self._handle_answers: asyncio.Task | None = None
+        self._follow_answers()
 
     # ------------------------------------------------------------------ models
     def runtime(self, model: str) -> ModelRuntime:
@@ -96,10 +65,6 @@ class ServingNode:
         if runtime is None:
             raise ApiError(404, f"unknown model {model!r}; this node serves {sorted(self.runtimes)}")
         return runtime
-
-    def _idle(self) -> bool:
-        """No request someone waits for is queued on any model (shadow batches may run)."""
-        return not any(runtime.batcher.has_foreground for runtime in self.runtimes.values())
 
     def decoder_of(self, model: str) -> InstanceDecoder:
         return self.runtime(model).decoder()
@@ -115,8 +80,8 @@ class ServingNode:
             return await self._fan_out_json(routed.fan_out, routed.payload, timeout_s, routed.call)
         runtime = self.runtime(routed.model)
         result = await runtime.score(routed.payload, timeout_s)
-        if runtime.on_answer is not None:
-            runtime.on_answer(runtime, routed.payload, result, routed.call)  # never raises (_answered)
+        if self._keep_answers:
+            self.answer_log.handle(Answer(runtime.name, routed.payload, routed.call, result))
         if isinstance(result.scores, ByIdsScores):
             return result.scores.json(routed.ts, routed.extra)
         return orjson.dumps({"model_version": result.version, "scores": result.scores.tolist(), **routed.extra})
@@ -132,7 +97,9 @@ class ServingNode:
                 asyncio.ensure_future(self._fan_out_link(message, payload, outbox))
                 return
             runtime = self.runtime(message.model)
-            runtime.enqueue(payload, message.timeout_s, LinkReply(runtime, message.id, outbox, payload, message.call, started))
+            reply = LinkReply(runtime.name, runtime.metrics, self.answers if self._keep_answers else None, message.id, outbox, payload,
+                              message.call, started)
+            runtime.enqueue(payload, message.timeout_s, reply)
         except ApiError as exc:
             outbox.put(failed(message.id, exc))
 
@@ -169,7 +136,7 @@ class ServingNode:
             else:
                 parts.append(ModelScores(runtime.name, outcome.version, np.asarray(outcome.scores, np.float32).tobytes()))
         try:
-            self._log_fan_out(query, assembled.as_of, parts, call)
+            self.answer_log.log_fan_out(query, assembled.as_of, parts, call)
         except Exception:  # noqa: BLE001 -- the answer goes out whatever the log does
             log.exception("prediction log of a fan-out failed")
         return assembled, parts
@@ -192,67 +159,6 @@ class ServingNode:
         outbox.put(Scored(message.id, 0, b"", by_ids=True, features_as_of=assembled.as_of,
                           features_stale=stale_features(assembled.as_of, self.settings), features=features, fan_out=parts))
 
-    def _answered(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
-        """Every answered request: into the prediction log, and to its shadow model if it has one.
-        Never raises: it runs among a batch's answers."""
-        try:
-            self._log_and_shadow(runtime, payload, result, call)
-        except Exception:  # noqa: BLE001 -- the answer went out; the log and the shadow are best effort
-            log.exception("prediction log / shadow of an answered request failed")
-
-    def _log_and_shadow(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call) -> None:
-        if self.prediction_log is not None:
-            call = self._with_request_id(call)  # the primary's and its shadow's records share it
-            self.log_prediction(runtime, payload, result, call)
-        if call.shadow_model:
-            shadow = self.runtimes.get(call.shadow_model)
-            if shadow is None or shadow.served.current is None:
-                self.metrics.shadow.labels(call.shadow_model, "unavailable").inc()
-                return
-            if not shadow.batcher.enqueue_background(payload, ShadowReply(self, shadow, payload, call)):
-                self.metrics.shadow.labels(shadow.name, "shed").inc()  # its lane is full: dropped, the primary was answered
-
-    def log_prediction(self, runtime: ModelRuntime, payload: FeatureColumns | ByIdsQuery, result: BatchResult, call: Call,
-                       shadow: bool = False) -> None:
-        scores = result.scores.scores if isinstance(result.scores, ByIdsScores) else result.scores
-        as_of = result.scores.features_as_of if isinstance(result.scores, ByIdsScores) else None
-        self._record(call, runtime.name, result.version, payload, scores, as_of, shadow)
-
-    def _with_request_id(self, call: Call) -> Call:
-        """``call`` with the id its prediction-log records share: the client's x-request-id, else one made up here."""
-        if call.request_id is not None or not call.log:
-            return call
-        return msgspec.structs.replace(call, request_id=f"{self._request_prefix}{next(self._request_ids)}")
-
-    def _log_fan_out(self, query: ByIdsQuery, as_of: int | None, parts: list[ModelScores], call: Call) -> None:
-        if self.prediction_log is not None and call.log:
-            call = self._with_request_id(call)  # every model's record shares it
-            for part in parts:
-                if part.scores is not None:
-                    self._record(call, part.model, part.model_version, query, np.frombuffer(part.scores, np.float32), as_of, False)
-
-    def _record(self, call: Call, model: str, version: int, payload: FeatureColumns | ByIdsQuery, scores: np.ndarray,
-                as_of: int | None, shadow: bool) -> None:
-        """An answer into the prediction log (one encode and a non-blocking send a record):
-        one record per user, at the request's event time (an instances request: per user,
-        their instances' latest ``ts``). A request sent with ``x-prediction-log: off`` is not logged."""
-        if not call.log:
-            return
-        request_id = self._with_request_id(call).request_id
-        if isinstance(payload, ByIdsQuery):
-            parts = [(payload.ts, payload.user_id, payload.candidates[:, 0], scores)]
-        else:
-            users, ts, items = payload.ints["user_id"], payload.ints["ts"], payload.ints["item_id"]
-            if (users == users[0]).all():
-                parts = [(int(ts.max()), int(users[0]), items, scores)]
-            else:  # several users in one request: a record each, so every candidate joins its own user's labels
-                order = np.argsort(users, kind="stable")
-                starts = np.flatnonzero(np.r_[True, users[order][1:] != users[order][:-1]])
-                parts = [(int(ts[rows].max()), int(users[rows[0]]), items[rows], scores[rows]) for rows in np.split(order, starts[1:])]
-        for ts_ms, user, item_ids, user_scores in parts:
-            self.prediction_log.record(Prediction(request_id, ts_ms, user, item_ids, user_scores, model, version, call.experiment,
-                                                  call.variant, as_of, shadow))
-
     # ------------------------------------------------------------------ front-ends
     def hello(self) -> Welcome:
         """What a front-end process needs to decode and route requests itself."""
@@ -265,15 +171,14 @@ class ServingNode:
             return []
         return [entry_to_json(entry) for entry in self.experiments.entries()]
 
-    def _install_hooks(self) -> None:
-        """The per-answer hook only where something needs it: the prediction log, or a shadow model."""
+    def _follow_answers(self) -> None:
+        """Answers are kept only where something needs them: the prediction log, or a shadow model."""
         shadows = self.experiments is not None and any(e.shadow_model for e in self.experiments.entries())
-        for runtime in self.runtimes.values():
-            runtime.on_answer = self._answered if self.prediction_log is not None or shadows else None
+        self._keep_answers = self.prediction_log is not None or shadows
 
     def experiments_changed(self) -> None:
         """Tell every front-end the experiments now in force."""
-        self._install_hooks()
+        self._follow_answers()
         welcome = self.hello()
         for listener in self.welcome_listeners:
             listener(welcome)
@@ -338,10 +243,18 @@ class ServingNode:
             await runtime.start()
         if self.experiments is not None and self.experiments.store is not None:
             self._refresh = asyncio.create_task(self._follow_experiments(), name="experiments")
+        self._handle_answers = asyncio.create_task(self._answer_loop(), name="answers")
+
+    async def _answer_loop(self) -> None:
+        """The front-end requests' answers (and shadow outcomes), in order, to the answer log."""
+        while True:
+            for answer in await self.answers.take():
+                self.answer_log.handle(answer)
 
     async def stop(self) -> None:
-        if self._refresh is not None:
-            self._refresh.cancel()
+        for task in (self._refresh, self._handle_answers):
+            if task is not None:
+                task.cancel()
         for runtime in self.runtimes.values():
             await runtime.stop()
 

@@ -18,6 +18,7 @@ from streamrec.model.network import inference_cache_rows
 from streamrec.modelstore.store import ModelStore
 from streamrec.serving.http.app import create_app
 from streamrec.modelstore.experiments import ExperimentStore
+from streamrec.serving.runtime.batcher import BatcherGroup
 from streamrec.serving.runtime.model_runtime import ModelRuntime
 from streamrec.serving.access.experiments import Experiments
 from streamrec.serving.access.prediction_log import PredictionLog
@@ -99,7 +100,8 @@ def serve(cfg: Config) -> None:
                                   s.feature_snapshot_interval_s).start()
         log.info("online features: materialising %s (ready once caught up)", cfg.topics.features)
     metrics = ServingMetrics()
-    model_runtimes = [ModelRuntime(model, s, ModelMetrics(metrics, model.model_store.model), features) for model in served]
+    batchers = BatcherGroup()
+    model_runtimes = [ModelRuntime(model, s, ModelMetrics(metrics, model.model_store.model), features, batchers) for model in served]
     node = ServingNode(model_runtimes, s, metrics, features, GcPauses().install(), **model_access(cfg, metrics))
     app = PredictShortcut(create_app(node, plan), node.predict, s.max_body_bytes, s.caller_header, s.priority_header)
     if plan is not None:

@@ -16,8 +16,8 @@ queue that only grows makes every answer late.
 
 Background work (a shadow model's copy of a request, which nobody waits for) has a lane of
 its own: it runs in batches of its own (up to ``max_batch`` instances: a batch's fixed cost is
-most of a small one's), only when ``idle()`` says no batcher of the node has a request
-waiting, and is dropped when its lane holds more than ``max_queue_instances // 4``
+most of a small one's), only when no batcher of its :class:`BatcherGroup` (a node's) has a
+request waiting, and is dropped when its lane holds more than ``max_queue_instances // 4``
 instances: a request someone waits for never queues behind more than the background batch in
 progress and one more.
 
@@ -128,11 +128,23 @@ def _percentile_ms(values: deque, q: float) -> float | None:
     return round(float(np.percentile(np.fromiter(values, float), q)) * 1000, 3) if values else None
 
 
+class BatcherGroup:
+    """The batchers of one serving node (one per model): background work runs only while none
+    of them has a request someone waits for."""
+
+    def __init__(self) -> None:
+        self.members: list[RequestBatcher] = []
+
+    def idle(self) -> bool:
+        return not any(batcher.has_foreground for batcher in self.members)
+
+
 class RequestBatcher:
     fair: bool = True  # False: batches in arrival order only (the overload bench's baseline)
 
     def __init__(self, run_batch: Callable[[list[list]], list[tuple[int, np.ndarray] | Exception]], max_batch: int, max_delay_us: int,
-                 workers: int, *, max_queue_instances: int, queue_timeout_s: float) -> None:
+                 workers: int, *, max_queue_instances: int, queue_timeout_s: float, group: BatcherGroup | None = None) -> None:
+        """``group``: the node's batchers, joined here (default: a group of this one alone)."""
         if max_batch < 1 or max_delay_us < 0 or workers < 0 or max_queue_instances < 1 or queue_timeout_s <= 0:
             raise ValueError("serving.max_batch and serving.max_queue_instances must be >= 1, serving.workers and "
                              "serving.max_delay_us >= 0, serving.queue_timeout_ms > 0")
@@ -159,7 +171,8 @@ class RequestBatcher:
         self.stats = BatchingStats()
         self._background: deque[_Request] = deque()
         self._background_rows = 0
-        self.idle: Callable[[], bool] = lambda: True  # no foreground request waits on the node (the node sets it)
+        self.group = group if group is not None else BatcherGroup()
+        self.group.members.append(self)
 
     async def start(self) -> None:
         self._waiting, self._full = asyncio.Event(), asyncio.Event()
@@ -281,7 +294,7 @@ class RequestBatcher:
         if not self._background:
             self._settle()
             return
-        if not self.idle():
+        if not self.group.idle():
             await asyncio.sleep(0.0005)
             return
         now, batch, rows = time.perf_counter(), [], 0

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -24,7 +24,8 @@ from streamrec.embedding.kernels import available as device_kernels
 from streamrec.model.batch import batch_from_columns
 from streamrec.model.columns import FeatureColumns
 from streamrec.contracts.feature_spec import FeatureSpec
-from streamrec.serving.runtime.batcher import BatchResult, Reply, RequestBatcher, Shed
+from streamrec.serving.runtime.answers import Answer, Answers
+from streamrec.serving.runtime.batcher import BatcherGroup, BatchResult, Reply, RequestBatcher, Shed
 from streamrec.serving.by_ids import ByIdsQuery, answer_json
 from streamrec.serving.features.device_counts import DeviceCounts
 from streamrec.serving.errors import BEYOND_HORIZON, ApiError, SpecChanged, no_feature_store, not_loaded
@@ -61,18 +62,17 @@ class ByIdsScores:
         return orjson.dumps(self.features) if self.features is not None else None
 
 
-Answered = Callable[["ModelRuntime", "FeatureColumns | ByIdsQuery", BatchResult, Call], None]  # the prediction log's hook
-
-
 class LinkReply:
     """Where a front-end request's outcome goes (the batcher's ``Reply``): its answer message
-    into the link's outbox, counted in the metrics; no future or task per request."""
+    into the link's outbox, counted in the model's metrics, and into ``answers`` when the node
+    keeps them (prediction log, shadow models); no future or task per request."""
 
-    __slots__ = ("runtime", "id", "outbox", "payload", "call", "started", "answered")
+    __slots__ = ("model", "metrics", "answers", "id", "outbox", "payload", "call", "started", "answered")
 
-    def __init__(self, runtime: "ModelRuntime", request_id: int, outbox: Outbox, payload: FeatureColumns | ByIdsQuery, call: Call,
-                 started: float) -> None:
-        self.runtime, self.id, self.outbox, self.payload, self.call, self.started = runtime, request_id, outbox, payload, call, started
+    def __init__(self, model: str, metrics: ModelMetrics, answers: Answers | None, request_id: int, outbox: Outbox,
+                 payload: FeatureColumns | ByIdsQuery, call: Call, started: float) -> None:
+        self.model, self.metrics, self.answers = model, metrics, answers
+        self.id, self.outbox, self.payload, self.call, self.started = request_id, outbox, payload, call, started
         self.answered = False
 
     def done(self) -> bool:
@@ -83,27 +83,55 @@ class LinkReply:
         scores = result.scores
         message = (scores.message(self.id) if isinstance(scores, ByIdsScores)
                    else Scored(self.id, result.version, np.asarray(scores, np.float32).tobytes()))
-        self.runtime.count_answer(self.started, len(self.payload), result.queued_s)
+        count_answer(self.metrics, self.started, len(self.payload), result.queued_s)
         self.outbox.put(message)
-        if self.runtime.on_answer is not None:
-            self.runtime.on_answer(self.runtime, self.payload, result, self.call)
+        if self.answers is not None:
+            self.answers.put(Answer(self.model, self.payload, self.call, result))
 
     def set_exception(self, exc: BaseException) -> None:
         self.answered = True
-        self.outbox.put(failed(self.id, self.runtime.failure(exc, self.started)))
+        self.outbox.put(failed(self.id, request_failure(self.metrics, exc, self.started)))
+
+
+def count_answer(metrics: ModelMetrics, started: float, rows: int, queued_s: float) -> None:
+    """An answered request in its model's metrics."""
+    metrics.queued.observe(queued_s)
+    metrics.instances.inc(rows)
+    metrics.answered.inc()
+    metrics.latency.observe(time.perf_counter() - started)
+
+
+def request_failure(metrics: ModelMetrics, exc: BaseException, started: float) -> ApiError:
+    """The ApiError a request gets for ``exc``, counted in its model's metrics: 429 when the
+    queue is full, 503 past its deadline, 500 for the unexpected (logged)."""
+    status = "error"
+    if isinstance(exc, Shed):
+        status = "shed"
+        metrics.shed.labels(exc.reason).inc()
+        error = ApiError(429 if exc.reason == "queue_full" else 503, str(exc))
+    elif isinstance(exc, ApiError):
+        error = exc
+    else:
+        log.error("unexpected error scoring a request", exc_info=exc)
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+    metrics.requests.labels(status).inc()
+    metrics.latency.observe(time.perf_counter() - started)
+    return error
 
 
 class ModelRuntime:
-    def __init__(self, served: ServedModel, settings: ServingConfig, metrics: ModelMetrics, features: OnlineFeatures | None = None) -> None:
+    def __init__(self, served: ServedModel, settings: ServingConfig, metrics: ModelMetrics, features: OnlineFeatures | None = None,
+                 batchers: BatcherGroup | None = None) -> None:
+        """``batchers``: the node's batchers, which this model's joins (background work waits for all)."""
         self.served, self.settings, self.metrics, self.features = served, settings, metrics, features
         self.name = served.model_store.model
         self._started_at = time.monotonic()
         self.batcher = RequestBatcher(self.execute, settings.max_batch, settings.max_delay_us, settings.batch_workers(served.device.type),
-                                      max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000)
+                                      max_queue_instances=settings.max_queue_instances, queue_timeout_s=settings.queue_timeout_ms / 1000,
+                                      group=batchers)
         self._decoders: dict[FeatureSpec, InstanceDecoder] = {}
         self.counts_on_host_because: str | None = None  # why the device path could not start, if it could not
         self._on_device = self._counts_on_device() if features is not None else None  # made (its kernel compiled) at start
-        self.on_answer: Answered | None = None  # called with every answered request (serving.prediction_log)
 
     # ------------------------------------------------------------------ versions
     def load(self, version: int | None = None, pin: bool = False, by: str = "", reason: str = "") -> ApplyReport:
@@ -182,8 +210,8 @@ class ModelRuntime:
         try:
             result = await self.batcher.submit(payload, timeout_s)
         except Exception as exc:
-            raise self.failure(exc, started) from None
-        self.count_answer(started, len(payload), result.queued_s)
+            raise request_failure(self.metrics, exc, started) from None
+        count_answer(self.metrics, started, len(payload), result.queued_s)
         return result
 
     def enqueue(self, payload: FeatureColumns | ByIdsQuery, timeout_s: float | None, reply: Reply) -> None:
@@ -194,37 +222,13 @@ class ModelRuntime:
         try:
             self.batcher.enqueue(payload, reply, timeout_s)
         except Shed as exc:
-            raise self.failure(exc, started) from None
+            raise request_failure(self.metrics, exc, started) from None
 
     def check_payload(self, payload: FeatureColumns | ByIdsQuery) -> None:
         if self.served.current is None:
             raise not_loaded()
         if isinstance(payload, ByIdsQuery):
             self.check_horizon(payload)
-
-    def count_answer(self, started: float, rows: int, queued_s: float) -> None:
-        metrics = self.metrics
-        metrics.queued.observe(queued_s)
-        metrics.instances.inc(rows)
-        metrics.answered.inc()
-        metrics.latency.observe(time.perf_counter() - started)
-
-    def failure(self, exc: BaseException, started: float) -> ApiError:
-        """The ApiError a request gets for ``exc``, counted in the metrics: 429 when the queue
-        is full, 503 past its deadline, 500 for the unexpected (logged)."""
-        status = "error"
-        if isinstance(exc, Shed):
-            status = "shed"
-            self.metrics.shed.labels(exc.reason).inc()
-            error = ApiError(429 if exc.reason == "queue_full" else 503, str(exc))
-        elif isinstance(exc, ApiError):
-            error = exc
-        else:
-            log.error("unexpected error scoring a request", exc_info=exc)
-            error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-        self.metrics.requests.labels(status).inc()
-        self.metrics.latency.observe(time.perf_counter() - started)
-        return error
 
     def execute(self, payloads: list) -> list:
         """Check and score every request of a batch in one pass (a batcher worker).
