@@ -11,7 +11,7 @@ takes the next: the take's time is what a batch costs the training thread at tha
 time (waiting included, where the reader falls behind). ``--step-ms 0`` measures the
 reader's full rate instead. Baseline, same run: the same stages (decode, the rank's
 stripes, checks, ``batch_from_table``, the layout) one after another in the consumer's own
-thread, as a trainer without a reader process runs them, with the reader's torch threads:
+thread, as a trainer without a reader process runs them, with one torch thread:
 all of it is the training thread's. Both loop over the file; the first ``--warmup`` batches are left out.
 
 A reader slower than a rank's step makes that rank wait, and every other rank with it
@@ -41,7 +41,12 @@ from streamrec.embedding.sharded import layout_on_host  # noqa: E402
 from streamrec.model.batch import SampleBatch, batch_from_table, dense_feature_names  # noqa: E402
 from streamrec.model.sparse import SparseFeatures  # noqa: E402
 from streamrec.plumbing.config import load_config  # noqa: E402
-from streamrec.trainer.reader import CHILD_TORCH_THREADS, ReaderSettings, SampleReader, SourceSpec  # noqa: E402
+from streamrec.trainer.reader import SampleReader  # noqa: E402
+from streamrec.trainer.reader_process import ReaderSettings, SourceSpec  # noqa: E402
+
+# the baseline's few torch operations (a batch's tensors wrapped, its ids concatenated) get one
+# thread: the reader process runs none, and more would only spin on the training thread's cores
+BASELINE_TORCH_THREADS = 1
 from streamrec.trainer.sources import FileSampleSource, sample_files  # noqa: E402
 
 
@@ -75,10 +80,9 @@ def ours(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: i
 
 
 def in_thread(files: list[str], spec, ranks: int, batch: int, batches: int, warmup: int) -> dict:
-    """The same stages in this thread, one after another, with as many torch threads as the
-    reader process has (``CHILD_TORCH_THREADS``)."""
+    """The same stages in this thread, one after another (``BASELINE_TORCH_THREADS``)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(CHILD_TORCH_THREADS)
+    torch.set_num_threads(BASELINE_TORCH_THREADS)
     try:
         return _in_thread(files, spec, ranks, batch, batches, warmup)
     finally:

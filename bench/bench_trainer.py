@@ -101,7 +101,8 @@ from streamrec.model.network import CTRModel, ModelSpec
 from streamrec.trainer.publisher import Publisher, PublishSettings
 import streamrec.trainer.loop as trainer_loop
 from streamrec.trainer.prefetch import END
-from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
+from streamrec.trainer.reader import SampleReader
+from streamrec.trainer.reader_process import ReaderSettings, SourceSpec
 from streamrec.trainer.sources import sample_files
 from streamrec.model.sparse import ModelInputs, SparseFeatures
 

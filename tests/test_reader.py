@@ -17,10 +17,12 @@ from conftest import REPO
 
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.embedding.sharded import layout_on_host
-from streamrec.model.batch import dense_feature_names
+from streamrec.model.batch import SampleBatch, dense_feature_names
+from streamrec.model.host_batch import HostBatch
 from streamrec.model.sparse import SparseFeatures
 from streamrec.trainer.prefetch import END, IDLE, Prefetcher, Skipped
-from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec, slot_bytes
+from streamrec.trainer.reader import SampleReader
+from streamrec.trainer.reader_process import ReaderSettings, SourceSpec, slot_bytes
 from streamrec.trainer.sources import FileSampleSource
 
 SPEC = FeatureSpec()
@@ -28,14 +30,15 @@ CPU = torch.device("cpu")
 
 
 def _drain(get) -> tuple[list, Counter, list]:
-    """Every batch until END (each batch's tensors, positions), and the rejections seen."""
+    """Every batch until END (each batch's tensors, positions), and the rejections seen; the
+    in-thread Prefetcher's arrays made tensors as the trainer's side makes them."""
     batches, rejected, positions = [], Counter(), []
     while (item := get()) is not END:
         assert item is not IDLE
         rejected += item.rejected
         positions.append(dict(item.positions))
         if not isinstance(item, Skipped):
-            batches.append(item)
+            batches.append(SampleBatch.from_host(item) if isinstance(item, HostBatch) else item)
     return batches, rejected, positions
 
 

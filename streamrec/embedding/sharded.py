@@ -79,10 +79,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 import numpy as np
-import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from streamrec.embedding.host_layout import lay_out, owner_of
 from streamrec.embedding.grouped import GroupedRows, apply_gradients_grouped, find_or_insert_grouped
 from streamrec.embedding.table import BatchRows
 from streamrec.embedding.unique import unique_per_group, unique_tagged
@@ -97,22 +97,6 @@ EXCHANGE_PARTS = ("ids", "owner_find_or_insert", "rows", "grads", "owner_update"
 # apply_gradients' all_to_all also averages a dense buffer where each rank's whole copy to every
 # other rank, (world - 1) x its bytes, stays this small (a ring all_reduce sends under 2x them)
 AVERAGE_MAX_BYTES = 8 << 20
-_MIX = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64 (splitmix64's multiplier)
-
-
-def owner_of(keys: torch.Tensor, world: int) -> torch.Tensor:
-    """The rank that owns each key (int64 keys: a tensor, or a numpy array alike). A different
-    mix than the hash index's (which takes the top bits of ``key * 0x9E37...``), so one shard's
-    keys do not crowd one part of its index."""
-    mixed = keys >> 31  # then in place: one buffer, not one per operation
-    mixed ^= keys
-    mixed *= _MIX
-    mixed >>= 32
-    mixed &= 0x7FFFFFFF
-    mixed %= world
-    return mixed
-
-
 SHARDED, REPLICATED = "sharded", "replicated"
 
 
@@ -284,50 +268,16 @@ class ExchangeStats:
 def layout_on_host(ids: Mapping[str, torch.Tensor], world: int, pin: bool = False,
                    every_sighting: Collection[str] = ()) -> HostPlan:
     """``ShardedCollection.plan``'s layout of ``ids`` (table -> int64 [n] in host memory) over
-    ``world`` ranks, made on the host by any thread or process (the trainer's sample reader):
-    each table's distinct ids (a hash de-duplication, then sorted), every one's (owner, table)
-    as one small code, the distinct ids put in code order by one stable sort, then counted;
-    each input id's place among them. The tables in ``every_sighting`` (an admission sketch
-    counts every sighting) keep every id, sorted. ``pin``: the result in page-locked memory,
-    for one asynchronous copy to the device."""
-    names = list(ids)
-    # per table: its keys sorted (distinct unless every sighting counts), the order that sorts
-    # them, and each input id's key (None: each id its own key, in input order)
-    distinct, sorts, of_ids = [], [], []
-    for name in names:
-        flat = ids[name].reshape(-1).to(torch.int64).numpy()
-        if name in every_sighting:  # each id its own key
-            values, of_id = flat, None
-        else:
-            encoded = pa.array(flat, pa.int64()).dictionary_encode()  # hashed: no sort of every id
-            values, of_id = encoded.dictionary.to_numpy(), encoded.indices.to_numpy(zero_copy_only=False)
-        by_key = np.argsort(values, kind="stable")
-        distinct.append(values[by_key])
-        sorts.append(by_key)
-        of_ids.append(of_id)
-    counts_by_table = [len(k) for k in distinct]
-    keys = np.concatenate(distinct) if distinct else np.empty(0, np.int64)
-    groups = world * len(names)
-    code = owner_of(keys, world) * len(names) + np.repeat(np.arange(len(names)), counts_by_table)
-    code = code.astype(np.uint8 if groups <= 256 else np.int32)
-    send = np.argsort(code, kind="stable")
-    sent_at = np.empty(len(keys), np.int64)  # each distinct key's place in send order
-    sent_at[send] = np.arange(len(keys))
-    sizes = [ids[name].numel() for name in names]  # each table's input ids
-    routed = torch.empty(len(keys) + sum(sizes), dtype=torch.int64, pin_memory=pin)
-    out = routed.numpy()
-    np.take(keys, send, out=out[:len(keys)], mode="clip")  # mode="clip": no buffered copy of the output
-    first_key, at = 0, len(keys)
-    for by_key, of_id, n_keys, n_ids in zip(sorts, of_ids, counts_by_table, sizes):
-        placed = np.empty(n_keys, np.int64)  # each of the table's values (before sorting): its key's place in send order
-        placed[by_key] = sent_at[first_key:first_key + n_keys]
-        if of_id is None:
-            out[at:at + n_ids] = placed
-        else:
-            np.take(placed, of_id, out=out[at:at + n_ids], mode="clip")  # each input id's key's place: one gather
-        first_key, at = first_key + n_keys, at + n_ids
-    counts = np.bincount(code, minlength=groups)
-    return HostPlan(names, sizes, routed, counts.tolist())
+    ``world`` ranks (embedding/host_layout.py ``lay_out``); ``pin``: the result in page-locked
+    memory, for one asynchronous copy to the device."""
+    routed: list[torch.Tensor] = []
+
+    def allocate(n: int) -> np.ndarray:
+        routed.append(torch.empty(n, dtype=torch.int64, pin_memory=pin))
+        return routed[0].numpy()
+
+    laid = lay_out({name: t.reshape(-1).to(torch.int64).numpy() for name, t in ids.items()}, world, every_sighting, allocate)
+    return HostPlan(laid.names, laid.sizes, routed[0], laid.send_counts)
 
 
 def _split_counts(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:

@@ -25,10 +25,10 @@ import torch
 
 from streamrec.model.columns import FeatureColumns, columns_from_table
 from streamrec.contracts.feature_spec import COUNTER_ENTITIES, FeatureSpec
+from streamrec.model.host_batch import CONTEXT_FIELDS, CTR_PRIOR_IMPS, TABLES, HostBatch, host_batch_from_columns, host_dense_features
 
-TABLES = ("user", "item", "category", "advertiser", "context")
-CONTEXT_FIELDS = ("device", "position", "local_hour")
-CTR_PRIOR_IMPS = 10.0  # smoothing of the rate features: clicks / (imps + prior)
+__all__ = ["CONTEXT_FIELDS", "CTR_PRIOR_IMPS", "TABLES", "SampleBatch", "batch_from_columns", "batch_from_table", "dense_feature_names",
+           "dense_features"]
 
 
 @dataclass
@@ -57,6 +57,14 @@ class SampleBatch:
 
     def __len__(self) -> int:
         return len(self.user)
+
+    @classmethod
+    def from_host(cls, host: HostBatch) -> "SampleBatch":
+        """The tensors over ``host``'s arrays (no copy), its other fields as they are."""
+        values = {f.name: getattr(host, f.name) for f in fields(host)}
+        for name in host.arrays():
+            values[name] = torch.from_numpy(values[name])
+        return cls(**values)
 
     def _tensors(self) -> list[str]:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
@@ -126,20 +134,10 @@ def dense_features(counters: np.ndarray | torch.Tensor) -> np.ndarray | torch.Te
     by side): numpy on the host (no intra-op threads), torch where the counters are (serving
     on a GPU)."""
     if isinstance(counters, np.ndarray):
-        counters = counters.astype(np.float32)
-        pairs = counters.reshape(len(counters), counters.shape[1] // 2, 2)
-        return np.concatenate([np.log1p(counters), pairs[..., 1] / (pairs[..., 0] + np.float32(CTR_PRIOR_IMPS))], axis=1)
+        return host_dense_features(counters)
     counters = counters.to(torch.float32)
     pairs = counters.view(len(counters), counters.shape[1] // 2, 2)
     return torch.cat([torch.log1p(counters), pairs[..., 1] / (pairs[..., 0] + CTR_PRIOR_IMPS)], dim=1)
-
-
-def context_keys(device_hash: np.ndarray, position: np.ndarray, local_hour: np.ndarray) -> np.ndarray:
-    """[B, 3] keys of the context table."""
-    out = np.empty((len(position), 3), dtype=np.int64)
-    for j, values in enumerate((device_hash, position.astype(np.int64), local_hour.astype(np.int64))):
-        out[:, j] = (j + 1) << 32 | (values & 0xFFFFFFFF)
-    return out
 
 
 def batch_from_table(table: pa.Table, spec: FeatureSpec, history_len: int, with_labels: bool = True) -> SampleBatch:
@@ -147,44 +145,6 @@ def batch_from_table(table: pa.Table, spec: FeatureSpec, history_len: int, with_
     return batch_from_columns(columns_from_table(table, spec, with_labels), spec, history_len)
 
 
-def _tensor(values: np.ndarray, dtype: type) -> torch.Tensor:
-    """A tensor over ``values``, copied only when it must be (another dtype, a strided view,
-    a read-only buffer such as Arrow's or a received frame's): columns_from_table's arrays
-    are already fresh int64 copies."""
-    return torch.from_numpy(np.require(values, dtype, ["C", "W"]))
-
-
 def batch_from_columns(cols: FeatureColumns, spec: FeatureSpec, history_len: int, with_dense: bool = True) -> SampleBatch:
-    """Tensors of checked columns; sequences longer than ``history_len`` keep their most recent
-    (first) ``history_len`` ids. ``with_dense=False``: ``dense`` is left empty, for the caller to
-    compute with :func:`dense_features` where the counters end up (serving, on the device)."""
-    n = len(cols)
-    lengths = cols.hist_lengths
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    position = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    kept = position < history_len
-    hist_items, hist_categories = cols.hist_items, cols.hist_categories
-    if not kept.all():
-        rows, position, hist_items, hist_categories = rows[kept], position[kept], hist_items[kept], hist_categories[kept]
-    hist_index = rows * history_len + position
-
-    dense = torch.from_numpy(np.ascontiguousarray(dense_features(cols.counters))) if with_dense else torch.empty(0)
-    ints = cols.ints
-    label = cols.label if cols.label is not None else np.zeros(n, np.float32)
-    return SampleBatch(
-        user=_tensor(ints["user_id"], np.int64),
-        item=_tensor(ints["item_id"], np.int64),
-        category=_tensor(ints["category_id"], np.int64),
-        advertiser=_tensor(ints["advertiser_id"], np.int64),
-        context=torch.from_numpy(context_keys(cols.device_hash, ints["position"], ints["local_hour"])),
-        hist_items=_tensor(hist_items, np.int64),
-        hist_categories=_tensor(hist_categories, np.int64),
-        hist_index=torch.from_numpy(hist_index),
-        dense=dense,
-        label=_tensor(label, np.float32),
-        ts=_tensor(ints["ts"], np.int64),
-        history_len=history_len,
-        hist_group=None if cols.hist_group is None else torch.from_numpy(np.ascontiguousarray(cols.hist_group, np.int64)),
-        history_groups=len(lengths) if cols.hist_group is not None else 0,
-        event_ids=cols.event_ids,
-    )
+    """Tensors of checked columns (model/host_batch.py ``host_batch_from_columns``, wrapped)."""
+    return SampleBatch.from_host(host_batch_from_columns(cols, history_len, with_dense))

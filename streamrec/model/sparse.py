@@ -15,6 +15,7 @@ import torch
 
 from streamrec.embedding.collection import TrainingCollection, TrainingRows
 from streamrec.model.batch import SampleBatch
+from streamrec.model.host_batch import table_ids
 from streamrec.plumbing.locks import RWLock
 
 
@@ -39,13 +40,7 @@ class SparseFeatures:
     @staticmethod
     def table_ids(batch: SampleBatch) -> dict[str, torch.Tensor]:
         """The ids each table is asked for (candidate ids first, then the history's)."""
-        return {
-            "user": batch.user,
-            "item": torch.cat([batch.item, batch.hist_items]),
-            "category": torch.cat([batch.category, batch.hist_categories]),
-            "advertiser": batch.advertiser,
-            "context": batch.context.reshape(-1),
-        }
+        return table_ids(batch, torch.cat)
 
     def training_inputs(self, batch: SampleBatch, now_ms: int) -> tuple[ModelInputs, TrainingRows]:
         """Training lookup: rows are created/admitted as needed and will receive gradients;

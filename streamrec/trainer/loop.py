@@ -53,7 +53,8 @@ from streamrec.trainer.dense_graph import GraphedDense
 from streamrec.trainer.distributed import Agreed, DenseGradients, Publish, ShardedVersionWriter, agree, gather_to_all
 from streamrec.trainer.evaluation import OnlineEvaluation, PendingStep, open_truth
 from streamrec.trainer.prefetch import END, Skipped
-from streamrec.trainer.reader import ReaderSettings, SampleReader, SourceSpec
+from streamrec.trainer.reader import SampleReader
+from streamrec.trainer.reader_process import ReaderSettings, SourceSpec
 from streamrec.trainer.progress import ProgressReporter, TrainerMetrics
 from streamrec.trainer.publisher import ChainPosition, PoisonedModel, PublishFailed, Publisher, PublishSettings, TopicAnnouncer
 from streamrec.trainer.session import TrainingSession, TrainOptions

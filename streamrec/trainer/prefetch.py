@@ -2,7 +2,7 @@
 trainer/reader.py).
 
 A background thread cuts the source's chunks into batches of ``batch_size`` samples,
-converts them to tensors and keeps up to ``depth`` batches queued. Another reads the
+converts them to arrays (model/host_batch.py: no torch) and keeps up to ``depth`` batches queued. Another reads the
 chunks (decoded, checked) up to ``CHUNKS_AHEAD`` ahead of it: decoding runs mostly in
 pyarrow without the GIL, so it overlaps the batching's Python and numpy work instead of
 adding to it.
@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from streamrec.model.batch import SampleBatch, batch_from_table
+from streamrec.model.host_batch import HostBatch, host_batch_from_table
 from streamrec.contracts.feature_spec import FeatureSpec
 from streamrec.trainer.sources import Rejection, SampleChunk, SampleSource
 
@@ -51,7 +51,7 @@ class Prefetcher:
 
     def __init__(self, source: SampleSource, spec: FeatureSpec, batch_size: int, history_len: int, depth: int = 4,
                  max_delay_s: float | None = None,
-                 prepare: Callable[[SampleBatch], None] | None = None) -> None:
+                 prepare: Callable[[HostBatch], None] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.source, self.spec, self.batch_size, self.history_len = source, spec, batch_size, history_len
@@ -70,7 +70,7 @@ class Prefetcher:
         return self
 
     def get(self, timeout: float | None = None):
-        """The next SampleBatch, IDLE, or END; re-raises a failure of the reading thread."""
+        """The next HostBatch, IDLE, or END; re-raises a failure of the reading thread."""
         try:
             item = self.queue.get(timeout=timeout)
         except queue.Empty:
@@ -80,7 +80,7 @@ class Prefetcher:
         return item
 
     def poll(self, timeout: float) -> object | None:
-        """The next item as the reading thread queued it (a SampleBatch, Skipped, IDLE, END or
+        """The next item as the reading thread queued it (a HostBatch, Skipped, IDLE, END or
         the thread's failure, not raised), or None if none came within ``timeout``."""
         try:
             return self.queue.get(timeout=timeout)
@@ -162,7 +162,7 @@ class Prefetcher:
                     table = pa.concat_tables(tables)
                     part, off = np.concatenate(parts), np.concatenate(offs)
                     n = min(self.batch_size, buffered)
-                    batch = batch_from_table(table.slice(0, n), self.spec, self.history_len)
+                    batch = host_batch_from_table(table.slice(0, n), self.spec, self.history_len)
                     batch.positions = self._positions(consumed, part[n:], off[n:])
                     batch.rejected, rejects = self._settle(rejects, batch.positions)
                     self._ready(batch)
@@ -181,7 +181,7 @@ class Prefetcher:
                     return
             if buffered:
                 table = pa.concat_tables(tables)
-                batch = batch_from_table(table, self.spec, self.history_len)
+                batch = host_batch_from_table(table, self.spec, self.history_len)
                 batch.positions, batch.rejected = dict(consumed), _count_reasons(rejects)
                 self._put(self._ready(batch))
             elif rejects:
@@ -190,7 +190,7 @@ class Prefetcher:
         except BaseException as exc:  # hand the failure to the training thread
             self._put(exc)
 
-    def _ready(self, batch: SampleBatch) -> SampleBatch:
+    def _ready(self, batch: HostBatch) -> HostBatch:
         """The batch as the trainer takes it: prepared."""
         if self.prepare is not None:
             self.prepare(batch)
