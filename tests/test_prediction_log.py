@@ -116,8 +116,10 @@ def test_the_log_connects_when_the_broker_comes_and_rides_out_a_restart(tmp_path
     log = PredictionLog(bootstrap, topic, queue_size=1000, connect_timeout_s=5, retry_s=0.2)
     for i in range(100):
         log.record(_prediction(i))
-    time.sleep(1.5)  # failed connects meanwhile: the predictions wait in the queue
-    assert log.counters()["connected"] == 0 and log.counters()["backlog"] == 100
+    # the sender process started and took them; its connects fail meanwhile: they wait in its queue
+    _wait_for(lambda: log.counters()["backlog"] == 100, 30)
+    time.sleep(1.0)  # a few failed connects later, still nothing connected or sent
+    assert log.counters()["connected"] == 0 and log.counters()["backlog"] == 100 and log.counters()["sent"] == 0
     embedded = EmbeddedBroker(tmp_path / "kafka", port=port)
     try:
         embedded.up(timeout_s=30)

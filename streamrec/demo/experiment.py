@@ -114,7 +114,7 @@ def grade_experiment(bootstrap: str, samples_topic: str, predictions_topic: str,
     predictions by the code ``streamrec experiments report`` runs.
 
     ``trained_on``: the (user_id, item_id, ts) of samples whose answer came from a version that
-    had already trained on them, left out. The probe sends samples after they were written, so
+    had already trained on them (or that were not sent: the served version had), left out. The probe sends samples after they were written, so
     on a loaded machine a version may have learnt a sample before answering it; a live ad
     request is answered before its sample exists."""
     labels, rows, counts = read_for_grading(bootstrap, samples_topic, predictions_topic, spec, 0.0, GRADING_WINDOW_S,
@@ -149,7 +149,7 @@ def experiment_line(experiment: dict) -> str:
     return (f"live experiment {EXPERIMENT}, graded from the prediction log: " + ", ".join(parts)
             + f"; as the probe received the answers: {' / '.join(probe)}"
             + (f"; {ungraded:,} samples ungraded" if ungraded else "")
-            + (f"; {learnt:,} left out, answered by a version that had trained on them" if learnt else ""))
+            + (f"; {learnt:,} left out, answered (or not sent) after a version had trained on them" if learnt else ""))
 
 
 def _round(x: float | None) -> float | None:

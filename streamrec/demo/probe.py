@@ -117,6 +117,7 @@ class ExperimentRecords:
     requests: int = 0
     failed_requests: int = 0
     unscored: int = 0  # samples answered 503 before both variants had answered: a model not loaded yet
+    skipped: set[tuple[int, int, int]] = field(default_factory=set)  # (user, item, ts) not sent: already trained on
     # one entry per sample a variant answered: its grading key, where it lies in the samples
     # topic and the answering version (to leave out what that version had trained on)
     answers: list[AnsweredSample] = field(default_factory=list)
@@ -143,6 +144,7 @@ class ProbeRecords:
     failed_requests: int = 0
     answered: bool = False  # the node has answered a predict: from then on a 503 is a failure
     unscored: int = 0  # samples that arrived before the server had a model
+    skipped_trained: int = 0  # samples not scored: the served version had trained on them before the probe read them
     experiment: ExperimentRecords = field(default_factory=ExperimentRecords)
 
 
@@ -182,6 +184,7 @@ class ServingProbe(BackgroundProbe):
         self.bootstrap, self.samples_topic, self.truth_topic = bootstrap, samples_topic, truth_topic
         self.client, self.model_store, self.live = client, model_store, live
         self.frozen_version: int | None = None
+        self._trained_through: tuple[int, dict[int, int]] = (0, {})  # the last answering version, its samples offsets
         # chunks in order, off the samples thread (whose online scores must not wait); each over every connection
         self._chunks = ThreadPoolExecutor(1, thread_name_prefix="probe-experiment")
         self._pool = ThreadPoolExecutor(len(live.clients), thread_name_prefix="probe-experiment-request")
@@ -208,7 +211,12 @@ class ServingProbe(BackgroundProbe):
                 for records in consumer.poll(200).values():
                     seen = time.time() * 1000
                     for i in range(0, len(records), CHUNK):
-                        self._score(records[i:i + CHUNK], seen)
+                        chunk = records[i:i + CHUNK]
+                        fresh = self._not_yet_trained(chunk)
+                        if len(fresh) < len(chunk):
+                            self._skip(_others(chunk, fresh))
+                        if fresh:
+                            self._score(fresh, seen)
         finally:
             consumer.close()
 
@@ -256,6 +264,36 @@ class ServingProbe(BackgroundProbe):
                     break
         return self.frozen
 
+    def _not_yet_trained(self, records: list) -> list:
+        """``records`` less those the last answering version had trained on: a score it gives
+        them says what it memorised (the analysis would leave it out), and scoring them would
+        only put the probe further behind. Skipping them lets a probe that fell behind (a
+        loaded box) catch up with the samples it can still score in time."""
+        offsets = self._trained_through[1]
+        return [r for r in records if r.offset >= offsets.get(r.partition, 0)]
+
+    def _skip(self, records: list, experiment_only: bool = False) -> None:
+        """Count ``records`` as skipped (trained on before they could be scored) and keep their
+        grading keys, which the experiment's grade leaves out as it leaves out answers given
+        by a version that had trained on them."""
+        keys = []
+        for r in records:
+            sample = orjson.loads(r.value)
+            keys.append((sample["user_id"], sample["item_id"], sample["ts"]))
+        with self._lock:
+            if not experiment_only:
+                self.records.skipped_trained += len(records)
+            self.records.experiment.skipped.update(keys)
+
+    def _note_version(self, version: int) -> None:
+        """The samples offsets of ``version`` (its manifest), once per version answered."""
+        if version > self._trained_through[0]:
+            try:
+                offsets = self.model_store.manifest(version).get("offsets") or {}
+            except (OSError, ValueError):  # garbage-collected or unreadable: keep the last one known
+                return
+            self._trained_through = (version, {int(p): int(o) for p, o in offsets.items()})
+
     def _score(self, records: list, seen_ms: float) -> None:
         """Score at the server (online) and here (frozen). The analysis drops samples the
         answering version had already trained on (possible while the probe catches up)."""
@@ -269,6 +307,7 @@ class ServingProbe(BackgroundProbe):
             log.warning("predict failed (%d): %s", status, body)
             return
         self.records.answered = True
+        self._note_version(body["model_version"])
         self._chunks.submit(self._guarded(lambda: self._score_in_experiment(records)))
         frozen = self._frozen_model()
         if frozen is None:
@@ -300,7 +339,10 @@ class ServingProbe(BackgroundProbe):
         A 503 because the user's variant has no version yet (the frozen model is published after
         warm-up) is start-up, not a failure."""
         requests: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (user, ts) -> [(record, item, label)]
-        for r in records:
+        fresh = self._not_yet_trained(records)  # the experiment's requests run behind the direct ones
+        if len(fresh) < len(records):
+            self._skip(_others(records, fresh), experiment_only=True)
+        for r in fresh:
             sample = orjson.loads(r.value)
             requests[(sample["user_id"], sample["ts"])].append((r, sample["item_id"], sample.get("label", 0)))
         groups = list(requests.items())
@@ -342,11 +384,17 @@ class ServingProbe(BackgroundProbe):
             out["bayes"] = np.array([self.bayes.get(e, np.nan) for e in rec.event_id[:n]], dtype=np.float64)
             m = len(rec.click_ts)
             out["positives"] = {name: np.array(getattr(rec, name)[:m]) for name in ("click_ts", "visible_ms", "partition", "offset")}
-            out["failed_requests"], out["unscored"] = rec.failed_requests, rec.unscored
+            out["failed_requests"], out["unscored"], out["skipped_trained"] = rec.failed_requests, rec.unscored, rec.skipped_trained
             exp = rec.experiment
             out["experiment"] = {"requests": exp.requests, "failed_requests": exp.failed_requests, "unscored": exp.unscored,
-                                 "answers": list(exp.answers)}
+                                 "skipped": set(exp.skipped), "answers": list(exp.answers)}
         return out
+
+
+def _others(records: list, kept: list) -> list:
+    """The records of ``records`` not in ``kept`` (a subset of them, in order)."""
+    ids = set(map(id, kept))
+    return [r for r in records if id(r) not in ids]
 
 
 class VersionTimeline:

@@ -254,6 +254,7 @@ def _result(args: argparse.Namespace, cfg: Config, run: DemoRun, watch: Observer
         "feature_skew": feature_skew(watch.ad_server.snapshot(), run.feature_spec(), watch.probe.scores_by_event()),
         "ad_server_probe": watch.ad_server.report(),
         "serving": {"failed_requests": snapshot["failed_requests"], "unscored_samples": snapshot["unscored"],
+                    "skipped_trained_samples": snapshot["skipped_trained"],
                     "failed_requests_by_ids": watch.ad_server.failed_requests,
                     "failed_requests_experiment": snapshot["experiment"]["failed_requests"]},
         "throughput": _throughput(bootstrap, run, args.duration, snapshot),
@@ -273,7 +274,7 @@ def _experiment(cfg: Config, run: DemoRun, probe: ServingProbe, snapshot: dict, 
            "requests": sent["requests"], "unscored_samples": sent["unscored"], "prediction_log": logged,
            "answered": by_variant(sent["answers"], trained)}
     try:
-        trained_on = {(a.user_id, a.item_id, a.ts) for a, t in zip(sent["answers"], trained) if t}
+        trained_on = {(a.user_id, a.item_id, a.ts) for a, t in zip(sent["answers"], trained) if t} | sent["skipped"]
         out["graded"] = grade_experiment(cfg.kafka.bootstrap_servers, run.topics["samples"], run.topics["predictions"],
                                          run.feature_spec(), cfg.kafka.connect_timeout_s, trained_on)
     except Exception as exc:  # noqa: BLE001 - the report is still written; the run fails on it (_failures)
@@ -448,5 +449,6 @@ def _print_summary(result: dict, paths: dict) -> None:
     print(f"  {skew_line(result['feature_skew'])}")
     print(f"  {probe_line(result['ad_server_probe'])}")
     print(f"  {result['quality']['left_out_trained_on']:,} scored samples left out of the AUCs: the answering version "
-          "had already trained on them")
+          f"had already trained on them; {result['serving']['skipped_trained_samples']:,} not scored: the served "
+          "version had trained on them before the probe read them")
     print(f"  report: {paths['html']}  (data: {paths['data']}; `streamrec report {paths['dir']}` re-renders it)")
