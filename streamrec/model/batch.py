@@ -16,8 +16,7 @@ user, item and category per window.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pyarrow as pa
@@ -25,38 +24,16 @@ import torch
 
 from streamrec.model.columns import FeatureColumns, columns_from_table
 from streamrec.contracts.feature_spec import COUNTER_ENTITIES, FeatureSpec
-from streamrec.model.host_batch import CONTEXT_FIELDS, CTR_PRIOR_IMPS, TABLES, HostBatch, host_batch_from_columns, host_dense_features
+from streamrec.model.host_batch import (CONTEXT_FIELDS, CTR_PRIOR_IMPS, TABLES, Batch, HostBatch, host_batch_from_columns,
+                                        host_dense_features)
 
 __all__ = ["CONTEXT_FIELDS", "CTR_PRIOR_IMPS", "TABLES", "SampleBatch", "batch_from_columns", "batch_from_table", "dense_feature_names",
            "dense_features"]
 
 
 @dataclass
-class SampleBatch:
-    """One batch as tensors; ``hist_index`` places each flat history id at ``row * L + j``
-    (with ``hist_group``: at ``sequence * L + j``, rows sharing sequences)."""
-
-    user: torch.Tensor  # [B] int64
-    item: torch.Tensor
-    category: torch.Tensor
-    advertiser: torch.Tensor
-    context: torch.Tensor  # [B, 3] int64 keys
-    hist_items: torch.Tensor  # [n] int64, the real (unpadded) sequence ids
-    hist_categories: torch.Tensor  # [n] int64
-    hist_index: torch.Tensor  # [n] int64 in [0, B * L)
-    dense: torch.Tensor  # [B, F] float32
-    label: torch.Tensor  # [B] float32 (zeros at serving)
-    ts: torch.Tensor  # [B] int64 event time
-    history_len: int
-    hist_group: torch.Tensor | None = None  # [B] int64: the sequence of each row, when rows share them
-    history_groups: int = 0  # sequences, with hist_group
-    event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
-    positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
-    rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
-    plan: object | None = None  # the trainer's layout of its ids, made off the training thread (trainer/reader.py)
-
-    def __len__(self) -> int:
-        return len(self.user)
+class SampleBatch(Batch[torch.Tensor]):
+    """A batch as tensors (model/host_batch.py ``Batch``: the fields)."""
 
     @classmethod
     def from_host(cls, host: HostBatch) -> "SampleBatch":

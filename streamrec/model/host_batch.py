@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Callable, Sequence
+from typing import Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -26,31 +26,40 @@ TABLE_INPUTS = {"user": ("user",), "item": ("item", "hist_items"), "category": (
                 "advertiser": ("advertiser",), "context": ("context",)}
 
 
-@dataclass
-class HostBatch:
-    """model/batch.py's SampleBatch, its tensors as numpy arrays (the same names and shapes)."""
+A = TypeVar("A")  # the arrays' type: numpy arrays (HostBatch) or torch tensors (model/batch.py's SampleBatch)
 
-    user: np.ndarray  # [B] int64
-    item: np.ndarray
-    category: np.ndarray
-    advertiser: np.ndarray
-    context: np.ndarray  # [B, 3] int64 keys
-    hist_items: np.ndarray  # [n] int64, the real (unpadded) sequence ids
-    hist_categories: np.ndarray  # [n] int64
-    hist_index: np.ndarray  # [n] int64 in [0, B * L)
-    dense: np.ndarray  # [B, F] float32 ([0] when left to the caller)
-    label: np.ndarray  # [B] float32 (zeros at serving)
-    ts: np.ndarray  # [B] int64 event time
+
+@dataclass
+class Batch(Generic[A]):
+    """One batch of samples; ``hist_index`` places each flat history id at ``row * L + j``
+    (with ``hist_group``: at ``sequence * L + j``, rows sharing sequences)."""
+
+    user: A  # [B] int64
+    item: A
+    category: A
+    advertiser: A
+    context: A  # [B, 3] int64 keys
+    hist_items: A  # [n] int64, the real (unpadded) sequence ids
+    hist_categories: A  # [n] int64
+    hist_index: A  # [n] int64 in [0, B * L)
+    dense: A  # [B, F] float32 ([0] when left to the caller)
+    label: A  # [B] float32 (zeros at serving)
+    ts: A  # [B] int64 event time
     history_len: int
-    hist_group: np.ndarray | None = None  # [B] int64: the sequence of each row, when rows share them
+    hist_group: A | None = None  # [B] int64: the sequence of each row, when rows share them
     history_groups: int = 0  # sequences, with hist_group
-    event_ids: pa.Array | None = None  # impression ids
+    event_ids: pa.Array | None = None  # impression ids (Arrow: turned into Python strings only when needed)
     positions: dict[int, int] = field(default_factory=dict)  # source position after this batch
     rejected: Counter = field(default_factory=Counter)  # rejected rows consumed with this batch, by reason
-    plan: object | None = None  # the exchange's layout of its ids (embedding/host_layout.py), if made
+    plan: object | None = None  # the exchange's layout of its ids, made off the training thread (trainer/reader.py)
 
     def __len__(self) -> int:
         return len(self.user)
+
+
+@dataclass
+class HostBatch(Batch[np.ndarray]):
+    """A batch as numpy arrays."""
 
     def arrays(self) -> list[str]:
         """The names of its arrays (SampleBatch's tensors)."""
