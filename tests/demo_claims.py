@@ -59,10 +59,11 @@ def assert_demo_claims(run_dir: Path, stdout: str) -> None:
     assert stages["sample_to_trained"]["p50"] <= P and stages["sample_to_trained"]["p99"] <= P + 5_000, stages
     # writing a version and applying it keep up with the cadence (else versions would queue up)
     assert stages["trained_to_published"]["p99"] <= P / 2 and stages["published_to_applied"]["p99"] <= P, stages
-    # over the whole run the tail also holds the start-up (the JVM's first checkpoints, the
-    # trainer's first versions): 5 s more room there than once steady
-    assert fresh["p50"] <= P + 5_000 and fresh["p99"] <= 2 * P + 10_000, fresh
-    assert f["steady_event_to_servable_ms"]["n"] > 20 and f["steady_event_to_servable_ms"]["p99"] <= 2 * P + 5_000, f
+    # the tail: the job's own (up to 20 s above while six processes share two cores), a publish
+    # tick and the trainer's lag; over the whole run also the start-up (the JVM's first
+    # checkpoints, the trainer's first versions): 5 s more room there than once steady
+    assert fresh["p50"] <= P + 5_000 and fresh["p99"] <= 3 * P + 10_000, fresh
+    assert f["steady_event_to_servable_ms"]["n"] > 20 and f["steady_event_to_servable_ms"]["p99"] <= 3 * P + 5_000, f
     q, late = result["quality"]["overall"], result["quality"]["steady"]
     assert result["quality"]["samples"] > 2000 and {"online", "frozen", "bayes"} <= set(q)
     # scores line up with their samples: the truth ranks them far better than either model
